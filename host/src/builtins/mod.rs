@@ -1,0 +1,20 @@
+//! Components compiled into accel, registered with `inventory` like a
+//! plugin's: the single-device strategy (`distributed_type: NO`), the `no`
+//! precision policy, and the JSONL tracker.
+
+mod jsonl;
+mod no_precision;
+mod single_device;
+
+use accel_sdk::PluginError;
+use serde_json::Value;
+
+/// Parses a component's settings, where empty text means "no settings".
+fn parse_settings(component: &str, json: &str) -> Result<Value, PluginError> {
+    if json.trim().is_empty() {
+        return Ok(Value::Null);
+    }
+    serde_json::from_str(json).map_err(|e| {
+        PluginError::config("accel", format!("{component}: settings are not JSON: {e}"))
+    })
+}

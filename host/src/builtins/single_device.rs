@@ -1,0 +1,251 @@
+//! `single-device`: the strategy for `distributed_type: NO` — one process,
+//! nothing to communicate, everything else as the protocol says.
+
+use accel_sdk::{
+    abi_stable::std_types::{RErr, ROk, RSlice, RSliceMut, RVec},
+    strategy::OptimizerStepRef,
+    tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef},
+    Component, DistributedStrategy, HostContextBox, MemoryStats, PluginError, PluginResult,
+    StateDictKind, StrategyBox, WrapUnit,
+};
+use tch::{Kind, Tensor};
+
+struct SingleDevice {
+    params: Vec<(String, Tensor)>,
+}
+
+fn make(_ctx: HostContextBox, _config: &str) -> Result<StrategyBox, PluginError> {
+    Ok(accel_sdk::into_strategy(SingleDevice {
+        params: Vec::new(),
+    }))
+}
+
+inventory::submit! {
+    Component::strategy(
+        "single-device",
+        "one process on one device (distributed_type: NO)",
+        &["NO"],
+        make,
+    )
+}
+
+fn bytes(t: &Tensor) -> u64 {
+    if t.defined() {
+        (t.numel() * t.kind().elt_size_in_bytes()) as u64
+    } else {
+        0
+    }
+}
+
+/// The `norm_type` norm of a 1-D tensor, in f64.
+fn vector_norm(t: &Tensor, norm_type: f64) -> Tensor {
+    t.linalg_norm(norm_type, None::<&[i64]>, false, Kind::Double)
+}
+
+/// `torch.nn.utils.clip_grad_norm_` over `grads`: the total `norm_type`
+/// norm, and every gradient scaled by `min(1, max_norm / (total + 1e-6))`.
+pub(crate) fn clip_grads(grads: &mut [Tensor], max_norm: f64, norm_type: f64) -> f64 {
+    if grads.is_empty() {
+        return 0.0;
+    }
+    let norms: Vec<Tensor> = grads
+        .iter()
+        .map(|g| vector_norm(&g.flatten(0, -1), norm_type))
+        .collect();
+    let total = vector_norm(&Tensor::stack(&norms, 0), norm_type).double_value(&[]);
+    let coef = (max_norm / (total + 1e-6)).min(1.0);
+    tch::no_grad(|| {
+        for g in grads.iter_mut() {
+            let _ = g.g_mul_scalar_(coef);
+        }
+    });
+    total
+}
+
+impl DistributedStrategy for SingleDevice {
+    fn prepare_model(
+        &mut self,
+        params: RSliceMut<'_, NamedTensorMut<'_>>,
+    ) -> PluginResult<RVec<WrapUnit>> {
+        self.params = params
+            .iter()
+            .map(|p| (p.name.to_string(), p.tensor.get().shallow_clone()))
+            .collect();
+        let unit = WrapUnit {
+            params: self.params.iter().map(|(n, _)| n.as_str().into()).collect(),
+        };
+        ROk(vec![unit].into())
+    }
+
+    fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
+        ROk(self
+            .params
+            .iter()
+            .map(|(n, t)| NamedOwnedTensor::new(n.clone(), t.shallow_clone()))
+            .collect())
+    }
+
+    fn pre_forward(&mut self, _unit: u32) -> PluginResult<()> {
+        ROk(())
+    }
+
+    fn post_forward(&mut self, _unit: u32) -> PluginResult<()> {
+        ROk(())
+    }
+
+    fn pre_backward(&mut self, _unit: u32) -> PluginResult<()> {
+        ROk(())
+    }
+
+    fn post_backward(&mut self, _sync: bool) -> PluginResult<()> {
+        ROk(())
+    }
+
+    fn optimizer_step(&mut self, mut step: OptimizerStepRef<'_>) -> PluginResult<()> {
+        step.step()
+    }
+
+    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
+        let mut grads: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(|(_, p)| p.grad())
+            .filter(Tensor::defined)
+            .collect();
+        ROk(clip_grads(&mut grads, max_norm, norm_type))
+    }
+
+    fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
+        ROk(self
+            .params
+            .iter()
+            .map(|(n, t)| NamedOwnedTensor::new(n.clone(), t.detach().copy()))
+            .collect())
+    }
+
+    fn load_state_dict(
+        &mut self,
+        _kind: StateDictKind,
+        tensors: RSlice<'_, NamedTensorRef<'_>>,
+    ) -> PluginResult<()> {
+        for (name, param) in &mut self.params {
+            let Some(entry) = tensors.iter().find(|t| t.name.as_str() == name.as_str()) else {
+                return RErr(PluginError::other(
+                    "accel",
+                    format!("state dict has no `{name}`"),
+                ));
+            };
+            let value = entry.tensor.get();
+            if value.size() != param.size() {
+                return RErr(PluginError::other(
+                    "accel",
+                    format!(
+                        "`{name}`: checkpoint shape {:?}, model shape {:?}",
+                        value.size(),
+                        param.size()
+                    ),
+                ));
+            }
+            tch::no_grad(|| param.copy_(&value));
+        }
+        if let Some(extra) = tensors.iter().find(|t| {
+            !self
+                .params
+                .iter()
+                .any(|(n, _)| n.as_str() == t.name.as_str())
+        }) {
+            return RErr(PluginError::other(
+                "accel",
+                format!("state dict entry `{}` is not a model parameter", extra.name),
+            ));
+        }
+        ROk(())
+    }
+
+    fn memory_stats(&self) -> PluginResult<MemoryStats> {
+        let param_bytes: u64 = self.params.iter().map(|(_, t)| bytes(t)).sum();
+        let grad_bytes: u64 = self.params.iter().map(|(_, t)| bytes(&t.grad())).sum();
+        ROk(MemoryStats {
+            param_bytes,
+            grad_bytes,
+            optimizer_bytes: 0,
+            peak_bytes: param_bytes + grad_bytes,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::context::SingleProcessContext;
+    use accel_sdk::abi_stable::{sabi_trait::TD_Opaque, sabi_types::RMut};
+    use accel_sdk::{
+        strategy::{OptimizerStep, OptimizerStep_TO},
+        DeviceSpec,
+    };
+
+    struct CountSteps(u32);
+    impl OptimizerStep for CountSteps {
+        fn step(&mut self) -> PluginResult<()> {
+            self.0 += 1;
+            ROk(())
+        }
+    }
+
+    #[test]
+    fn clip_matches_torch_formula() {
+        // grads [3, 4] and [12]: total 2-norm 13; clipped to 6.5 -> halved.
+        let mut grads = vec![
+            Tensor::from_slice(&[3.0f32, 4.0]),
+            Tensor::from_slice(&[12.0f32]),
+        ];
+        let total = clip_grads(&mut grads, 6.5, 2.0);
+        assert!((total - 13.0).abs() < 1e-9);
+        let a = Vec::<f32>::try_from(&grads[0]).unwrap();
+        assert!(
+            (a[0] - 1.5).abs() < 1e-5 && (a[1] - 2.0).abs() < 1e-5,
+            "{a:?}"
+        );
+        let mut inf = vec![Tensor::from_slice(&[-7.0f32, 2.0])];
+        assert_eq!(clip_grads(&mut inf, 100.0, f64::INFINITY), 7.0);
+    }
+
+    #[test]
+    fn protocol_round_trip_through_the_erased_strategy() {
+        let set = crate::plugins::PluginSet::builtins();
+        let choice = set
+            .select(accel_sdk::PluginKind::Strategy, "NO", None)
+            .unwrap();
+        let mut strategy = choice
+            .new_strategy(SingleProcessContext::new(DeviceSpec::CPU).into_box(), "")
+            .unwrap();
+        let mut w = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+        let mut params = vec![NamedTensorMut {
+            name: "w".into(),
+            tensor: accel_sdk::tensor::TensorMut::new(&mut w),
+        }];
+        let units = strategy
+            .prepare_model(params.as_mut_slice().into())
+            .unwrap();
+        assert_eq!(units.len(), 1);
+        let mut counter = CountSteps(0);
+        strategy
+            .optimizer_step(OptimizerStep_TO::from_ptr(
+                RMut::new(&mut counter),
+                TD_Opaque,
+            ))
+            .unwrap();
+        assert_eq!(counter.0, 1);
+        let saved = strategy.state_dict(StateDictKind::Full).unwrap();
+        assert_eq!(saved[0].name.as_str(), "w");
+        let bad = Tensor::from_slice(&[1.0f32]);
+        let entries = vec![NamedTensorRef {
+            name: "w".into(),
+            tensor: accel_sdk::tensor::TensorRef::new(&bad),
+        }];
+        let err = strategy
+            .load_state_dict(StateDictKind::Full, entries.as_slice().into())
+            .unwrap_err();
+        assert!(err.message.contains("shape"), "{err}");
+    }
+}

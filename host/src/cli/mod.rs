@@ -1,0 +1,40 @@
+//! The `accel` command line. Each subcommand lives in its own module and
+//! returns the process exit status.
+
+mod plugins;
+
+use clap::{Parser, Subcommand};
+use std::{io::Write, path::PathBuf};
+
+/// accel: train tch models on one device, many processes or many machines.
+#[derive(Debug, Parser)]
+#[command(name = "accel", version, about, long_about = None)]
+pub struct Cli {
+    /// Extra directory to load plugins from (repeatable; searched before
+    /// ACCEL_PLUGIN_DIR, the executable's directory and the install prefix).
+    #[arg(
+        long = "plugin-dir",
+        alias = "plugin_dir",
+        global = true,
+        value_name = "DIR"
+    )]
+    pub plugin_dirs: Vec<PathBuf>,
+
+    /// The subcommand.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// accel's subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// List, inspect and choose plugins.
+    Plugins(plugins::PluginsArgs),
+}
+
+/// Runs a parsed command line, writing its output to `out`; returns the exit status.
+pub fn run(cli: Cli, out: &mut dyn Write) -> anyhow::Result<i32> {
+    match cli.command {
+        Command::Plugins(args) => plugins::run(args, &cli.plugin_dirs, out),
+    }
+}

@@ -1,0 +1,22 @@
+//! # accel
+//!
+//! The Rust counterpart of Hugging Face Accelerate: train tch (libtorch)
+//! models on one device, many processes or many machines with one API and
+//! one CLI, configured by the files Accelerate users already have.
+//!
+//! * [`plugins`]: the plugin host — discovery, loading, checks, selection.
+//! * [`context`]: the host services plugins receive.
+//! * [`cli`]: the `accel` command line.
+//!
+//! ```
+//! use accel::plugins::PluginSet;
+//! use accel_sdk::PluginKind;
+//! let set = PluginSet::builtins();
+//! let strategy = set.select(PluginKind::Strategy, "NO", None).unwrap();
+//! assert_eq!(strategy.component.name.as_str(), "single-device");
+//! ```
+
+mod builtins;
+pub mod cli;
+pub mod context;
+pub mod plugins;

@@ -1,0 +1,67 @@
+//! # accel-sdk
+//!
+//! The stable-ABI contract between accel and its plugins, and the helpers a
+//! plugin author needs. A plugin is a `cdylib` that depends on this crate
+//! only, registers components with [`inventory::submit!`] and exports itself
+//! with one line, [`export_plugin!`]:
+//!
+//! ```ignore
+//! use accel_sdk::{Component, PluginError, TrackerBox};
+//! accel_sdk::inventory::submit! {
+//!     Component::tracker("csv", "writes metrics to CSV", &["csv"], make_tracker)
+//! }
+//! accel_sdk::export_plugin!();
+//! ```
+//!
+//! * [`manifest`]: what a plugin says about itself ([`PluginManifest`]).
+//! * [`strategy`], [`precision`], [`tracker`], [`launcher`]: the four
+//!   `#[sabi_trait]` component traits.
+//! * [`context`]: [`HostContext`], the host's services (rank, device,
+//!   collectives, logging).
+//! * [`tensor`]: tensor handles that cross the boundary, with safe views over tch.
+//! * [`error`]: [`PluginError`], returned by every call.
+//! * [`guard`]: panics become errors; [`guard::into_tracker`] & co. erase a
+//!   component for the host.
+//! * [`registry`]: [`Component`] registration with `inventory`.
+//! * [`root`]: the root module and the export macro.
+
+// abi_stable's `#[sabi_trait]` expansion defines impls inside a const block.
+#![allow(non_local_definitions)]
+
+pub mod context;
+pub mod error;
+pub mod guard;
+pub mod launcher;
+pub mod manifest;
+pub mod precision;
+pub mod registry;
+pub mod root;
+pub mod strategy;
+pub mod tensor;
+pub mod tracker;
+
+pub use abi_stable;
+pub use context::{DeviceKind, DeviceSpec, HostContext, HostContextBox, LogLevel, ReduceOp};
+pub use error::{ErrorKind, PluginError, PluginResult};
+pub use guard::{into_launcher, into_precision, into_strategy, into_tracker};
+pub use inventory;
+pub use launcher::{LaunchOutcome, LaunchSpec, Launcher, LauncherBox, ProcessPlan};
+pub use manifest::{PluginKind, PluginManifest, Provided};
+pub use precision::{PrecisionBox, PrecisionPolicy};
+pub use registry::{components, find_component, Component, Factory};
+pub use root::{AccelPlugin, AccelPluginRef};
+pub use serde_json;
+pub use strategy::{DistributedStrategy, MemoryStats, StateDictKind, StrategyBox, WrapUnit};
+pub use tch;
+pub use tracker::{LogEntry, LogValue, Tracker, TrackerBox};
+
+#[doc(hidden)]
+pub use root::private as __private;
+
+/// Version of the plugin ABI. Bumped on any change a built plugin cannot
+/// survive; the host refuses plugins built for another version.
+pub const ABI_VERSION: u32 = 1;
+
+/// The libtorch version this SDK (and so every plugin built with it) was
+/// compiled against, e.g. `2.13.0`.
+pub const LIBTORCH_VERSION: &str = env!("ACCEL_LIBTORCH_VERSION");

@@ -1,0 +1,275 @@
+//! The root module every plugin library exports, and the code behind
+//! [`export_plugin!`](crate::export_plugin).
+//!
+//! The root module is an abi_stable prefix type: fields may be appended in
+//! later SDK versions (after `validate_config`) without breaking plugins
+//! built against this one.
+
+use crate::{
+    context::HostContextBox,
+    error::{ErrorKind, PluginError, PluginResult},
+    guard::{guard, plugin_name},
+    launcher::LauncherBox,
+    manifest::{PluginKind, PluginManifest},
+    precision::PrecisionBox,
+    registry::{components, find_component, Component, Factory},
+    strategy::StrategyBox,
+    tracker::TrackerBox,
+    ABI_VERSION, LIBTORCH_VERSION,
+};
+use abi_stable::{
+    declare_root_module_statics,
+    library::RootModule,
+    package_version_strings,
+    prefix_type::WithMetadata,
+    sabi_types::VersionStrings,
+    std_types::{RErr, ROk, RStr},
+    StableAbi,
+};
+use std::sync::OnceLock;
+
+/// The root module of a plugin library.
+#[repr(C)]
+#[derive(StableAbi)]
+#[sabi(kind(Prefix(prefix_ref = AccelPluginRef)))]
+#[sabi(missing_field(panic))]
+pub struct AccelPlugin {
+    /// Who the plugin is and what it provides.
+    pub manifest: extern "C" fn() -> PluginManifest,
+    /// Builds the strategy `name` with the host context and its config (JSON).
+    pub new_strategy:
+        extern "C" fn(RStr<'_>, HostContextBox, RStr<'_>) -> PluginResult<StrategyBox>,
+    /// Builds the precision policy `name`.
+    pub new_precision:
+        extern "C" fn(RStr<'_>, HostContextBox, RStr<'_>) -> PluginResult<PrecisionBox>,
+    /// Builds the tracker `name` from its settings (JSON).
+    pub new_tracker: extern "C" fn(RStr<'_>, RStr<'_>) -> PluginResult<TrackerBox>,
+    /// Builds the launcher `name` from its settings (JSON).
+    pub new_launcher: extern "C" fn(RStr<'_>, RStr<'_>) -> PluginResult<LauncherBox>,
+    /// Checks the config section (JSON) of component `name` of a kind.
+    #[sabi(last_prefix_field)]
+    pub validate_config: extern "C" fn(PluginKind, RStr<'_>, RStr<'_>) -> PluginResult<()>,
+}
+
+impl RootModule for AccelPluginRef {
+    declare_root_module_statics! {AccelPluginRef}
+    const BASE_NAME: &'static str = "accel_plugin";
+    const NAME: &'static str = "accel_plugin";
+    const VERSION_STRINGS: VersionStrings = package_version_strings!();
+}
+
+struct Identity {
+    name: &'static str,
+    version: &'static str,
+    abi_version: u32,
+}
+
+static IDENTITY: OnceLock<Identity> = OnceLock::new();
+
+/// The ABI version a plugin reports: [`ABI_VERSION`], unless the plugin was
+/// compiled with `ACCEL_SDK_TEST_ABI_VERSION` set (a test-only hook that
+/// builds a deliberately incompatible plugin for the host's error tests).
+#[doc(hidden)]
+pub fn __abi_version_of_build(test_override: Option<&str>) -> u32 {
+    test_override
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(ABI_VERSION)
+}
+
+/// Builds the root module for the plugin named `name` (called once, by the
+/// code [`export_plugin!`](crate::export_plugin) generates).
+#[doc(hidden)]
+pub fn __root_module(
+    name: &'static str,
+    version: &'static str,
+    abi_version: u32,
+) -> AccelPluginRef {
+    crate::guard::__set_plugin_name(name);
+    let _ = IDENTITY.set(Identity {
+        name,
+        version,
+        abi_version,
+    });
+    const MODULE: &WithMetadata<AccelPlugin> = &WithMetadata::new(AccelPlugin {
+        manifest,
+        new_strategy,
+        new_precision,
+        new_tracker,
+        new_launcher,
+        validate_config,
+    });
+    AccelPluginRef(MODULE.static_as_prefix())
+}
+
+/// The manifest of this link unit's plugin: its identity and every
+/// registered [`Component`].
+pub extern "C" fn manifest() -> PluginManifest {
+    let (name, version, abi_version) = IDENTITY
+        .get()
+        .map(|i| (i.name, i.version, i.abi_version))
+        .unwrap_or(("accel", env!("CARGO_PKG_VERSION"), ABI_VERSION));
+    PluginManifest {
+        name: name.into(),
+        version: version.into(),
+        abi_version,
+        libtorch_version: LIBTORCH_VERSION.into(),
+        provides: components().map(Component::provided).collect(),
+    }
+}
+
+fn lookup(kind: PluginKind, name: RStr<'_>) -> Result<&'static Component, PluginError> {
+    find_component(kind, name.as_str()).ok_or_else(|| {
+        let known: Vec<&str> = components()
+            .filter(|c| c.kind() == kind)
+            .map(|c| c.name)
+            .collect();
+        PluginError::new(
+            ErrorKind::Unsupported,
+            plugin_name(),
+            format!(
+                "no {kind} named `{name}` (this plugin provides: {})",
+                if known.is_empty() {
+                    "none".to_owned()
+                } else {
+                    known.join(", ")
+                }
+            ),
+        )
+    })
+}
+
+fn build<T>(
+    kind: PluginKind,
+    name: RStr<'_>,
+    make: impl FnOnce(Factory) -> Option<Result<T, PluginError>>,
+) -> PluginResult<T> {
+    guard(&format!("creating {kind} `{name}`"), || {
+        let component = match lookup(kind, name) {
+            Ok(c) => c,
+            Err(e) => return RErr(e),
+        };
+        match make(component.factory) {
+            Some(result) => result.into(),
+            None => RErr(PluginError::other(plugin_name(), "component kind mismatch")),
+        }
+    })
+}
+
+extern "C" fn new_strategy(
+    name: RStr<'_>,
+    ctx: HostContextBox,
+    config: RStr<'_>,
+) -> PluginResult<StrategyBox> {
+    build(PluginKind::Strategy, name, |f| match f {
+        Factory::Strategy(f) => Some(f(ctx, config.as_str())),
+        _ => None,
+    })
+}
+
+extern "C" fn new_precision(
+    name: RStr<'_>,
+    ctx: HostContextBox,
+    config: RStr<'_>,
+) -> PluginResult<PrecisionBox> {
+    build(PluginKind::Precision, name, |f| match f {
+        Factory::Precision(f) => Some(f(ctx, config.as_str())),
+        _ => None,
+    })
+}
+
+extern "C" fn new_tracker(name: RStr<'_>, config: RStr<'_>) -> PluginResult<TrackerBox> {
+    build(PluginKind::Tracker, name, |f| match f {
+        Factory::Tracker(f) => Some(f(config.as_str())),
+        _ => None,
+    })
+}
+
+extern "C" fn new_launcher(name: RStr<'_>, config: RStr<'_>) -> PluginResult<LauncherBox> {
+    build(PluginKind::Launcher, name, |f| match f {
+        Factory::Launcher(f) => Some(f(config.as_str())),
+        _ => None,
+    })
+}
+
+extern "C" fn validate_config(
+    kind: PluginKind,
+    name: RStr<'_>,
+    config: RStr<'_>,
+) -> PluginResult<()> {
+    guard(
+        &format!("validating {kind} `{name}` config"),
+        || match lookup(kind, name) {
+            Ok(c) => c.validate.map_or(ROk(()), |v| v(config.as_str()).into()),
+            Err(e) => RErr(e),
+        },
+    )
+}
+
+/// Exports this crate as an accel plugin library. One line, at the crate root
+/// of a `cdylib` that registers its components with
+/// [`inventory::submit!`](crate::inventory::submit):
+///
+/// ```ignore
+/// accel_sdk::export_plugin!();                       // name and version from Cargo.toml
+/// accel_sdk::export_plugin!("my-plugin", "1.2.0");   // or explicit
+/// ```
+///
+/// It exports the abi_stable root module ([`AccelPlugin`]) and the plain C
+/// symbol `accel_plugin_abi_version`, which the host reads first so an
+/// incompatible plugin is refused with both versions named.
+#[macro_export]
+macro_rules! export_plugin {
+    () => {
+        $crate::export_plugin!(env!("CARGO_PKG_NAME"), env!("CARGO_PKG_VERSION"));
+    };
+    ($name:expr, $version:expr) => {
+        #[doc(hidden)]
+        #[no_mangle]
+        pub extern "C" fn accel_plugin_abi_version() -> u32 {
+            $crate::root::__abi_version_of_build(option_env!("ACCEL_SDK_TEST_ABI_VERSION"))
+        }
+
+        #[doc(hidden)]
+        #[no_mangle]
+        #[allow(non_upper_case_globals)]
+        pub static _1as_0lib_1header_0root_bmodule_bloader: $crate::__private::LibHeader = {
+            extern "C" fn __accel_root_module() -> $crate::__private::RootModuleResult {
+                $crate::__private::__call_root_module_loader(|| {
+                    $crate::root::__root_module(
+                        $name,
+                        $version,
+                        $crate::root::__abi_version_of_build(option_env!(
+                            "ACCEL_SDK_TEST_ABI_VERSION"
+                        )),
+                    )
+                })
+            }
+            unsafe {
+                $crate::__private::LibHeader::from_constructor::<$crate::root::AccelPluginRef>(
+                    __accel_root_module,
+                    $crate::__private::CheckTypeLayout::Yes,
+                )
+            }
+        };
+    };
+}
+
+/// Re-exports for the code `export_plugin!` generates; not public API.
+#[doc(hidden)]
+pub mod private {
+    pub use abi_stable::library::{
+        __call_root_module_loader, CheckTypeLayout, LibHeader, RootModuleResult,
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    /// `export_plugin!` hard-codes the exported symbol name abi_stable looks up.
+    #[test]
+    fn exported_symbol_is_abi_stables_loader_name() {
+        assert_eq!(
+            abi_stable::library::ROOT_MODULE_LOADER_NAME,
+            "_1as_0lib_1header_0root_bmodule_bloader"
+        );
+    }
+}

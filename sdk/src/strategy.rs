@@ -1,0 +1,124 @@
+//! [`DistributedStrategy`]: the call points the Accelerator drives every step.
+//!
+//! | call | DDP | FSDP / ZeRO-3 | ZeRO-1/2 |
+//! | --- | --- | --- | --- |
+//! | `prepare_model` | broadcast from rank 0 | flatten per wrap unit, keep this rank's shard | broadcast |
+//! | `prepare_optimizer` | the parameters | the local flat shards | this rank's partition |
+//! | `pre_forward` / `post_forward` / `pre_backward` | — | all-gather / reshard a unit | — |
+//! | `post_backward(sync)` | bucketed all-reduce unless `!sync` | reduce-scatter into the shard | all-reduce (1) / reduce-scatter (2) |
+//! | `optimizer_step` | plain step | step on the shard | step, then all-gather params |
+//! | `clip_grad_norm` | local norm | global norm across shards | global norm across partitions |
+//! | `state_dict` / `load_state_dict` | rank 0 full | FULL or SHARDED | same |
+
+use crate::{
+    error::PluginResult,
+    tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef},
+};
+use abi_stable::{
+    sabi_trait,
+    sabi_types::RMut,
+    std_types::{RBox, RSlice, RSliceMut, RString, RVec},
+    StableAbi,
+};
+
+/// A group of parameters the strategy gathers and reshards together
+/// (an FSDP wrap unit). DDP returns a single unit holding everything.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
+pub struct WrapUnit {
+    /// Names of the parameters in this unit, in model order.
+    pub params: RVec<RString>,
+}
+
+/// Which state dict a checkpoint holds.
+#[repr(u8)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateDictKind {
+    /// Every parameter whole, gathered on rank 0 (other ranks return nothing).
+    Full,
+    /// Each rank's own shard, saved per rank.
+    Sharded,
+}
+
+/// Bytes this rank holds, for tests and benchmarks.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Parameters resident on this rank now.
+    pub param_bytes: u64,
+    /// Gradients resident on this rank now.
+    pub grad_bytes: u64,
+    /// Optimizer state this rank holds.
+    pub optimizer_bytes: u64,
+    /// The most bytes held at once during the last step.
+    pub peak_bytes: u64,
+}
+
+/// The host's optimizer step, handed to [`DistributedStrategy::optimizer_step`]
+/// so the strategy can run it at the right moment (ZeRO steps its partition,
+/// then all-gathers).
+#[sabi_trait]
+pub trait OptimizerStep {
+    /// Runs one step of the host's optimizer over the tensors returned by
+    /// [`DistributedStrategy::prepare_optimizer`].
+    #[sabi(last_prefix_field)]
+    fn step(&mut self) -> PluginResult<()>;
+}
+
+/// A borrowed optimizer step.
+pub type OptimizerStepRef<'a> = OptimizerStep_TO<'a, RMut<'a, ()>>;
+
+/// A distributed training strategy (DDP, FSDP, ZeRO, XLA, or your own).
+#[sabi_trait]
+pub trait DistributedStrategy: Send {
+    /// Takes the model's parameters (every rank, same order) and returns the
+    /// wrap units. DDP broadcasts from rank 0 here; FSDP keeps its shard.
+    /// Keep `shallow_clone`s of the tensors to reach them (and their grads) later.
+    fn prepare_model(
+        &mut self,
+        params: RSliceMut<'_, NamedTensorMut<'_>>,
+    ) -> PluginResult<RVec<WrapUnit>>;
+
+    /// The tensors this rank's optimizer updates (the parameters, a flat
+    /// shard, or a partition). Their `.grad()` must hold the synced gradients
+    /// after [`DistributedStrategy::post_backward`] with `sync = true`.
+    fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>>;
+
+    /// Called just before wrap unit `unit` runs its forward.
+    fn pre_forward(&mut self, unit: u32) -> PluginResult<()>;
+
+    /// Called just after wrap unit `unit` ran its forward.
+    fn post_forward(&mut self, unit: u32) -> PluginResult<()>;
+
+    /// Called just before the backward of wrap unit `unit` runs.
+    fn pre_backward(&mut self, unit: u32) -> PluginResult<()>;
+
+    /// Called after `loss.backward()`. `sync` is false on gradient-accumulation
+    /// micro-steps, where no communication may happen (no_sync).
+    fn post_backward(&mut self, sync: bool) -> PluginResult<()>;
+
+    /// Performs the optimizer step through `step`, plus whatever the strategy
+    /// does around it.
+    fn optimizer_step(&mut self, step: OptimizerStepRef<'_>) -> PluginResult<()>;
+
+    /// Clips gradients to a total `norm_type` norm of `max_norm` across all
+    /// ranks and shards; returns the total norm before clipping.
+    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64>;
+
+    /// The model state to save.
+    fn state_dict(&mut self, kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>>;
+
+    /// Restores model state saved by [`DistributedStrategy::state_dict`].
+    fn load_state_dict(
+        &mut self,
+        kind: StateDictKind,
+        tensors: RSlice<'_, NamedTensorRef<'_>>,
+    ) -> PluginResult<()>;
+
+    /// What this rank holds now.
+    #[sabi(last_prefix_field)]
+    fn memory_stats(&self) -> PluginResult<MemoryStats>;
+}
+
+/// An owned, type-erased strategy.
+pub type StrategyBox = DistributedStrategy_TO<'static, RBox<()>>;

@@ -1,0 +1,66 @@
+//! [`Tracker`]: where logged metrics go (TensorBoard, W&B, CSV, your own).
+
+use crate::error::PluginResult;
+use abi_stable::{
+    sabi_trait,
+    std_types::{RBox, ROption, RSlice, RStr, RString},
+    StableAbi,
+};
+
+/// One logged value.
+#[repr(u8)]
+#[derive(StableAbi, Debug, Clone, PartialEq)]
+pub enum LogValue {
+    /// A number (loss, learning rate, ...).
+    Scalar(f64),
+    /// A piece of text.
+    Text(RString),
+}
+
+/// A key and its value.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, PartialEq)]
+pub struct LogEntry {
+    /// Metric name, e.g. `train/loss`.
+    pub key: RString,
+    /// Its value.
+    pub value: LogValue,
+}
+
+impl LogEntry {
+    /// A scalar entry.
+    pub fn scalar(key: impl Into<String>, value: f64) -> Self {
+        Self {
+            key: key.into().into(),
+            value: LogValue::Scalar(value),
+        }
+    }
+
+    /// A text entry.
+    pub fn text(key: impl Into<String>, value: impl Into<String>) -> Self {
+        Self {
+            key: key.into().into(),
+            value: LogValue::Text(value.into().into()),
+        }
+    }
+}
+
+/// An experiment tracker. The host calls it from the main process only.
+#[sabi_trait]
+pub trait Tracker: Send {
+    /// Starts a run of `project`, recording the run's `config` (a JSON object).
+    fn start(&mut self, project: RStr<'_>, config_json: RStr<'_>) -> PluginResult<()>;
+
+    /// Logs `values` at `step` (or at the tracker's own counter when absent).
+    fn log(&mut self, values: RSlice<'_, LogEntry>, step: ROption<u64>) -> PluginResult<()>;
+
+    /// Makes everything logged so far durable.
+    fn flush(&mut self) -> PluginResult<()>;
+
+    /// Ends the run; nothing is logged after this.
+    #[sabi(last_prefix_field)]
+    fn finish(&mut self) -> PluginResult<()>;
+}
+
+/// An owned, type-erased tracker.
+pub type TrackerBox = Tracker_TO<'static, RBox<()>>;

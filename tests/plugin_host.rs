@@ -1,0 +1,290 @@
+//! The plugin host end to end: the template plugin built, copied to a
+//! temporary `--plugin-dir`, listed, called; bad files rejected one line
+//! each without stopping the others; conflicts; panics that stay errors.
+
+use accel::plugins::{DirOrigin, PluginSet, SearchDir};
+use accel_integration_tests::{
+    accel_bin, build_bin, build_plain_c_library, build_plugin_into, build_plugin_variant_into,
+    describe, run,
+};
+use accel_sdk::{abi_stable::std_types::ROption, ErrorKind, LogEntry, PluginKind};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+const TEMPLATE: &str = "libaccel_csv_tracker.so";
+
+fn template_into(dir: &Path) -> PathBuf {
+    let dest = dir.join(TEMPLATE);
+    build_plugin_into("accel-csv-tracker", &[], &dest);
+    dest.canonicalize().unwrap()
+}
+
+fn list_json(dir: &Path) -> Value {
+    let out = run(
+        &accel_bin(),
+        &[
+            "plugins",
+            "list",
+            "--plugin-dir",
+            dir.to_str().unwrap(),
+            "--json",
+        ],
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+    serde_json::from_slice(&out.stdout).expect("plugins list --json is JSON")
+}
+
+fn entry<'a>(list: &'a Value, path: &Path) -> &'a Value {
+    list["plugins"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["path"].as_str() == path.to_str())
+        .unwrap_or_else(|| panic!("{} not listed in {list:#}", path.display()))
+}
+
+#[test]
+fn template_plugin_is_listed_ok_from_a_plugin_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let so = template_into(dir.path());
+    let list = list_json(dir.path());
+    let template = entry(&list, &so);
+    assert_eq!(template["status"], "ok");
+    assert_eq!(template["name"], "accel-csv-tracker");
+    assert_eq!(template["kinds"], serde_json::json!(["tracker"]));
+    assert_eq!(
+        template["provides"][0]["selectors"],
+        serde_json::json!(["csv"])
+    );
+    assert_eq!(template["abi_version"], accel_sdk::ABI_VERSION);
+    assert_eq!(template["libtorch_version"], accel_sdk::LIBTORCH_VERSION);
+    assert_eq!(list["search_path"][0]["origin"], "flag");
+}
+
+#[test]
+fn template_plugin_is_called_through_the_plugin_dir_and_writes_csv() {
+    let dir = tempfile::tempdir().unwrap();
+    template_into(dir.path());
+    let project = tempfile::tempdir().unwrap();
+    let quickstart = build_bin("accel-examples", "quickstart");
+    let out = run(
+        &quickstart,
+        &[
+            "--plugin-dir",
+            dir.path().to_str().unwrap(),
+            "--log-with",
+            "csv",
+            "--log-with",
+            "jsonl",
+            "--project-dir",
+            project.path().to_str().unwrap(),
+            "--steps",
+            "50",
+        ],
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+
+    let csv = std::fs::read_to_string(project.path().join("quickstart/metrics.csv")).unwrap();
+    let mut lines = csv.lines();
+    assert_eq!(lines.next(), Some("step,key,value"));
+    let losses: Vec<(u64, f64)> = lines
+        .filter_map(|l| {
+            let cols: Vec<&str> = l.split(',').collect();
+            (cols[1] == "loss").then(|| (cols[0].parse().unwrap(), cols[2].parse().unwrap()))
+        })
+        .collect();
+    let steps: Vec<u64> = losses.iter().map(|(s, _)| *s).collect();
+    assert_eq!(steps, [0, 10, 20, 30, 40, 49]);
+    assert!(
+        losses.last().unwrap().1 < losses[0].1 / 10.0,
+        "loss did not fall: {losses:?}"
+    );
+
+    // The built-in JSONL tracker saw exactly the same values.
+    let jsonl = std::fs::read_to_string(project.path().join("quickstart/metrics.jsonl")).unwrap();
+    let from_jsonl: Vec<(u64, f64)> = jsonl
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
+        .collect();
+    assert_eq!(from_jsonl, losses);
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(project.path().join("quickstart/config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["steps"], 50);
+}
+
+#[test]
+fn bad_files_are_rejected_one_line_each_and_the_rest_still_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let template = template_into(dir.path());
+    let junk = dir.path().join("junk.so");
+    std::fs::write(&junk, "not a library").unwrap();
+    let plain = dir.path().join("libplain.so");
+    build_plain_c_library(&plain);
+    let abi = dir.path().join("libaccel_csv_tracker_abi999.so");
+    build_plugin_variant_into(
+        "accel-csv-tracker",
+        &[("ACCEL_SDK_TEST_ABI_VERSION", "999")],
+        &abi,
+    );
+
+    let list = list_json(dir.path());
+    assert_eq!(entry(&list, &template)["status"], "ok");
+    let error_of = |p: &Path| {
+        let e = entry(&list, &p.canonicalize().unwrap());
+        assert_eq!(e["status"], "rejected");
+        let msg = e["error"].as_str().unwrap().to_owned();
+        assert!(!msg.contains('\n'), "not one line: {msg}");
+        assert!(
+            msg.starts_with(&format!("{}: ", p.canonicalize().unwrap().display())),
+            "{msg}"
+        );
+        msg
+    };
+    assert!(error_of(&junk).contains("not an accel plugin"));
+    let plain_msg = error_of(&plain);
+    assert!(
+        plain_msg.contains("not an accel plugin (no `accel_plugin_abi_version` symbol)"),
+        "{plain_msg}"
+    );
+    let abi_msg = error_of(&abi);
+    assert!(
+        abi_msg.contains(
+            "SDK ABI mismatch: plugin built for accel-sdk ABI 999, this accel speaks ABI 1"
+        ),
+        "{abi_msg}"
+    );
+
+    let d = dir.path().to_str().unwrap();
+    let accel = accel_bin();
+    // Asking for a rejected plugin by name fails, with the same line.
+    let show = run(
+        &accel,
+        &[
+            "plugins",
+            "show",
+            "accel_csv_tracker_abi999",
+            "--plugin-dir",
+            d,
+        ],
+    );
+    assert_eq!(show.status.code(), Some(1), "{}", describe(&show));
+    assert!(
+        String::from_utf8_lossy(&show.stderr).contains(&abi_msg),
+        "{}",
+        describe(&show)
+    );
+    let pick = run(
+        &accel,
+        &[
+            "plugins",
+            "select",
+            "tracker",
+            "csv",
+            "--use-plugin",
+            "junk",
+            "--plugin-dir",
+            d,
+        ],
+    );
+    assert_eq!(pick.status.code(), Some(1), "{}", describe(&pick));
+    assert!(String::from_utf8_lossy(&pick.stderr).contains("not an accel plugin"));
+    // The good plugin beside them still answers.
+    let ok = run(
+        &accel,
+        &["plugins", "select", "tracker", "csv", "--plugin-dir", d],
+    );
+    assert!(ok.status.success(), "{}", describe(&ok));
+    assert!(String::from_utf8_lossy(&ok.stdout).contains(template.to_str().unwrap()));
+}
+
+#[test]
+fn two_plugins_claiming_one_selector_is_an_error_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let template = template_into(dir.path());
+    let faulty = dir.path().join("libaccel_test_faulty.so");
+    build_plugin_variant_into(
+        "accel-test-faulty",
+        &[("ACCEL_TEST_FAULTY_CLAIMS_CSV", "1")],
+        &faulty,
+    );
+    let faulty = faulty.canonicalize().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let accel = accel_bin();
+
+    let out = run(
+        &accel,
+        &["plugins", "select", "tracker", "csv", "--plugin-dir", d],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(template.to_str().unwrap()) && err.contains(faulty.to_str().unwrap()),
+        "{err}"
+    );
+
+    let picked = run(
+        &accel,
+        &[
+            "plugins",
+            "select",
+            "tracker",
+            "csv",
+            "--use-plugin",
+            "accel-csv-tracker",
+            "--plugin-dir",
+            d,
+        ],
+    );
+    assert!(picked.status.success(), "{}", describe(&picked));
+}
+
+#[test]
+fn a_panicking_plugin_call_is_an_error_and_the_host_survives() {
+    let dir = tempfile::tempdir().unwrap();
+    build_plugin_into(
+        "accel-test-faulty",
+        &[],
+        &dir.path().join("libaccel_test_faulty.so"),
+    );
+    let set = PluginSet::discover(&[SearchDir {
+        path: dir.path().to_owned(),
+        origin: DirOrigin::Flag,
+    }]);
+    assert!(set.rejected().is_empty(), "{:?}", set.rejected());
+
+    let mut tracker = set
+        .select(PluginKind::Tracker, "panicky", None)
+        .unwrap()
+        .new_tracker("{}")
+        .unwrap();
+    tracker.start("p".into(), "{}".into()).unwrap();
+    let err = tracker
+        .log(
+            [LogEntry::scalar("x", 1.0)].as_slice().into(),
+            ROption::RNone,
+        )
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Panic);
+    assert_eq!(err.plugin.as_str(), "accel-test-faulty");
+    assert!(
+        err.message.contains("Tracker::log") && err.message.contains("deliberate panic in log"),
+        "{err}"
+    );
+    // The same object still answers afterwards.
+    tracker.flush().unwrap();
+
+    let err = set
+        .select(PluginKind::Tracker, "exploding", None)
+        .unwrap()
+        .new_tracker("{}")
+        .err()
+        .unwrap();
+    assert_eq!(err.kind, ErrorKind::Panic);
+    assert!(
+        err.message.contains("creating tracker `exploding`"),
+        "{err}"
+    );
+}

@@ -1,0 +1,135 @@
+//! Helpers shared by the integration tests: building workspace artifacts
+//! (the `accel` binary, plugin libraries, example programs) with cargo and
+//! running them.
+
+use serde_json::Value;
+use std::{
+    fs::File,
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Builds `args` (e.g. `["-p", "accel-csv-tracker"]`) with extra `env`, under
+/// a lock shared by every test process (builds that change the environment
+/// rewrite the same output files), then runs `with_artifacts` on the built
+/// files — still under the lock, so it can copy them out before anyone
+/// rebuilds them.
+pub fn build_locked<T>(
+    args: &[&str],
+    env: &[(&str, &str)],
+    with_artifacts: impl FnOnce(&[PathBuf]) -> T,
+) -> T {
+    let lock = File::create(std::env::temp_dir().join("accel-tests-cargo.lock")).unwrap();
+    lock.lock().unwrap();
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.current_dir(workspace_root())
+        .args(["build", "--message-format=json-render-diagnostics"])
+        .args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("cargo runs");
+    assert!(
+        out.status.success(),
+        "cargo build {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let artifacts: Vec<PathBuf> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact")
+        .flat_map(|m| {
+            let mut files: Vec<PathBuf> = m["filenames"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|f| f.as_str().map(PathBuf::from))
+                .collect();
+            if let Some(exe) = m["executable"].as_str() {
+                files.push(PathBuf::from(exe));
+            }
+            files
+        })
+        .collect();
+    let result = with_artifacts(&artifacts);
+    drop(lock);
+    result
+}
+
+/// Builds the cdylib of `package` (with extra `env`) and copies it to `dest`.
+pub fn build_plugin_into(package: &str, env: &[(&str, &str)], dest: &Path) {
+    let lib_name = format!("lib{}.so", package.replace('-', "_"));
+    build_locked(&["-p", package], env, |files| {
+        let so = files
+            .iter()
+            .find(|f| f.file_name().is_some_and(|n| n == lib_name.as_str()))
+            .unwrap_or_else(|| panic!("no {lib_name} among {files:?}"));
+        std::fs::copy(so, dest).unwrap();
+    });
+}
+
+/// Builds `package` with extra `env` (a test-only variant), copies its
+/// cdylib to `dest`, then rebuilds it without `env` so the workspace's own
+/// output is the ordinary plugin again.
+pub fn build_plugin_variant_into(package: &str, env: &[(&str, &str)], dest: &Path) {
+    build_plugin_into(package, env, dest);
+    build_locked(&["-p", package], &[], |_| ());
+}
+
+/// Builds binary `bin` of `package` and returns its path.
+pub fn build_bin(package: &str, bin: &str) -> PathBuf {
+    build_locked(&["-p", package, "--bin", bin], &[], |files| {
+        files
+            .iter()
+            .find(|f| f.file_name().is_some_and(|n| n == bin))
+            .unwrap_or_else(|| panic!("no {bin} among {files:?}"))
+            .clone()
+    })
+}
+
+/// The `accel` binary.
+pub fn accel_bin() -> PathBuf {
+    build_bin("accel", "accel")
+}
+
+/// Runs `program` with `args`, with `ACCEL_PLUGIN_DIR` cleared so only the
+/// directories a test names are searched explicitly.
+pub fn run(program: &Path, args: &[&str]) -> Output {
+    Command::new(program)
+        .args(args)
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .output()
+        .expect("program starts")
+}
+
+/// Stdout and stderr of `out`, for assertion messages.
+pub fn describe(out: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Compiles a plain C shared library that is not an accel plugin.
+pub fn build_plain_c_library(dest: &Path) {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("plain.c");
+    std::fs::write(&src, "int plain_answer(void) { return 42; }\n").unwrap();
+    let status = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(dest)
+        .arg(&src)
+        .status()
+        .expect("cc runs");
+    assert!(status.success(), "cc failed");
+}
