@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The main job: set up, build accel and the template plugin, then show the
+# plugin system at work — list what is found, and train the quickstart
+# model while logging through a plugin tracker loaded from a plugin dir.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+
+plugins=target/plugins
+runs=target/runs
+mkdir -p "$plugins" "$runs"
+cp target/debug/libaccel_csv_tracker.so "$plugins/"
+
+echo "== accel plugins list --plugin-dir $plugins"
+target/debug/accel plugins list --plugin-dir "$plugins"
+echo
+echo "== quickstart, logging through the csv plugin and the built-in jsonl tracker"
+target/debug/quickstart --plugin-dir "$plugins" --log-with csv --log-with jsonl --project-dir "$runs"
+echo
+echo "== $runs/quickstart/metrics.csv (last lines)"
+tail -n 4 "$runs/quickstart/metrics.csv"
