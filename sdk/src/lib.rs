@@ -5,13 +5,23 @@
 //! only, registers components with [`inventory::submit!`] and exports itself
 //! with one line, [`export_plugin!`]:
 //!
-//! ```ignore
+//! ```
 //! use accel_sdk::{Component, PluginError, TrackerBox};
+//!
+//! fn make_tracker(settings: &str) -> Result<TrackerBox, PluginError> {
+//!     // Parse `settings` (JSON), build your tracker, then erase it:
+//!     // Ok(accel_sdk::into_tracker(MyTracker::new(settings)?))
+//!     Err(PluginError::config("my-plugin", format!("cannot use {settings}")))
+//! }
+//!
 //! accel_sdk::inventory::submit! {
 //!     Component::tracker("csv", "writes metrics to CSV", &["csv"], make_tracker)
 //! }
 //! accel_sdk::export_plugin!();
 //! ```
+//!
+//! `examples/plugins/csv-tracker/` in the repository is a complete plugin
+//! to copy.
 //!
 //! * [`manifest`]: what a plugin says about itself ([`PluginManifest`]).
 //! * [`strategy`], [`precision`], [`tracker`], [`launcher`]: the four

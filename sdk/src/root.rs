@@ -209,10 +209,11 @@ extern "C" fn validate_config(
 /// of a `cdylib` that registers its components with
 /// [`inventory::submit!`](crate::inventory::submit):
 ///
-/// ```ignore
-/// accel_sdk::export_plugin!();                       // name and version from Cargo.toml
-/// accel_sdk::export_plugin!("my-plugin", "1.2.0");   // or explicit
 /// ```
+/// accel_sdk::export_plugin!(); // name and version from Cargo.toml
+/// ```
+///
+/// or, naming them explicitly, `accel_sdk::export_plugin!("my-plugin", "1.2.0");`.
 ///
 /// It exports the abi_stable root module ([`AccelPlugin`]) and the plain C
 /// symbol `accel_plugin_abi_version`, which the host reads first so an
