@@ -84,14 +84,26 @@ pub fn build_plugin_variant_into(package: &str, env: &[(&str, &str)], dest: &Pat
     build_locked(&["-p", package], &[], |_| ());
 }
 
-/// Builds binary `bin` of `package` and returns its path.
+/// Builds binary `bin` of `package` and returns the path of a link to it in
+/// a directory of its own (`target/test-bins/<test binary>/`), so that the
+/// program's "executable directory" plugin search sees no test fixtures
+/// that other tests built into `target/debug`.
 pub fn build_bin(package: &str, bin: &str) -> PathBuf {
     build_locked(&["-p", package, "--bin", bin], &[], |files| {
-        files
+        let built = files
             .iter()
             .find(|f| f.file_name().is_some_and(|n| n == bin))
-            .unwrap_or_else(|| panic!("no {bin} among {files:?}"))
-            .clone()
+            .unwrap_or_else(|| panic!("no {bin} among {files:?}"));
+        let test_exe = std::env::current_exe().unwrap();
+        let stem = test_exe.file_stem().unwrap().to_string_lossy().into_owned();
+        let dir = built.parent().unwrap().join("../test-bins").join(stem);
+        std::fs::create_dir_all(&dir).unwrap();
+        let link = dir.join(bin);
+        let _ = std::fs::remove_file(&link);
+        if std::fs::hard_link(built, &link).is_err() {
+            std::fs::copy(built, &link).unwrap();
+        }
+        link
     })
 }
 

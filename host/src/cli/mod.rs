@@ -1,8 +1,13 @@
 //! The `accel` command line. Each subcommand lives in its own module and
 //! returns the process exit status.
 
+mod env;
 mod plugins;
 
+use crate::plugins::{
+    config_check::{check_config, claimed_distributed_types},
+    default_search_path, PluginSet,
+};
 use clap::{Parser, Subcommand};
 use std::{io::Write, path::PathBuf};
 
@@ -30,11 +35,31 @@ pub struct Cli {
 pub enum Command {
     /// List, inspect and choose plugins.
     Plugins(plugins::PluginsArgs),
+    /// Write, update or check Accelerate config files (`accel config` alone asks questions).
+    Config(accel_config::cli::ConfigArgs),
+    /// Print versions, devices, communication libraries, plugins and the default config.
+    Env,
 }
 
 /// Runs a parsed command line, writing its output to `out`; returns the exit status.
 pub fn run(cli: Cli, out: &mut dyn Write) -> anyhow::Result<i32> {
     match cli.command {
         Command::Plugins(args) => plugins::run(args, &cli.plugin_dirs, out),
+        Command::Config(args) => {
+            let set = PluginSet::discover(&default_search_path(&cli.plugin_dirs));
+            let claimed = claimed_distributed_types(&set);
+            let check = |config: &accel_config::Config| check_config(&set, config);
+            let mut stdin = std::io::stdin().lock();
+            let mut stderr = std::io::stderr();
+            Ok(accel_config::cli::run(
+                &args,
+                &claimed,
+                &check,
+                &mut stdin,
+                out,
+                &mut stderr,
+            ))
+        }
+        Command::Env => env::run(&cli.plugin_dirs, out),
     }
 }

@@ -4,7 +4,9 @@
 //!   executable's directory, the install prefix).
 //! * [`loader`]: loading one library, every failure one line naming the file.
 //! * [`set`]: built-ins plus libraries; choosing a component by kind and selector.
+//! * [`config_check`]: the settings a selected plugin receives, and its check of a config.
 
+pub mod config_check;
 pub mod discovery;
 pub mod loader;
 pub mod set;

@@ -1,0 +1,388 @@
+//! Malformed input gives a clear error naming file:line:col — never a panic.
+
+use std::path::PathBuf;
+
+use accel_config::{load_bytes, load_file, load_str, Format, LoadOptions, Origin};
+use proptest::prelude::*;
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "accel-config-malformed-{}-{name}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn err_of(text: &str) -> String {
+    load_str(text, "cfg.yaml", Format::Yaml, &LoadOptions::default())
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn invalid_yaml_names_line_and_column() {
+    let e = err_of("distributed_type: NO\nfsdp_config:\n  a: [1, 2\n");
+    assert!(e.starts_with("cfg.yaml:"), "{e}");
+    assert!(e.contains("invalid YAML"), "{e}");
+    let e = err_of("distributed_type: NO\n  bad indent: 1\n");
+    assert!(e.contains("cfg.yaml:2:"), "{e}");
+}
+
+#[test]
+fn invalid_json_names_line_and_column() {
+    let e = load_str(
+        "{\n  \"distributed_type\": \"NO\",\n}\n",
+        "c.json",
+        Format::Json,
+        &LoadOptions::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.starts_with("c.json:3:1: error: invalid JSON"), "{e}");
+}
+
+#[test]
+fn json_text_in_a_yaml_file_works() {
+    let l = load_str(
+        "{\"distributed_type\": \"MULTI_CPU\", \"num_processes\": 2}",
+        "c.yaml",
+        Format::Yaml,
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(l.config.num_processes, Some(2));
+}
+
+#[test]
+fn wrong_types_name_the_expected_type() {
+    let e = err_of("distributed_type: NO\nuse_cpu: maybe\n");
+    assert!(
+        e.contains(
+            "cfg.yaml:2:10: error: `use_cpu` must be true or false, found the string \"maybe\""
+        ),
+        "{e}"
+    );
+    let e = err_of("distributed_type: MULTI_CPU\nnum_processes: two\n");
+    assert!(e.contains("cfg.yaml:2:16: error: `num_processes` must be an integer of at least 1, found the string \"two\""), "{e}");
+    let e = err_of("distributed_type: MULTI_CPU\nnum_processes: [1]\n");
+    assert!(
+        e.contains("must be an integer of at least 1, found a list"),
+        "{e}"
+    );
+    let e = err_of("distributed_type: FSDP\nfsdp_config: yes\n");
+    assert!(e.contains("`fsdp_config` must be a map"), "{e}");
+    let e = err_of("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: \"x\"\n");
+    assert!(
+        e.contains(
+            "cfg.yaml:3:15: error: `deepspeed_config.zero_stage` must be an integer from 0 to 3"
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn negative_or_zero_counts() {
+    for (text, key) in [
+        (
+            "distributed_type: MULTI_CPU\nnum_processes: 0\n",
+            "num_processes",
+        ),
+        (
+            "distributed_type: MULTI_CPU\nnum_processes: -4\n",
+            "num_processes",
+        ),
+        (
+            "distributed_type: MULTI_CPU\nnum_machines: 0\n",
+            "num_machines",
+        ),
+        (
+            "distributed_type: MULTI_CPU\nmachine_rank: -1\n",
+            "machine_rank",
+        ),
+        (
+            "distributed_type: MULTI_CPU\nmain_process_port: 70000\n",
+            "main_process_port",
+        ),
+    ] {
+        let e = err_of(text);
+        assert!(e.contains("cfg.yaml:2:"), "{e}");
+        assert!(e.contains(&format!("`{key}` must be an integer")), "{e}");
+    }
+    let e = err_of("distributed_type: MULTI_CPU\nnum_processes: 0\n");
+    assert!(e.contains("cannot be zero or negative"), "{e}");
+    let e = err_of("distributed_type: MULTI_CPU\nnum_machines: 2\nmachine_rank: 2\n");
+    assert!(
+        e.contains("cfg.yaml:3:1: error: `machine_rank: 2` must be below `num_machines` (2)"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unknown_enum_values_list_the_allowed_ones() {
+    let e = err_of("distributed_type: MULTI_GPUS\n");
+    assert!(
+        e.contains(
+            "cfg.yaml:1:19: error: `distributed_type` must be one of: NO, MULTI_CPU, MULTI_GPU"
+        ),
+        "{e}"
+    );
+    assert!(e.contains("MULTI_NEURON"), "{e}");
+    assert!(e.contains("did you mean `MULTI_GPU`?"), "{e}");
+    let e = err_of("distributed_type: NO\nmixed_precision: fp32\n");
+    assert!(
+        e.contains("`mixed_precision` must be one of: no, fp16, bf16, fp8; found \"fp32\""),
+        "{e}"
+    );
+    let e = err_of("distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: LAYER\n");
+    assert!(
+        e.contains("TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP"),
+        "{e}"
+    );
+}
+
+#[test]
+fn plugin_claimed_distributed_types() {
+    let opts = LoadOptions::with_extra_distributed_types(&["RING_ALLREDUCE".to_string()]);
+    let l = load_str(
+        "distributed_type: RING_ALLREDUCE\nnum_processes: 2\n",
+        "c.yaml",
+        Format::Yaml,
+        &opts,
+    )
+    .unwrap();
+    assert_eq!(
+        l.config.distributed_type.unwrap().as_str(),
+        "RING_ALLREDUCE"
+    );
+    let e = load_str(
+        "distributed_type: RING_ALLREDUC\n",
+        "c.yaml",
+        Format::Yaml,
+        &opts,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("claims: RING_ALLREDUCE"), "{e}");
+    assert!(e.contains("did you mean `RING_ALLREDUCE`?"), "{e}");
+    // without the plugin, the value is unknown
+    let e = err_of("distributed_type: RING_ALLREDUCE\n");
+    assert!(
+        e.contains("no plugin found on the plugin path claims another value"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unknown_keys_are_all_listed_with_suggestions() {
+    let e = err_of("distributed_type: NO\nnum_proceses: 2\nmixed_precison: bf16\ntotally_new: 1\n");
+    assert!(
+        e.contains(
+            "cfg.yaml:2:1: error: unknown key `num_proceses` (did you mean `num_processes`?)"
+        ),
+        "{e}"
+    );
+    assert!(
+        e.contains(
+            "cfg.yaml:3:1: error: unknown key `mixed_precison` (did you mean `mixed_precision`?)"
+        ),
+        "{e}"
+    );
+    assert!(
+        e.contains("cfg.yaml:4:1: error: unknown key `totally_new`."),
+        "{e}"
+    );
+}
+
+#[test]
+fn sagemaker_keys_in_a_cluster_config() {
+    let e = err_of("distributed_type: NO\nec2_instance_type: x\n");
+    assert!(e.contains("`ec2_instance_type` is a SageMaker key"), "{e}");
+    let e = err_of(
+        "compute_environment: AMAZON_SAGEMAKER\ndistributed_type: NO\nec2_instance_type: x\n",
+    );
+    assert!(e.contains("`iam_role_name` is missing"), "{e}");
+}
+
+#[test]
+fn empty_file_and_comment_only_file() {
+    for text in ["", "\n\n", "# just a comment\n"] {
+        let e = err_of(text);
+        assert!(e.contains("cfg.yaml:1:1: error: the file is empty"), "{e}");
+    }
+    let e = err_of("- a\n- b\n");
+    assert!(
+        e.contains("a config file is a map of `key: value` lines, but this one holds a list"),
+        "{e}"
+    );
+    let e = err_of("just words\n");
+    assert!(e.contains("but this one holds the string"), "{e}");
+    let e = err_of("mixed_precision: bf16\n");
+    assert!(e.contains("`distributed_type` is missing"), "{e}");
+}
+
+#[test]
+fn invalid_utf8_names_the_position() {
+    let bytes = b"distributed_type: NO\nmain_training_function: ma\xffin\n";
+    let e = load_bytes(
+        bytes,
+        Origin::File("bin.yaml".into()),
+        Format::Yaml,
+        &LoadOptions::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("bin.yaml:2:27: error: the file is not UTF-8 text (byte 0xff"),
+        "{e}"
+    );
+}
+
+#[test]
+fn random_bytes_file() {
+    let d = tmpdir("rand");
+    let p = d.join("noise.yaml");
+    let bytes: Vec<u8> = (0u32..4096)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    std::fs::write(&p, &bytes).unwrap();
+    let e = load_file(&p, &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("noise.yaml:"), "{e}");
+    assert!(e.contains(": error: "), "{e}");
+}
+
+#[test]
+fn a_directory_or_a_missing_file() {
+    let d = tmpdir("dir");
+    let e = load_file(&d, &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(":1:1: error: this is a directory, not a config file"),
+        "{e}"
+    );
+    let e = load_file(&d.join("nope.yaml"), &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("nope.yaml:1:1: error: no such config file"),
+        "{e}"
+    );
+}
+
+#[test]
+fn legacy_keys_are_migrated_with_warnings() {
+    let l = load_str(
+        "distributed_type: TPU\nfp16: true\ndynamo_backend: inductor\n",
+        "old.yaml",
+        Format::Yaml,
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(l.config.distributed_type.unwrap().as_str(), "XLA");
+    assert_eq!(
+        l.config.mixed_precision,
+        Some(accel_config::MixedPrecision::Fp16)
+    );
+    assert_eq!(
+        l.config.dynamo_config.unwrap()["dynamo_backend"],
+        "INDUCTOR"
+    );
+    assert_eq!(l.warnings.len(), 3, "{:?}", l.warnings);
+    assert!(l
+        .warnings
+        .iter()
+        .all(|w| w.to_string().starts_with("old.yaml:")));
+    // `dynamo_backend: NO` becomes no dynamo config at all
+    let l = load_str(
+        "distributed_type: NO\ndynamo_backend: 'NO'\n",
+        "old.yaml",
+        Format::Yaml,
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(l.config.dynamo_config, None);
+}
+
+#[test]
+fn fsdp_keys_get_their_prefix() {
+    let l = load_str(
+        "distributed_type: FSDP\nfsdp_config:\n  sharding_strategy: shard_grad_op\n  version: 2\n",
+        "f.yaml",
+        Format::Yaml,
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    let f = l.config.fsdp_config.unwrap();
+    assert_eq!(f["fsdp_sharding_strategy"], "SHARD_GRAD_OP");
+    assert_eq!(f["fsdp_version"], 2);
+}
+
+#[test]
+fn num_processes_is_one_without_distribution() {
+    let l = load_str(
+        "distributed_type: NO\nnum_processes: 4\n",
+        "n.yaml",
+        Format::Yaml,
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(l.config.num_processes, Some(1));
+    assert!(l.warnings[0]
+        .to_string()
+        .starts_with("n.yaml:2:1: warning: `num_processes: 4` with `distributed_type: NO`"));
+}
+
+#[test]
+fn hostile_yaml_is_bounded() {
+    let deep = format!(
+        "distributed_type: NO\naccel:\n  plugins:\n    x: {}\n",
+        "[".repeat(5000)
+    );
+    assert!(err_of(&deep).contains("cfg.yaml:"));
+    let mut bomb = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
+    for i in 0..9 {
+        let prev = if i == 0 {
+            "a".to_string()
+        } else {
+            format!("b{}", i - 1)
+        };
+        bomb.push_str(&format!("b{i}: &b{i} [*{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}]\n"));
+    }
+    assert!(err_of(&bomb).contains("more than"));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        for format in [Format::Yaml, Format::Json] {
+            if let Err(e) = load_bytes(&bytes, Origin::File("f.yaml".into()), format, &LoadOptions::default()) {
+                let text = e.to_string();
+                prop_assert!(text.starts_with("f.yaml:"), "{}", text);
+            }
+        }
+    }
+
+    #[test]
+    fn yamlish_text_never_panics(text in "([a-z_]{1,12}|distributed_type|num_processes|fsdp_config|accel|plugins|NO|FSDP|-?[0-9]{1,3}|true|no|~|null|'|\"|:|: |\n|  |- |\\[|\\]|\\{|\\}|,|&a|\\*a|#|!!str |\t){0,40}") {
+        let r = load_str(&text, "y.yaml", Format::Yaml, &LoadOptions::default());
+        match r {
+            Ok(l) => {
+                // whatever loads writes back to something that loads to the same config
+                let again = load_str(&accel_config::to_yaml(&l.config), "again.yaml", Format::Yaml, &LoadOptions::default());
+                prop_assert_eq!(again.map(|a| a.config), Ok(l.config));
+            }
+            Err(e) => {
+                for d in &e.diagnostics {
+                    let line = d.to_string();
+                    prop_assert!(line.starts_with("y.yaml:"), "{}", line);
+                }
+            }
+        }
+    }
+}

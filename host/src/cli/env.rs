@@ -1,0 +1,131 @@
+//! `accel env`: what a bug report needs — versions, devices, communication
+//! libraries, the plugins found, and the default config.
+
+use crate::plugins::{default_search_path, PluginSet};
+use accel_config::{default_config_file_from_env, load_file, to_yaml, LoadOptions};
+use std::{io::Write, path::PathBuf, process::Command};
+
+fn mpi_version() -> String {
+    match Command::new("mpirun").arg("--version").output() {
+        Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("unknown version")
+            .trim()
+            .to_owned(),
+        Ok(out) => format!("mpirun --version failed ({})", out.status),
+        Err(_) => "not found (mpirun is not on PATH)".to_owned(),
+    }
+}
+
+fn nccl() -> String {
+    // SAFETY: loading NCCL runs only its initialisers; nothing is called.
+    match unsafe { libloading::Library::new("libnccl.so.2") } {
+        Ok(lib) => {
+            std::mem::forget(lib);
+            "libnccl.so.2 found by the dynamic loader".to_owned()
+        }
+        Err(_) => "libnccl.so.2 not found by the dynamic loader".to_owned(),
+    }
+}
+
+fn memory() -> String {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            let kb: f64 = m
+                .lines()
+                .find(|l| l.starts_with("MemTotal:"))?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            Some(format!("{:.1} GiB", kb / 1024.0 / 1024.0))
+        })
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+fn platform() -> String {
+    Command::new("uname")
+        .arg("-srm")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| format!("{} {}", std::env::consts::OS, std::env::consts::ARCH))
+}
+
+/// Runs `accel env`.
+pub fn run(plugin_dirs: &[PathBuf], out: &mut dyn Write) -> anyhow::Result<i32> {
+    let row = |out: &mut dyn Write, k: &str, v: &str| writeln!(out, "- {k:<22} {v}");
+    writeln!(out, "Copy-and-paste the text below in your GitHub issue\n")?;
+    row(out, "accel version:", env!("CARGO_PKG_VERSION"))?;
+    row(out, "accel-sdk ABI:", &accel_sdk::ABI_VERSION.to_string())?;
+    row(out, "platform:", &platform())?;
+    row(out, "libtorch version:", accel_sdk::LIBTORCH_VERSION)?;
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    row(out, "CPU cores:", &cores.to_string())?;
+    row(out, "memory:", &memory())?;
+    let cuda = tch::Cuda::is_available();
+    row(
+        out,
+        "CUDA available:",
+        &format!(
+            "{cuda} ({} device(s), cuDNN: {})",
+            tch::Cuda::device_count(),
+            tch::Cuda::cudnn_is_available()
+        ),
+    )?;
+    row(out, "MPI:", &mpi_version())?;
+    row(out, "NCCL:", &nccl())?;
+
+    let dirs = default_search_path(plugin_dirs);
+    let search: Vec<String> = dirs.iter().map(|d| d.path.display().to_string()).collect();
+    row(out, "plugin search path:", &search.join(":"))?;
+    let set = PluginSet::discover(&dirs);
+    for p in set.plugins() {
+        let provides: Vec<String> = p
+            .provides
+            .iter()
+            .map(|c| format!("{} {}", c.kind, c.name))
+            .collect();
+        row(
+            out,
+            "plugin:",
+            &format!(
+                "{} {} [{}] ({})",
+                p.name,
+                p.version,
+                provides.join(", "),
+                p.location()
+            ),
+        )?;
+    }
+    for e in set.rejected() {
+        row(out, "rejected plugin:", &e.to_string())?;
+    }
+
+    match default_config_file_from_env() {
+        None => row(out, "default config:", "no location (HOME is unset)")?,
+        Some(path) if !path.exists() => row(
+            out,
+            "default config:",
+            &format!("{} (not found)", path.display()),
+        )?,
+        Some(path) => {
+            row(out, "default config:", &path.display().to_string())?;
+            let opts = LoadOptions::with_extra_distributed_types(
+                &crate::plugins::config_check::claimed_distributed_types(&set),
+            );
+            match load_file(&path, &opts) {
+                Ok(loaded) => {
+                    for line in to_yaml(&loaded.config).lines() {
+                        writeln!(out, "        {line}")?;
+                    }
+                }
+                Err(e) => writeln!(out, "        (invalid: {e})")?,
+            }
+        }
+    }
+    Ok(0)
+}

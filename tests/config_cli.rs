@@ -1,0 +1,119 @@
+//! `accel config` through the `accel` binary: the questionnaire answered on
+//! stdin, `validate` of Accelerate's own files, and a plugin that checks
+//! its own config section.
+
+use accel_integration_tests::{accel_bin, build_plugin_into, describe, run};
+use std::{
+    io::Write,
+    path::Path,
+    process::{Command, Stdio},
+};
+
+fn conformance(rel: &str) -> String {
+    format!(
+        "{}/../../shared/conformance/accelerate-configs/{rel}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+#[test]
+fn questionnaire_on_stdin_writes_a_file_validate_accepts() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("answers.yaml");
+    let mut child = Command::new(accel_bin())
+        .args(["config", "--config_file", target.to_str().unwrap()])
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // LOCAL_MACHINE, MULTI_CPU, 1 machine, no cpu affinity?, 4 processes, no, bf16
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"0\nMULTI_CPU\n1\nno\n4\nno\nbf16\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", describe(&out));
+    let text = std::fs::read_to_string(&target).unwrap();
+    assert!(text.contains("distributed_type: MULTI_CPU"), "{text}");
+    assert!(text.contains("num_processes: 4"), "{text}");
+    let v = run(
+        &accel_bin(),
+        &["config", "validate", target.to_str().unwrap()],
+    );
+    assert!(v.status.success(), "{}", describe(&v));
+}
+
+#[test]
+fn validate_accepts_accelerates_files_and_names_invalid_keys() {
+    let good = conformance("tests/test_configs/latest.yaml");
+    let out = run(&accel_bin(), &["config", "validate", &good]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let bad = conformance("tests/test_configs/invalid_keys.yaml");
+    let out = run(&accel_bin(), &["config", "validate", &bad]);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("`invalid_key`") && err.contains("`another_invalid_key`"),
+        "{err}"
+    );
+    let configs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    for f in std::fs::read_dir(configs).unwrap() {
+        let f = f.unwrap().path();
+        let out = run(&accel_bin(), &["config", "validate", f.to_str().unwrap()]);
+        assert!(out.status.success(), "{}: {}", f.display(), describe(&out));
+    }
+}
+
+#[test]
+fn a_strategy_plugin_checks_its_own_section() {
+    let plugins = tempfile::tempdir().unwrap();
+    build_plugin_into(
+        "accel-test-faulty",
+        &[],
+        &plugins.path().join("libaccel_test_faulty.so"),
+    );
+    let d = plugins.path().to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, mb: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "distributed_type: TEST_CHECKED\nnum_processes: 2\naccel:\n  plugins:\n    accel-test-faulty:\n      bucket_mb: {mb}\n"
+            ),
+        )
+        .unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let bad = write("bad.yaml", "-1");
+    let good = write("good.yaml", "25");
+
+    let out = run(
+        &accel_bin(),
+        &["config", "validate", "--plugin-dir", d, &bad],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("accel.plugins.accel-test-faulty.bucket_mb must be a positive number, got -1"),
+        "{err}"
+    );
+    let out = run(
+        &accel_bin(),
+        &["config", "validate", "--plugin-dir", d, &good],
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+
+    // Without the plugin, TEST_CHECKED is not a distributed_type at all.
+    let out = run(&accel_bin(), &["config", "validate", &good]);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("TEST_CHECKED") && err.contains("MULTI_GPU"),
+        "{err}"
+    );
+}
