@@ -13,7 +13,7 @@
 //! let cli = Cli::parse_from(["accel", "config", "validate", "a.yaml", "b.yaml"]);
 //! let Cmd::Config(args) = cli.cmd;
 //! assert!(matches!(args.command, Some(accel_config::cli::ConfigSubcommand::Validate(_))));
-//! // then: std::process::exit(accel_config::cli::run(&args, &plugin_types, &check, &mut stdin.lock(), &mut stdout, &mut stderr))
+//! // then: std::process::exit(accel_config::cli::run(&args, &hooks, &mut stdin.lock(), &mut stdout, &mut stderr))
 //! ```
 
 use std::io::{BufRead, Write};
@@ -100,15 +100,34 @@ pub struct ValidateArgs {
     pub files: Vec<PathBuf>,
 }
 
+/// What the plugins found on the plugin path contribute to `accel config`.
+pub struct PluginHooks<'a> {
+    /// The `distributed_type` values strategy plugins claim (accepted
+    /// besides Accelerate's own, and listed in errors).
+    pub distributed_types: &'a [String],
+    /// Asks the plugins a loaded config selects to check their sections;
+    /// one message per problem (used by `validate`).
+    pub check: &'a dyn Fn(&Config) -> Vec<String>,
+}
+
+fn no_check(_: &Config) -> Vec<String> {
+    Vec::new()
+}
+
+impl PluginHooks<'static> {
+    /// No plugins: Accelerate's values only, no plugin checks.
+    pub const NONE: PluginHooks<'static> = PluginHooks {
+        distributed_types: &[],
+        check: &no_check,
+    };
+}
+
 /// Runs `accel config` with the process environment; returns the exit status.
-/// `extra_distributed_types` are the `distributed_type` values that plugins
-/// found on the plugin path claim; `plugin_check` asks the plugins a loaded
-/// config selects to check their sections (one message per problem; used by
-/// `validate`). Problems go to `stderr`, results to `stdout`.
+/// `plugins` says what the plugins found on the plugin path contribute.
+/// Problems go to `stderr`, results to `stdout`.
 pub fn run(
     args: &ConfigArgs,
-    extra_distributed_types: &[String],
-    plugin_check: &dyn Fn(&Config) -> Vec<String>,
+    plugins: &PluginHooks<'_>,
     stdin: &mut dyn BufRead,
     stdout: &mut dyn Write,
     stderr: &mut dyn Write,
@@ -116,8 +135,7 @@ pub fn run(
     let env = |k: &str| std::env::var(k).ok();
     run_with_env(
         args,
-        extra_distributed_types,
-        plugin_check,
+        plugins,
         &env,
         probe_gpu_count(&env),
         stdin,
@@ -130,14 +148,15 @@ pub fn run(
 /// and GPU count (for `default`), so tests need not touch the process.
 pub fn run_with_env(
     args: &ConfigArgs,
-    extra_distributed_types: &[String],
-    plugin_check: &dyn Fn(&Config) -> Vec<String>,
+    plugins: &PluginHooks<'_>,
     env: &dyn Fn(&str) -> Option<String>,
     gpu_count: usize,
     stdin: &mut dyn BufRead,
     stdout: &mut dyn Write,
     stderr: &mut dyn Write,
 ) -> i32 {
+    let extra_distributed_types = plugins.distributed_types;
+    let plugin_check = plugins.check;
     let opts = LoadOptions::with_extra_distributed_types(extra_distributed_types);
     let default_path = || default_config_file(env);
     let target = |explicit: &Option<PathBuf>| explicit.clone().or_else(default_path);

@@ -43,7 +43,18 @@ fn run_in(dir: &Path, args: &ConfigArgs, stdin: &str, extra: &[String]) -> Out {
     let env = move |k: &str| (k == "HF_HOME").then(|| hf.clone());
     let mut input = Cursor::new(stdin.as_bytes().to_vec());
     let (mut o, mut e) = (Vec::new(), Vec::new());
-    let code = run_with_env(args, extra, &|_| Vec::new(), 0, &mut input, &mut o, &mut e);
+    let code = run_with_env(
+        args,
+        &accel_config::cli::PluginHooks {
+            distributed_types: extra,
+            check: &|_| Vec::new(),
+        },
+        &env,
+        0,
+        &mut input,
+        &mut o,
+        &mut e,
+    );
     Out {
         code,
         stdout: String::from_utf8(o).unwrap(),

@@ -49,12 +49,15 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> anyhow::Result<i32> {
             let set = PluginSet::discover(&default_search_path(&cli.plugin_dirs));
             let claimed = claimed_distributed_types(&set);
             let check = |config: &accel_config::Config| check_config(&set, config);
+            let hooks = accel_config::cli::PluginHooks {
+                distributed_types: &claimed,
+                check: &check,
+            };
             let mut stdin = std::io::stdin().lock();
             let mut stderr = std::io::stderr();
             Ok(accel_config::cli::run(
                 &args,
-                &claimed,
-                &check,
+                &hooks,
                 &mut stdin,
                 out,
                 &mut stderr,
