@@ -47,8 +47,8 @@ pub use load::{
 };
 pub use parse::{Format, Mark};
 pub use resolve::{
-    env_var_table, flatten, resolve, resolve_launch, resolve_training, LaunchInputs, Layer,
-    ResolvedConfig, Setting, Source, SourceKind, LAUNCH_PRECEDENCE, TRAINING_PRECEDENCE,
+    env_var_table, flatten, launch_env, resolve, resolve_launch, resolve_training, LaunchInputs,
+    Layer, ResolvedConfig, Setting, Source, SourceKind, LAUNCH_PRECEDENCE, TRAINING_PRECEDENCE,
 };
 pub use schema::{
     AccelSection, ComputeEnvironment, Config, DistributedType, MixedPrecision, Section,

@@ -415,6 +415,58 @@ pub fn env_var_table() -> Vec<(&'static str, String)> {
         .collect()
 }
 
+/// The environment `accel launch` gives every rank for `config`: the inverse
+/// of [`env_var_table`] (the variables Accelerate's launcher sets), so the
+/// training process resolves the same config from its environment. Lists are
+/// joined with their separator; switch variables (`ACCELERATE_USE_FSDP`)
+/// are `true` or `false`. `ACCEL_PLUGIN_DIR` is left to the launcher.
+///
+/// ```
+/// use accel_config::{launch_env, load_str, Format, LoadOptions};
+/// let loaded = load_str(
+///     "distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 2\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n",
+///     "inline", Format::Yaml, &LoadOptions::default()).unwrap();
+/// let env = launch_env(&loaded.config);
+/// let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+/// assert_eq!(get("ACCELERATE_MIXED_PRECISION"), Some("bf16"));
+/// assert_eq!(get("ACCELERATE_USE_FSDP"), Some("true"));
+/// assert_eq!(get("ACCELERATE_USE_DEEPSPEED"), Some("false"));
+/// assert_eq!(get("FSDP_SHARDING_STRATEGY"), Some("FULL_SHARD"));
+/// ```
+pub fn launch_env(config: &Config) -> Vec<(String, String)> {
+    let flat: BTreeMap<String, Value> = flatten(config).into_iter().collect();
+    let text = |v: &Value, sep: char| match v {
+        Value::String(s) => s.clone(),
+        Value::Array(items) => items
+            .iter()
+            .map(|i| match i {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join(&sep.to_string()),
+        other => other.to_string(),
+    };
+    let mut env: Vec<(String, String)> = Vec::new();
+    for (var, target) in ENV_VARS {
+        let sagemaker_only = var.contains("SAGEMAKER") && *var != "ACCELERATE_USE_SAGEMAKER";
+        if env.iter().any(|(v, _)| v == var) || (sagemaker_only && !config.is_sagemaker()) {
+            continue;
+        }
+        let value = match target {
+            Target::Key("accel.plugin_dir", _) => None,
+            Target::Key(key, sep) => flat.get(*key).map(|v| text(v, *sep)),
+            Target::IfTrue(key, wanted) => {
+                Some((flat.get(*key).and_then(Value::as_str) == Some(*wanted)).to_string())
+            }
+        };
+        if let Some(value) = value {
+            env.push(((*var).to_owned(), value));
+        }
+    }
+    env
+}
+
 /// Launch flags whose names are not simply the key they set.
 const SPECIAL_FLAGS: &[(&str, Target)] = &[
     ("cpu", Target::IfTrue("use_cpu", "true")),

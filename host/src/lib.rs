@@ -6,6 +6,7 @@
 //!
 //! * [`plugins`]: the plugin host — discovery, loading, checks, selection.
 //! * [`context`]: the host services plugins receive.
+//! * [`launch`]: the env contract, the process supervisor and the built-in launchers.
 //! * [`cli`]: the `accel` command line.
 //!
 //! ```
@@ -19,4 +20,5 @@
 mod builtins;
 pub mod cli;
 pub mod context;
+pub mod launch;
 pub mod plugins;

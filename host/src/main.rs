@@ -15,7 +15,9 @@ fn main() -> ExitCode {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = accel::cli::Cli::parse();
-    let mut stdout = std::io::stdout().lock();
+    // Not locked for the whole run: `accel launch` relays rank output from
+    // other threads.
+    let mut stdout = std::io::stdout();
     match accel::cli::run(cli, &mut stdout) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(e) => {

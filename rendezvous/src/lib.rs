@@ -96,11 +96,12 @@ impl Server {
             .spawn(move || {
                 for stream in listener.incoming().flatten() {
                     let shared = Arc::clone(&shared);
-                    let _ = thread::Builder::new()
-                        .name("rendezvous-conn".into())
-                        .spawn(move || {
-                            let _ = serve(stream, &shared);
-                        });
+                    let _ =
+                        thread::Builder::new()
+                            .name("rendezvous-conn".into())
+                            .spawn(move || {
+                                let _ = serve(stream, &shared);
+                            });
                 }
             })?;
         Ok(Server { addr })
@@ -186,7 +187,9 @@ fn serve(stream: TcpStream, shared: &Shared) -> io::Result<()> {
                     .and_then(|v| std::str::from_utf8(v).ok()?.parse::<i64>().ok())
                     .unwrap_or(0);
                 let next = current + delta;
-                guard.values.insert((*key).to_owned(), next.to_string().into_bytes());
+                guard
+                    .values
+                    .insert((*key).to_owned(), next.to_string().into_bytes());
                 drop(guard);
                 cond.notify_all();
                 out.write_all(format!("INT {next}\n").as_bytes())?;
@@ -223,12 +226,11 @@ impl Client {
             match TcpStream::connect(addr) {
                 Ok(stream) => {
                     let _ = stream.set_nodelay(true);
-                    let input = BufReader::new(stream.try_clone().map_err(|source| {
-                        StoreError::Io {
+                    let input =
+                        BufReader::new(stream.try_clone().map_err(|source| StoreError::Io {
                             addr: addr.to_owned(),
                             source,
-                        }
-                    })?);
+                        })?);
                     return Ok(Client {
                         addr: addr.to_owned(),
                         out: stream,
@@ -392,8 +394,14 @@ mod tests {
     #[test]
     fn bad_keys_and_unreachable_stores_are_errors() {
         let (mut a, _) = pair();
-        assert!(matches!(a.set("has space", b"x"), Err(StoreError::BadKey(_))));
-        let free = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        assert!(matches!(
+            a.set("has space", b"x"),
+            Err(StoreError::BadKey(_))
+        ));
+        let free = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
         let err = Client::connect(&free.to_string(), Duration::from_millis(200))
             .err()
             .unwrap();

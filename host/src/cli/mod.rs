@@ -2,6 +2,7 @@
 //! returns the process exit status.
 
 mod env;
+mod launch;
 mod plugins;
 
 use crate::plugins::{
@@ -39,6 +40,17 @@ pub enum Command {
     Config(accel_config::cli::ConfigArgs),
     /// Print versions, devices, communication libraries, plugins and the default config.
     Env,
+    /// Run PROGRAM on every rank of a job (local, mpi, slurm or a plugin's launcher).
+    Launch(Box<launch::LaunchArgs>),
+    /// Internal: how mpirun/srun start a rank (sets RANK etc., then runs PROGRAM).
+    #[command(name = "__rank-exec", hide = true)]
+    RankExec {
+        /// The program.
+        program: String,
+        /// Its arguments.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 /// Runs a parsed command line, writing its output to `out`; returns the exit status.
@@ -64,5 +76,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> anyhow::Result<i32> {
             ))
         }
         Command::Env => env::run(&cli.plugin_dirs, out),
+        Command::Launch(args) => launch::run(*args, &cli.plugin_dirs, out),
+        Command::RankExec { program, args } => Err(crate::launch::rank_exec::exec(&program, &args)),
     }
 }

@@ -1,0 +1,462 @@
+//! `accel launch [flags] PROGRAM [ARGS...]`: resolve the config (flags >
+//! `ACCELERATE_*` env > `--config_file` > default file > defaults), check it,
+//! pick a launcher, and run the job (or print what would run).
+
+use crate::{
+    launch::options::{spec_json, LaunchOptions},
+    plugins::{
+        config_check::claimed_distributed_types, default_search_path, PluginSet, PLUGIN_DIR_ENV,
+    },
+};
+use accel_config::{launch_env, resolve_launch, Config, DistributedType, LaunchInputs, Source};
+use accel_sdk::{abi_stable::std_types::Tuple2, LaunchSpec, PluginKind};
+use clap::Args;
+use std::{io::Write, path::PathBuf};
+
+/// Accelerate's launch flags that apply, in both spellings, plus accel's own.
+#[derive(Debug, Args)]
+pub struct LaunchArgs {
+    /// Config file (default: Accelerate's default config file).
+    #[arg(long = "config_file", alias = "config-file", value_name = "PATH")]
+    config_file: Option<PathBuf>,
+    /// Run on the CPU (MULTI_CPU with several processes).
+    #[arg(long)]
+    cpu: bool,
+    /// Several GPUs on this machine (MULTI_GPU).
+    #[arg(long = "multi_gpu", alias = "multi-gpu")]
+    multi_gpu: bool,
+    /// Processes in the whole job (all machines).
+    #[arg(long = "num_processes", alias = "num-processes")]
+    num_processes: Option<u32>,
+    /// Machines in the job.
+    #[arg(long = "num_machines", alias = "num-machines")]
+    num_machines: Option<u32>,
+    /// This machine's index, 0 for the main machine.
+    #[arg(long = "machine_rank", alias = "machine-rank")]
+    machine_rank: Option<u32>,
+    /// Address of machine 0.
+    #[arg(long = "main_process_ip", alias = "main-process-ip")]
+    main_process_ip: Option<String>,
+    /// Port of the rendezvous store on machine 0 (0: any free port, one machine only).
+    #[arg(long = "main_process_port", alias = "main-process-port")]
+    main_process_port: Option<u16>,
+    /// GPUs to use on this machine (`0,1` or `all`).
+    #[arg(long = "gpu_ids", alias = "gpu-ids")]
+    gpu_ids: Option<String>,
+    /// no, fp16, bf16 or fp8.
+    #[arg(long = "mixed_precision", alias = "mixed-precision")]
+    mixed_precision: Option<String>,
+    /// Use FSDP.
+    #[arg(long = "use_fsdp", alias = "use-fsdp")]
+    use_fsdp: bool,
+    /// Use DeepSpeed-style ZeRO.
+    #[arg(long = "use_deepspeed", alias = "use-deepspeed")]
+    use_deepspeed: bool,
+    /// FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD (or 1-4).
+    #[arg(long = "fsdp_sharding_strategy", alias = "fsdp-sharding-strategy")]
+    fsdp_sharding_strategy: Option<String>,
+    /// Offload parameters to the CPU.
+    #[arg(long = "fsdp_offload_params", alias = "fsdp-offload-params")]
+    fsdp_offload_params: Option<String>,
+    /// TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP.
+    #[arg(long = "fsdp_auto_wrap_policy", alias = "fsdp-auto-wrap-policy")]
+    fsdp_auto_wrap_policy: Option<String>,
+    /// Layer classes to wrap (TRANSFORMER_BASED_WRAP).
+    #[arg(
+        long = "fsdp_transformer_layer_cls_to_wrap",
+        alias = "fsdp-transformer-layer-cls-to-wrap"
+    )]
+    fsdp_transformer_layer_cls_to_wrap: Option<String>,
+    /// Minimum parameters per unit (SIZE_BASED_WRAP).
+    #[arg(long = "fsdp_min_num_params", alias = "fsdp-min-num-params")]
+    fsdp_min_num_params: Option<String>,
+    /// FULL_STATE_DICT or SHARDED_STATE_DICT.
+    #[arg(long = "fsdp_state_dict_type", alias = "fsdp-state-dict-type")]
+    fsdp_state_dict_type: Option<String>,
+    /// Broadcast module states from rank 0 at prepare.
+    #[arg(long = "fsdp_sync_module_states", alias = "fsdp-sync-module-states")]
+    fsdp_sync_module_states: Option<String>,
+    /// FSDP version, 1 or 2.
+    #[arg(long = "fsdp_version", alias = "fsdp-version")]
+    fsdp_version: Option<String>,
+    /// FSDP2: reshard after forward.
+    #[arg(
+        long = "fsdp_reshard_after_forward",
+        alias = "fsdp-reshard-after-forward"
+    )]
+    fsdp_reshard_after_forward: Option<String>,
+    /// ZeRO stage, 0 to 3.
+    #[arg(long = "zero_stage", alias = "zero-stage")]
+    zero_stage: Option<String>,
+    /// none or cpu.
+    #[arg(long = "offload_optimizer_device", alias = "offload-optimizer-device")]
+    offload_optimizer_device: Option<String>,
+    /// none or cpu.
+    #[arg(long = "offload_param_device", alias = "offload-param-device")]
+    offload_param_device: Option<String>,
+    /// Micro-steps per optimizer step (DeepSpeed).
+    #[arg(
+        long = "gradient_accumulation_steps",
+        alias = "gradient-accumulation-steps"
+    )]
+    gradient_accumulation_steps: Option<String>,
+    /// Gradient clipping value (DeepSpeed).
+    #[arg(long = "gradient_clipping", alias = "gradient-clipping")]
+    gradient_clipping: Option<String>,
+    /// DeepSpeed config JSON.
+    #[arg(long = "deepspeed_config_file", alias = "deepspeed-config-file")]
+    deepspeed_config_file: Option<String>,
+    /// Rendezvous backend (accel always uses its own store; kept for compatibility).
+    #[arg(long = "rdzv_backend", alias = "rdzv-backend")]
+    rdzv_backend: Option<String>,
+    /// Restart the whole group up to N times after a failure.
+    #[arg(long = "max_restarts", alias = "max-restarts", default_value_t = 0)]
+    max_restarts: u32,
+    /// Seconds between checks of the ranks.
+    #[arg(
+        long = "monitor_interval",
+        alias = "monitor-interval",
+        default_value_t = 0.1
+    )]
+    monitor_interval: f64,
+    /// Prefix output with the rank: 0 none, 1 stdout, 2 stderr, 3 both.
+    #[arg(long, default_value = "0", num_args = 0..=1, default_missing_value = "3")]
+    tee: String,
+    /// Also write each rank's output to DIR/attempt_K/rank_N/{stdout,stderr}.log.
+    #[arg(long = "log_dir", alias = "log-dir")]
+    log_dir: Option<PathBuf>,
+    /// Hostfile for mpirun.
+    #[arg(long = "mpirun_hostfile", alias = "mpirun-hostfile")]
+    mpirun_hostfile: Option<PathBuf>,
+    /// No messages from accel itself.
+    #[arg(short, long)]
+    quiet: bool,
+    /// Debug mode (ACCELERATE_DEBUG_MODE) for the program.
+    #[arg(long)]
+    debug: bool,
+    /// Launcher: local, mpi, slurm, or a plugin's (default: mpi for CPU
+    /// multi-process jobs when mpirun is installed, local otherwise).
+    #[arg(long)]
+    launcher: Option<String>,
+    /// Take the launcher from this plugin when several provide it.
+    #[arg(long = "use-plugin", alias = "use_plugin", value_name = "NAME")]
+    use_plugin: Option<String>,
+    /// Seconds to wait for the other machines at the rendezvous.
+    #[arg(long = "rdzv_timeout", alias = "rdzv-timeout", default_value_t = 300)]
+    rdzv_timeout: u64,
+    /// Print each rank's command and environment; start nothing.
+    #[arg(long = "dry-run", alias = "dry_run")]
+    dry_run: bool,
+    /// Print the resolved config with the source of every value; start nothing.
+    #[arg(long = "print-config", alias = "print_config")]
+    print_config: bool,
+    /// The program to run on every rank (any executable).
+    #[arg(required_unless_present = "print_config")]
+    program: Option<String>,
+    /// Its arguments.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<String>,
+}
+
+impl LaunchArgs {
+    /// The flags the user typed, as `(flag, value)` for the resolver.
+    fn explicit_flags(&self) -> Vec<(String, String)> {
+        let mut flags: Vec<(String, String)> = Vec::new();
+        let mut push = |name: &str, value: Option<String>| {
+            if let Some(v) = value {
+                flags.push((name.to_owned(), v));
+            }
+        };
+        let on = |b: bool| b.then(|| "true".to_owned());
+        push("cpu", on(self.cpu));
+        push("multi_gpu", on(self.multi_gpu));
+        push("use_fsdp", on(self.use_fsdp));
+        push("use_deepspeed", on(self.use_deepspeed));
+        push("debug", on(self.debug));
+        push("num_processes", self.num_processes.map(|v| v.to_string()));
+        push("num_machines", self.num_machines.map(|v| v.to_string()));
+        push("machine_rank", self.machine_rank.map(|v| v.to_string()));
+        push("main_process_ip", self.main_process_ip.clone());
+        push(
+            "main_process_port",
+            self.main_process_port.map(|v| v.to_string()),
+        );
+        push("gpu_ids", self.gpu_ids.clone());
+        push("mixed_precision", self.mixed_precision.clone());
+        push("rdzv_backend", self.rdzv_backend.clone());
+        for (name, value) in [
+            ("fsdp_sharding_strategy", &self.fsdp_sharding_strategy),
+            ("fsdp_offload_params", &self.fsdp_offload_params),
+            ("fsdp_auto_wrap_policy", &self.fsdp_auto_wrap_policy),
+            (
+                "fsdp_transformer_layer_cls_to_wrap",
+                &self.fsdp_transformer_layer_cls_to_wrap,
+            ),
+            ("fsdp_min_num_params", &self.fsdp_min_num_params),
+            ("fsdp_state_dict_type", &self.fsdp_state_dict_type),
+            ("fsdp_sync_module_states", &self.fsdp_sync_module_states),
+            ("fsdp_version", &self.fsdp_version),
+            (
+                "fsdp_reshard_after_forward",
+                &self.fsdp_reshard_after_forward,
+            ),
+            ("zero_stage", &self.zero_stage),
+            ("offload_optimizer_device", &self.offload_optimizer_device),
+            ("offload_param_device", &self.offload_param_device),
+            (
+                "gradient_accumulation_steps",
+                &self.gradient_accumulation_steps,
+            ),
+            ("gradient_clipping", &self.gradient_clipping),
+            ("deepspeed_config_file", &self.deepspeed_config_file),
+        ] {
+            push(name, value.clone());
+        }
+        flags
+    }
+
+    /// Combinations refused before anything starts.
+    fn check_flags(&self) -> Result<(), String> {
+        let paradigms: Vec<&str> = [
+            (self.multi_gpu, "--multi_gpu"),
+            (self.use_fsdp, "--use_fsdp"),
+            (self.use_deepspeed, "--use_deepspeed"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, n)| *n)
+        .collect();
+        if paradigms.len() > 1 {
+            return Err(format!(
+                "{} cannot be combined: pick one",
+                paradigms.join(" and ")
+            ));
+        }
+        if self.cpu && self.multi_gpu {
+            return Err("--cpu and --multi_gpu cannot be combined".into());
+        }
+        if self.multi_gpu && self.num_processes == Some(1) {
+            return Err("--multi_gpu needs --num_processes greater than 1".into());
+        }
+        Ok(())
+    }
+}
+
+fn check_config(config: &Config, flags: &LaunchArgs) -> Result<(), String> {
+    let n = config.num_processes.unwrap_or(1);
+    let machines = config.num_machines.unwrap_or(1);
+    let machine_rank = config.machine_rank.unwrap_or(0);
+    if n == 0 || machines == 0 {
+        return Err("num_processes and num_machines must be at least 1".into());
+    }
+    if machine_rank >= machines {
+        return Err(format!(
+            "machine_rank {machine_rank} is not below num_machines {machines} (machines are numbered from 0)"
+        ));
+    }
+    if n % machines != 0 {
+        return Err(format!(
+            "num_processes {n} (processes in the whole job) does not divide evenly over num_machines {machines}"
+        ));
+    }
+    if config.distributed_type == Some(DistributedType::MultiGpu) && n < 2 {
+        return Err("distributed_type MULTI_GPU needs num_processes greater than 1".into());
+    }
+    if machines > 1 && config.main_process_port == Some(0) {
+        return Err("main_process_port 0 (any free port) works on one machine only; give every machine the same port".into());
+    }
+    if machines > 1 && config.main_process_ip.is_none() {
+        return Err("several machines need --main_process_ip (machine 0's address)".into());
+    }
+    if machines > 1 && flags.max_restarts > 0 {
+        return Err("--max_restarts is supported on one machine only".into());
+    }
+    Ok(())
+}
+
+fn default_launcher(config: &Config) -> &'static str {
+    let cpu_multi = config.distributed_type == Some(DistributedType::MultiCpu)
+        && config.num_processes.unwrap_or(1) > 1;
+    let has_mpirun = std::process::Command::new("mpirun")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if cpu_multi && has_mpirun {
+        "mpi"
+    } else {
+        "local"
+    }
+}
+
+/// The plugin search path ranks get: what accel searched.
+fn plugin_path(plugin_dirs: &[PathBuf]) -> String {
+    let dirs: Vec<PathBuf> = default_search_path(plugin_dirs)
+        .into_iter()
+        .map(|d| d.path)
+        .collect();
+    std::env::join_paths(dirs)
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// Runs `accel launch`.
+pub fn run(args: LaunchArgs, plugin_dirs: &[PathBuf], out: &mut dyn Write) -> anyhow::Result<i32> {
+    let fail = |msg: String| {
+        eprintln!("accel launch: error: {msg}");
+        Ok(1)
+    };
+    if let Err(e) = args.check_flags() {
+        return fail(e);
+    }
+    let set = PluginSet::discover(&default_search_path(plugin_dirs));
+    let claimed = claimed_distributed_types(&set);
+    let env = |k: &str| std::env::var(k).ok();
+    let mut flags = args.explicit_flags();
+    let resolve = |flags: &[(String, String)]| {
+        resolve_launch(&LaunchInputs {
+            cli: flags,
+            env: &env,
+            config_file: args.config_file.as_deref(),
+            extra_distributed_types: &claimed,
+        })
+    };
+    let mut resolved = match resolve(&flags) {
+        Ok(r) => r,
+        Err(e) => return fail(e.to_string()),
+    };
+    // Like Accelerate: several processes and no distributed_type anywhere
+    // means MULTI_CPU (with --cpu or without a GPU) or MULTI_GPU.
+    if resolved
+        .source("distributed_type")
+        .is_none_or(|s| *s == Source::Builtin)
+        && args.num_processes.unwrap_or(1) > 1
+    {
+        let dt = if args.cpu || !tch::Cuda::is_available() {
+            "MULTI_CPU"
+        } else {
+            "MULTI_GPU"
+        };
+        flags.push(("distributed_type".to_owned(), dt.to_owned()));
+        resolved = match resolve(&flags) {
+            Ok(r) => r,
+            Err(e) => return fail(e.to_string()),
+        };
+    }
+    if !args.quiet {
+        for w in &resolved.warnings {
+            eprintln!("{w}");
+        }
+    }
+    if args.print_config {
+        writeln!(out, "{}", resolved.table())?;
+        return Ok(0);
+    }
+    let config = &resolved.config;
+    if let Err(e) = check_config(config, &args) {
+        return fail(e);
+    }
+    let launcher_name = args
+        .launcher
+        .clone()
+        .or_else(|| config.accel.as_ref().and_then(|a| a.launcher.clone()))
+        .unwrap_or_else(|| default_launcher(config).to_owned());
+    let choice = match set.select(
+        PluginKind::Launcher,
+        &launcher_name,
+        args.use_plugin.as_deref(),
+    ) {
+        Ok(c) => c,
+        Err(e) => return fail(e.to_string()),
+    };
+
+    let mut env = launch_env(config);
+    let config_json = serde_json::Value::Object(config.to_json());
+    env.push(("ACCEL_RESOLVED_CONFIG".into(), config_json.to_string()));
+    env.push((PLUGIN_DIR_ENV.into(), plugin_path(plugin_dirs)));
+    let hostfile = args.mpirun_hostfile.clone().or_else(|| {
+        config
+            .mpirun_config
+            .as_ref()
+            .and_then(|m| m.get("mpirun_hostfile"))
+            .and_then(|v| v.as_str())
+            .map(PathBuf::from)
+    });
+    let options = LaunchOptions {
+        tee: args.tee.clone(),
+        log_dir: args.log_dir.clone(),
+        max_restarts: args.max_restarts,
+        monitor_interval: args.monitor_interval,
+        mpirun_hostfile: hostfile,
+        quiet: args.quiet,
+        rdzv_timeout: args.rdzv_timeout,
+        accel_exe: std::env::current_exe()?,
+    };
+    let num_machines = config.num_machines.unwrap_or(1);
+    let spec = LaunchSpec {
+        program: args.program.clone().unwrap_or_default().into(),
+        args: args.args.iter().map(|a| a.as_str().into()).collect(),
+        env: env
+            .into_iter()
+            .map(|(k, v)| Tuple2(k.into(), v.into()))
+            .collect(),
+        num_processes: config.num_processes.unwrap_or(1),
+        num_machines,
+        machine_rank: config.machine_rank.unwrap_or(0),
+        main_process_ip: config
+            .main_process_ip
+            .clone()
+            .unwrap_or_else(|| "127.0.0.1".to_owned())
+            .into(),
+        main_process_port: config.main_process_port.unwrap_or(if num_machines > 1 {
+            29500
+        } else {
+            0
+        }),
+        config_json: spec_json(&config_json, &options).into(),
+    };
+    let mut launcher = match choice.new_launcher("{}") {
+        Ok(l) => l,
+        Err(e) => return fail(e.to_string()),
+    };
+    if args.dry_run {
+        let plans = match launcher.plan(&spec).into_result() {
+            Ok(p) => p,
+            Err(e) => return fail(e.to_string()),
+        };
+        writeln!(
+            out,
+            "launcher: {} ({})",
+            choice.component.name,
+            choice.plugin.location()
+        )?;
+        for p in plans.iter() {
+            writeln!(out, "rank {}:", p.rank)?;
+            for Tuple2(k, v) in p.env.iter() {
+                writeln!(out, "  {k}={v}")?;
+            }
+            let cmd: Vec<&str> = p.command.iter().map(|c| c.as_str()).collect();
+            writeln!(out, "  $ {}", cmd.join(" "))?;
+        }
+        return Ok(0);
+    }
+    if !args.quiet {
+        eprintln!(
+            "accel launch: {} process(es) on machine {} of {}, launcher `{}`",
+            spec.num_processes / num_machines,
+            spec.machine_rank,
+            num_machines,
+            choice.component.name
+        );
+    }
+    match launcher.launch(&spec).into_result() {
+        Ok(outcome) => {
+            if outcome.exit_code != 0 {
+                eprintln!("accel launch: {}", outcome.message);
+            } else if !args.quiet {
+                eprintln!("accel launch: {}", outcome.message);
+            }
+            Ok(outcome.exit_code)
+        }
+        Err(e) => fail(e.to_string()),
+    }
+}

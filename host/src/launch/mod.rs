@@ -1,0 +1,11 @@
+//! Launching jobs: the env contract, the process supervisor, and the
+//! built-in launchers (`local`, `mpi`, `slurm`), each a `Launcher` component
+//! like a third-party one.
+
+pub mod env;
+mod local;
+pub mod mpi;
+pub mod options;
+pub mod rank_exec;
+pub mod slurm;
+pub mod supervisor;

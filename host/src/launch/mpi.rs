@@ -1,0 +1,228 @@
+//! `mpi`: runs the job with `mpirun` (OpenMPI) or `mpiexec` (MPICH), the
+//! default for CPU multi-process jobs. Every rank is started as
+//! `accel __rank-exec -- PROGRAM ARGS`, which sets `RANK`, `LOCAL_RANK`,
+//! `WORLD_SIZE`, `LOCAL_WORLD_SIZE` from the MPI variables, so programs see
+//! the same environment under every launcher.
+
+use super::{
+    local::{host_store, plans, supervision},
+    options::{from_spec, LaunchOptions},
+    supervisor::{supervise, RankProcess},
+};
+use accel_sdk::{
+    abi_stable::std_types::{RResult, RVec, Tuple2},
+    Component, ErrorKind, LaunchOutcome, LaunchSpec, Launcher, LauncherBox, PluginError,
+    PluginResult, ProcessPlan,
+};
+use std::process::Command;
+
+struct MpiLauncher;
+
+fn make(_settings: &str) -> Result<LauncherBox, PluginError> {
+    Ok(accel_sdk::into_launcher(MpiLauncher))
+}
+
+inventory::submit! {
+    Component::launcher(
+        "mpi",
+        "mpirun (OpenMPI) / mpiexec (MPICH), with a hostfile for several machines",
+        &["mpi"],
+        make,
+    )
+}
+
+/// Which MPI implementation's command line to build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    /// OpenMPI's `mpirun`.
+    OpenMpi,
+    /// MPICH's (Hydra) `mpiexec`.
+    Mpich,
+}
+
+/// Asks `mpirun --version` which implementation is installed.
+pub fn detect_flavor() -> Result<Flavor, PluginError> {
+    let out = Command::new("mpirun").arg("--version").output().map_err(|e| {
+        PluginError::new(
+            ErrorKind::Unsupported,
+            "accel",
+            format!("mpi launcher: cannot run `mpirun --version` ({e}); install OpenMPI (apt-get install openmpi-bin) or use --launcher local"),
+        )
+    })?;
+    let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    Ok(if text.contains("HYDRA") || text.contains("MPICH") {
+        Flavor::Mpich
+    } else {
+        Flavor::OpenMpi
+    })
+}
+
+/// The full mpirun/mpiexec command for `spec`.
+pub fn command(
+    spec: &LaunchSpec,
+    flavor: Flavor,
+    hostfile: Option<&std::path::Path>,
+    accel_exe: &std::path::Path,
+    as_root: bool,
+    cores: usize,
+) -> Vec<String> {
+    let mut cmd: Vec<String> = Vec::new();
+    let n = spec.num_processes.to_string();
+    let mut env: Vec<(String, String)> = spec
+        .env
+        .iter()
+        .map(|Tuple2(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    env.push(("MASTER_ADDR".into(), spec.main_process_ip.to_string()));
+    env.push(("MASTER_PORT".into(), spec.main_process_port.to_string()));
+    match flavor {
+        Flavor::OpenMpi => {
+            cmd.extend(["mpirun".into(), "--np".into(), n]);
+            if let Some(h) = hostfile {
+                cmd.extend(["--hostfile".into(), h.display().to_string()]);
+            }
+            if as_root {
+                cmd.push("--allow-run-as-root".into());
+            }
+            if hostfile.is_none() && spec.num_processes as usize > cores {
+                cmd.push("--oversubscribe".into());
+            }
+            cmd.extend(["--bind-to".into(), "none".into()]);
+            for (k, v) in env {
+                cmd.extend(["-x".into(), format!("{k}={v}")]);
+            }
+        }
+        Flavor::Mpich => {
+            cmd.extend(["mpiexec".into(), "-n".into(), n]);
+            if let Some(h) = hostfile {
+                cmd.extend(["-f".into(), h.display().to_string()]);
+            }
+            for (k, v) in env {
+                cmd.extend(["-genv".into(), k, v]);
+            }
+        }
+    }
+    cmd.extend([
+        accel_exe.display().to_string(),
+        "__rank-exec".into(),
+        "--".into(),
+    ]);
+    cmd.push(spec.program.to_string());
+    cmd.extend(spec.args.iter().map(|a| a.to_string()));
+    cmd
+}
+
+fn rank_process(spec: &LaunchSpec) -> Result<RankProcess, PluginError> {
+    let opts = from_spec(spec, "mpi")?;
+    rank_process_with(spec, &opts)
+}
+
+fn rank_process_with(spec: &LaunchSpec, opts: &LaunchOptions) -> Result<RankProcess, PluginError> {
+    let flavor = detect_flavor()?;
+    // SAFETY: geteuid has no preconditions.
+    let as_root = unsafe { libc::geteuid() } == 0;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut cmd = command(
+        spec,
+        flavor,
+        opts.mpirun_hostfile.as_deref(),
+        &opts.accel_exe,
+        as_root,
+        cores,
+    );
+    let program = cmd.remove(0);
+    Ok(RankProcess {
+        rank: 0,
+        program,
+        args: cmd,
+        env: Vec::new(),
+    })
+}
+
+impl Launcher for MpiLauncher {
+    fn plan(&mut self, spec: &LaunchSpec) -> PluginResult<RVec<ProcessPlan>> {
+        rank_process(spec).map(|r| plans(&[r])).into()
+    }
+
+    fn launch(&mut self, spec: &LaunchSpec) -> PluginResult<LaunchOutcome> {
+        let run = || -> Result<LaunchOutcome, PluginError> {
+            let opts = from_spec(spec, "mpi")?;
+            // accel's machine hosts the store the ranks meet at.
+            let store = host_store(spec, opts.mpirun_hostfile.is_some())?;
+            let mut spec = spec.clone();
+            spec.main_process_port = store.local_addr().port();
+            let process = rank_process_with(&spec, &opts)?;
+            let outcome = supervise(&[process], &supervision(&opts)?, None)
+                .map_err(|e| PluginError::other("accel", e.to_string()))?;
+            let message = if outcome.exit_code == 0 {
+                format!("all {} rank(s) finished successfully", spec.num_processes)
+            } else {
+                outcome.message.replacen("rank 0", "mpirun", 1)
+            };
+            Ok(LaunchOutcome {
+                exit_code: outcome.exit_code,
+                message: message.into(),
+            })
+        };
+        RResult::from(run())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> LaunchSpec {
+        LaunchSpec {
+            program: "train".into(),
+            args: vec!["--lr".into(), "0.1".into()].into(),
+            env: vec![Tuple2("ACCELERATE_MIXED_PRECISION".into(), "bf16".into())].into(),
+            num_processes: 4,
+            num_machines: 1,
+            machine_rank: 0,
+            main_process_ip: "127.0.0.1".into(),
+            main_process_port: 29500,
+            config_json: "{}".into(),
+        }
+    }
+
+    #[test]
+    fn openmpi_command() {
+        let cmd = command(
+            &spec(),
+            Flavor::OpenMpi,
+            None,
+            "/bin/accel".as_ref(),
+            true,
+            2,
+        );
+        let text = cmd.join(" ");
+        assert!(
+            text.starts_with("mpirun --np 4 --allow-run-as-root --oversubscribe --bind-to none"),
+            "{text}"
+        );
+        assert!(text.contains("-x ACCELERATE_MIXED_PRECISION=bf16"));
+        assert!(text.contains("-x MASTER_PORT=29500"));
+        assert!(
+            text.ends_with("/bin/accel __rank-exec -- train --lr 0.1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn mpich_command_with_hostfile() {
+        let cmd = command(
+            &spec(),
+            Flavor::Mpich,
+            Some("hosts".as_ref()),
+            "/bin/accel".as_ref(),
+            false,
+            8,
+        );
+        let text = cmd.join(" ");
+        assert!(
+            text.starts_with("mpiexec -n 4 -f hosts -genv ACCELERATE_MIXED_PRECISION bf16"),
+            "{text}"
+        );
+    }
+}
