@@ -245,16 +245,10 @@ impl LaunchArgs {
 fn check_config(config: &Config, flags: &LaunchArgs) -> Result<(), String> {
     let n = config.num_processes.unwrap_or(1);
     let machines = config.num_machines.unwrap_or(1);
-    let machine_rank = config.machine_rank.unwrap_or(0);
     if n == 0 || machines == 0 {
         return Err("num_processes and num_machines must be at least 1".into());
     }
-    if machine_rank >= machines {
-        return Err(format!(
-            "machine_rank {machine_rank} is not below num_machines {machines} (machines are numbered from 0)"
-        ));
-    }
-    if n % machines != 0 {
+    if !n.is_multiple_of(machines) {
         return Err(format!(
             "num_processes {n} (processes in the whole job) does not divide evenly over num_machines {machines}"
         ));
@@ -450,9 +444,7 @@ pub fn run(args: LaunchArgs, plugin_dirs: &[PathBuf], out: &mut dyn Write) -> an
     }
     match launcher.launch(&spec).into_result() {
         Ok(outcome) => {
-            if outcome.exit_code != 0 {
-                eprintln!("accel launch: {}", outcome.message);
-            } else if !args.quiet {
+            if outcome.exit_code != 0 || !args.quiet {
                 eprintln!("accel launch: {}", outcome.message);
             }
             Ok(outcome.exit_code)

@@ -172,22 +172,25 @@ fn run(spec: &LaunchSpec) -> Result<LaunchOutcome, PluginError> {
         if outcome.exit_code == 0 {
             // Machine 0 keeps the store up until every machine is done.
             let _ = peers.client.add("accel/job/done", 1);
-            while spec.machine_rank == 0 {
-                let done = peers.client.try_get("accel/job/done").ok().flatten();
-                let done: i64 = done
-                    .and_then(|d| String::from_utf8(d).ok()?.parse().ok())
-                    .unwrap_or(0);
-                if done >= i64::from(spec.num_machines) || peers.remote_failure().is_some() {
-                    break;
+            if spec.machine_rank == 0 {
+                loop {
+                    let done = peers.client.try_get("accel/job/done").ok().flatten();
+                    let done: i64 = done
+                        .and_then(|d| String::from_utf8(d).ok()?.parse().ok())
+                        .unwrap_or(0);
+                    if done >= i64::from(spec.num_machines) || peers.remote_failure().is_some() {
+                        break;
+                    }
+                    std::thread::sleep(supervision.monitor_interval);
                 }
-                std::thread::sleep(supervision.monitor_interval);
             }
         }
         outcome
     } else {
         supervise(&ranks, &supervision, None).map_err(|e| err(e.to_string()))?
     };
-    drop(server);
+    // The store (`server`) served until here; its thread ends with accel.
+    let _ = server;
     Ok(LaunchOutcome {
         exit_code: outcome.exit_code,
         message: outcome.message.into(),

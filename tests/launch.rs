@@ -1,0 +1,643 @@
+//! `accel launch` end to end with the rank-probe harness: the env contract
+//! under the local and mpi launchers, failures that take the whole job
+//! down with no process left behind, signals, restarts, output handling,
+//! refused combinations, dry runs, and two machines in network namespaces.
+
+use accel_integration_tests::{accel_bin, build_bin, describe};
+use serde_json::Value;
+use std::{
+    collections::BTreeSet,
+    fs,
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+fn probe() -> PathBuf {
+    build_bin("accel-rank-probe", "rank-probe")
+}
+
+fn launch(args: &[&str]) -> Command {
+    let mut cmd = Command::new(accel_bin());
+    cmd.arg("launch").args(args).env_remove("ACCEL_PLUGIN_DIR");
+    // No user config file may leak into the test.
+    cmd.env(
+        "HF_HOME",
+        std::env::temp_dir().join("accel-tests-no-hf-home"),
+    );
+    cmd
+}
+
+fn output(mut cmd: impl std::borrow::BorrowMut<Command>) -> Output {
+    cmd.borrow_mut().output().expect("accel starts")
+}
+
+/// Every `rank*.json` the probes wrote into `dir`, by rank.
+fn ranks(dir: &Path) -> Vec<Value> {
+    let mut all: Vec<Value> = fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let p = e.unwrap().path();
+            let name = p.file_name()?.to_str()?.to_owned();
+            (name.starts_with("rank") && name.ends_with(".json"))
+                .then(|| serde_json::from_str(&fs::read_to_string(&p).unwrap()).unwrap())
+        })
+        .collect();
+    all.sort_by_key(|v| v["RANK"].as_str().unwrap().parse::<u32>().unwrap());
+    all
+}
+
+fn wait_for_files(dir: &Path, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ranks_written(dir) < n {
+        assert!(Instant::now() < deadline, "ranks did not start");
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn ranks_written(dir: &Path) -> usize {
+    fs::read_dir(dir).map_or(0, |d| d.count())
+}
+
+/// Processes whose command line mentions `marker`.
+fn processes_mentioning(marker: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in fs::read_dir("/proc").unwrap().flatten() {
+        let pid = entry.file_name().to_string_lossy().into_owned();
+        if !pid.chars().all(|c| c.is_ascii_digit()) {
+            continue;
+        }
+        if let Ok(cmdline) = fs::read(entry.path().join("cmdline")) {
+            let text = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            // Zombies have an empty cmdline; they are gone once reaped.
+            if text.contains(marker) {
+                found.push(format!("{pid}: {text}"));
+            }
+        }
+    }
+    found
+}
+
+fn assert_no_leftovers(marker: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = processes_mentioning(marker);
+        if left.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "leftover processes: {left:#?}");
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn check_env_contract(launcher: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = output(launch(&[
+        "--cpu",
+        "--num_processes",
+        "4",
+        "--mixed_precision",
+        "bf16",
+        "--launcher",
+        launcher,
+        probe().to_str().unwrap(),
+        "--write-dir",
+        dir.path().to_str().unwrap(),
+        "--join",
+    ]));
+    assert!(out.status.success(), "{}", describe(&out));
+    let ranks = ranks(dir.path());
+    assert_eq!(ranks.len(), 4);
+    let port = ranks[0]["MASTER_PORT"].as_str().unwrap().to_owned();
+    assert_ne!(port, "0");
+    for (i, r) in ranks.iter().enumerate() {
+        let s = i.to_string();
+        assert_eq!(r["RANK"], s.as_str(), "{r}");
+        assert_eq!(r["LOCAL_RANK"], s.as_str(), "{r}");
+        assert_eq!(r["WORLD_SIZE"], "4");
+        assert_eq!(r["LOCAL_WORLD_SIZE"], "4");
+        assert_eq!(r["MASTER_ADDR"], "127.0.0.1");
+        assert_eq!(r["MASTER_PORT"], port.as_str());
+        assert_eq!(r["ACCELERATE_MIXED_PRECISION"], "bf16");
+        assert_eq!(r["ACCELERATE_USE_CPU"], "true");
+        assert_eq!(r["ACCELERATE_USE_FSDP"], "false");
+        assert_eq!(r["ACCELERATE_USE_DEEPSPEED"], "false");
+        assert!(r["ACCEL_PLUGIN_DIR"]
+            .as_str()
+            .is_some_and(|p| !p.is_empty()));
+        // Every rank met the others at the launcher's rendezvous store.
+        assert_eq!(r["joined"], 4);
+    }
+}
+
+#[test]
+fn local_launcher_gives_four_ranks_the_env_contract() {
+    check_env_contract("local");
+}
+
+#[test]
+fn mpi_launcher_gives_four_ranks_the_env_contract() {
+    check_env_contract("mpi");
+}
+
+fn hanging_job(dir: &Path, extra: &[&str]) -> Child {
+    let mut args = vec!["--cpu", "--num_processes", "4", "--launcher", "local"];
+    args.extend_from_slice(extra);
+    let probe = probe();
+    args.extend([
+        probe.to_str().unwrap(),
+        "--hang",
+        "--write-dir",
+        dir.to_str().unwrap(),
+    ]);
+    let child = launch(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_files(dir, 4);
+    child
+}
+
+fn wait_within(mut child: Child, limit: Duration) -> Output {
+    let start = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("accel still running after {limit:?}");
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn kill_9_of_one_rank_takes_the_job_down_and_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().to_str().unwrap().to_owned();
+    let child = hanging_job(dir.path(), &[]);
+    let victim = ranks(dir.path())[2]["pid"].as_i64().unwrap();
+    // SAFETY: plain kill(2) of a probe process this test started.
+    assert_eq!(
+        unsafe { libc::kill(victim as libc::pid_t, libc::SIGKILL) },
+        0
+    );
+    let out = wait_within(child, Duration::from_secs(10));
+    assert_eq!(out.status.code(), Some(128 + 9), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "rank 2 (pid {victim}) was killed by signal 9 (SIGKILL)"
+        )),
+        "{err}"
+    );
+    assert_no_leftovers(&marker);
+}
+
+#[test]
+fn sigint_to_accel_reaches_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().to_str().unwrap().to_owned();
+    let child = hanging_job(dir.path(), &[]);
+    // SAFETY: plain kill(2) of the accel process this test started.
+    assert_eq!(
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) },
+        0
+    );
+    let out = wait_within(child, Duration::from_secs(10));
+    assert_eq!(out.status.code(), Some(130), "{}", describe(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("accel received SIGINT"));
+    assert_no_leftovers(&marker);
+}
+
+#[test]
+fn a_crashing_rank_is_named_with_its_signal() {
+    let out = output(launch(&[
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--launcher",
+        "local",
+        probe().to_str().unwrap(),
+        "--crash",
+        "--only-rank",
+        "1",
+        "--others-hang",
+    ]));
+    assert_eq!(out.status.code(), Some(128 + 6), "{}", describe(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rank 1 (pid"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("was killed by signal 6 (SIGABRT)"));
+}
+
+#[test]
+fn max_restarts_restarts_the_group_after_a_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("failed-once");
+    let args = |restarts: &'static str| {
+        vec![
+            "--cpu".to_owned(),
+            "--num_processes".into(),
+            "2".into(),
+            "--launcher".into(),
+            "local".into(),
+            "--max_restarts".into(),
+            restarts.into(),
+            probe().to_str().unwrap().to_owned(),
+            "--fail-once".into(),
+            marker.to_str().unwrap().to_owned(),
+            "--only-rank".into(),
+            "1".into(),
+        ]
+    };
+    let out = output(launch(&[]).args(args("1")));
+    assert!(out.status.success(), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("rank 1 (pid") && err.contains("restarting all ranks (restart 1 of 1)"),
+        "{err}"
+    );
+
+    fs::remove_file(&marker).unwrap();
+    let out = output(launch(&[]).args(args("0")));
+    assert_eq!(out.status.code(), Some(3), "{}", describe(&out));
+}
+
+#[test]
+fn tee_prefixes_output_and_log_dir_keeps_every_rank() {
+    let logs = tempfile::tempdir().unwrap();
+    let out = output(launch(&[
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--launcher",
+        "local",
+        "--tee",
+        "3",
+        "--log_dir",
+        logs.path().to_str().unwrap(),
+        probe().to_str().unwrap(),
+    ]));
+    assert!(out.status.success(), "{}", describe(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for rank in 0..2 {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with(&format!("[rank {rank}]: {{"))),
+            "{stdout}"
+        );
+        let log = fs::read_to_string(
+            logs.path()
+                .join(format!("attempt_0/rank_{rank}/stdout.log")),
+        )
+        .unwrap();
+        let v: Value = serde_json::from_str(log.trim()).unwrap();
+        assert_eq!(v["RANK"], rank.to_string().as_str());
+    }
+}
+
+#[test]
+fn bad_combinations_are_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = probe();
+    let p = probe.to_str().unwrap();
+    let w = dir.path().to_str().unwrap();
+    for (args, expected) in [
+        (
+            vec!["--multi_gpu", "--num_processes", "1"],
+            "--multi_gpu needs --num_processes greater than 1",
+        ),
+        (
+            vec!["--use_fsdp", "--use_deepspeed"],
+            "--use_fsdp and --use_deepspeed cannot be combined",
+        ),
+        (
+            vec![
+                "--cpu",
+                "--num_processes",
+                "4",
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                "2",
+                "--main_process_ip",
+                "127.0.0.1",
+            ],
+            "`machine_rank: 2` must be below `num_machines` (2)",
+        ),
+        (
+            vec![
+                "--cpu",
+                "--num_processes",
+                "3",
+                "--num_machines",
+                "2",
+                "--main_process_ip",
+                "127.0.0.1",
+            ],
+            "does not divide evenly",
+        ),
+        (
+            vec![
+                "--cpu",
+                "--num_processes",
+                "2",
+                "--tee",
+                "7",
+                "--launcher",
+                "local",
+            ],
+            "--tee 7",
+        ),
+    ] {
+        let mut all = args.clone();
+        all.extend([p, "--write-dir", w]);
+        let out = output(&mut launch(&all));
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", describe(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(expected),
+            "{args:?}: {}",
+            describe(&out)
+        );
+        assert_eq!(ranks_written(dir.path()), 0, "{args:?} started a rank");
+    }
+}
+
+#[test]
+fn dry_run_prints_each_rank_and_starts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = output(launch(&[
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--launcher",
+        "local",
+        "--dry-run",
+        probe().to_str().unwrap(),
+        "--write-dir",
+        dir.path().to_str().unwrap(),
+    ]));
+    assert!(out.status.success(), "{}", describe(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("rank 0:") && text.contains("rank 1:"),
+        "{text}"
+    );
+    assert!(
+        text.contains("  RANK=1") && text.contains("  WORLD_SIZE=2"),
+        "{text}"
+    );
+    assert!(text.contains("ACCELERATE_USE_CPU=true"), "{text}");
+    assert_eq!(ranks_written(dir.path()), 0);
+
+    let mpi = output(launch(&[
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--launcher",
+        "mpi",
+        "--dry-run",
+        "prog",
+        "a",
+    ]));
+    let text = String::from_utf8_lossy(&mpi.stdout);
+    assert!(
+        text.contains("$ mpirun --np 2") && text.contains("__rank-exec -- prog a"),
+        "{text}"
+    );
+}
+
+#[test]
+fn print_config_shows_where_every_value_came_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("cfg.yaml");
+    fs::write(
+        &file,
+        "distributed_type: DEEPSPEED\nnum_processes: 2\nmixed_precision: fp16\ndeepspeed_config:\n  zero_stage: 2\n",
+    )
+    .unwrap();
+    let out = output(
+        launch(&[
+            "--config_file",
+            file.to_str().unwrap(),
+            "--mixed_precision",
+            "bf16",
+            "--zero_stage",
+            "3",
+            "--print-config",
+        ])
+        .env("ACCELERATE_MIXED_PRECISION", "no"),
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+    let table = String::from_utf8_lossy(&out.stdout);
+    let row = |key: &str| {
+        table
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(key))
+            .unwrap_or_else(|| panic!("no {key} in {table}"))
+            .to_owned()
+    };
+    // A flag beats the env and the file, even inside a nested section.
+    let mp = row("mixed_precision");
+    assert!(
+        mp.contains("bf16") && mp.ends_with("command line"),
+        "{table}"
+    );
+    let zero = row("deepspeed_config.zero_stage");
+    assert!(
+        zero.contains('3') && zero.ends_with("command line"),
+        "{zero}"
+    );
+    let n = row("num_processes");
+    assert!(n.contains('2') && n.contains(file.to_str().unwrap()), "{n}");
+}
+
+/// Two network namespaces joined by a veth pair: two "machines" on one host.
+struct Namespaces {
+    names: [String; 2],
+}
+
+impl Namespaces {
+    fn create() -> Result<Namespaces, String> {
+        let id = std::process::id() % 10000;
+        let names = [format!("accel-m0-{id}"), format!("accel-m1-{id}")];
+        let ns = Namespaces { names };
+        let [a, b] = &ns.names;
+        let va = format!("av0-{id}");
+        let vb = format!("av1-{id}");
+        let steps: Vec<Vec<String>> = vec![
+            vec!["netns".into(), "add".into(), a.clone()],
+            vec!["netns".into(), "add".into(), b.clone()],
+            vec![
+                "link".into(),
+                "add".into(),
+                va.clone(),
+                "type".into(),
+                "veth".into(),
+                "peer".into(),
+                "name".into(),
+                vb.clone(),
+            ],
+            vec![
+                "link".into(),
+                "set".into(),
+                va.clone(),
+                "netns".into(),
+                a.clone(),
+            ],
+            vec![
+                "link".into(),
+                "set".into(),
+                vb.clone(),
+                "netns".into(),
+                b.clone(),
+            ],
+            vec![
+                "-n".into(),
+                a.clone(),
+                "addr".into(),
+                "add".into(),
+                "10.231.7.1/24".into(),
+                "dev".into(),
+                va.clone(),
+            ],
+            vec![
+                "-n".into(),
+                b.clone(),
+                "addr".into(),
+                "add".into(),
+                "10.231.7.2/24".into(),
+                "dev".into(),
+                vb.clone(),
+            ],
+            vec![
+                "-n".into(),
+                a.clone(),
+                "link".into(),
+                "set".into(),
+                va,
+                "up".into(),
+            ],
+            vec![
+                "-n".into(),
+                b.clone(),
+                "link".into(),
+                "set".into(),
+                vb,
+                "up".into(),
+            ],
+            vec![
+                "-n".into(),
+                a.clone(),
+                "link".into(),
+                "set".into(),
+                "lo".into(),
+                "up".into(),
+            ],
+            vec![
+                "-n".into(),
+                b.clone(),
+                "link".into(),
+                "set".into(),
+                "lo".into(),
+                "up".into(),
+            ],
+        ];
+        for step in steps {
+            let out = Command::new("ip")
+                .args(&step)
+                .output()
+                .map_err(|e| format!("ip: {e}"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "ip {}: {}",
+                    step.join(" "),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+        }
+        Ok(ns)
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", n]).output();
+        }
+    }
+}
+
+#[test]
+fn two_machines_in_network_namespaces_form_one_job() {
+    let ns = match Namespaces::create() {
+        Ok(ns) => ns,
+        Err(reason) => {
+            eprintln!("SKIPPED two_machines_in_network_namespaces_form_one_job: cannot make network namespaces here ({reason})");
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let accel = accel_bin();
+    let probe = probe();
+    let start = |i: usize| {
+        Command::new("ip")
+            .args(["netns", "exec", &ns.names[i]])
+            .arg(&accel)
+            .args([
+                "launch",
+                "--cpu",
+                "--launcher",
+                "local",
+                "--num_processes",
+                "4",
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                &i.to_string(),
+                "--main_process_ip",
+                "10.231.7.1",
+                "--main_process_port",
+                "29517",
+                "--rdzv_timeout",
+                "60",
+            ])
+            .arg(&probe)
+            .args(["--join", "--write-dir", dir.path().to_str().unwrap()])
+            .env(
+                "HF_HOME",
+                std::env::temp_dir().join("accel-tests-no-hf-home"),
+            )
+            .env_remove("ACCEL_PLUGIN_DIR")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // Machine 1 first: it must wait for machine 0's store.
+    let m1 = start(1);
+    thread::sleep(Duration::from_millis(300));
+    let m0 = start(0);
+    let o0 = wait_within(m0, Duration::from_secs(60));
+    let o1 = wait_within(m1, Duration::from_secs(60));
+    assert!(o0.status.success(), "machine 0: {}", describe(&o0));
+    assert!(o1.status.success(), "machine 1: {}", describe(&o1));
+    let ranks = ranks(dir.path());
+    assert_eq!(ranks.len(), 4);
+    let distinct: BTreeSet<&str> = ranks.iter().map(|r| r["RANK"].as_str().unwrap()).collect();
+    assert_eq!(distinct, BTreeSet::from(["0", "1", "2", "3"]));
+    for r in &ranks {
+        assert_eq!(r["WORLD_SIZE"], "4");
+        assert_eq!(r["LOCAL_WORLD_SIZE"], "2");
+        assert_eq!(r["MASTER_ADDR"], "10.231.7.1");
+        assert_eq!(r["joined"], 4, "{r}");
+    }
+    let machines: BTreeSet<&str> = ranks
+        .iter()
+        .map(|r| r["GROUP_RANK"].as_str().unwrap())
+        .collect();
+    assert_eq!(machines, BTreeSet::from(["0", "1"]));
+}
