@@ -3,7 +3,7 @@
 //! down with no process left behind, signals, restarts, output handling,
 //! refused combinations, dry runs, and two machines in network namespaces.
 
-use accel_integration_tests::{accel_bin, build_bin, describe};
+use accel_integration_tests::{accel_bin, build_bin, build_plugin_into, describe};
 use serde_json::Value;
 use std::{
     collections::BTreeSet,
@@ -640,4 +640,40 @@ fn two_machines_in_network_namespaces_form_one_job() {
         .map(|r| r["GROUP_RANK"].as_str().unwrap())
         .collect();
     assert_eq!(machines, BTreeSet::from(["0", "1"]));
+}
+
+#[test]
+fn a_third_party_launcher_from_a_plugin_dir_is_selectable() {
+    let plugins = tempfile::tempdir().unwrap();
+    build_plugin_into(
+        "accel-test-faulty",
+        &[],
+        &plugins.path().join("libaccel_test_faulty.so"),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let out = output(launch(&[
+        "--plugin-dir",
+        plugins.path().to_str().unwrap(),
+        "--launcher",
+        "single",
+        "--mixed_precision",
+        "fp16",
+        probe().to_str().unwrap(),
+        "--write-dir",
+        dir.path().to_str().unwrap(),
+    ]));
+    assert!(out.status.success(), "{}", describe(&out));
+    let ranks = ranks(dir.path());
+    assert_eq!(ranks.len(), 1);
+    assert_eq!(ranks[0]["WORLD_SIZE"], "1");
+    assert_eq!(ranks[0]["ACCELERATE_MIXED_PRECISION"], "fp16");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("launcher `single`"));
+    // Without the plugin dir, the launcher does not exist, and the error says what does.
+    let out = output(launch(&["--launcher", "single", "prog"]));
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no launcher plugin for `single`") && err.contains("local, mpi, slurm"),
+        "{err}"
+    );
 }
