@@ -14,6 +14,12 @@ cp target/debug/libaccel_csv_tracker.so "$plugins/"
 echo "== accel plugins list --plugin-dir $plugins"
 target/debug/accel plugins list --plugin-dir "$plugins"
 echo
+echo "== accel config validate configs/*.yaml"
+target/debug/accel config validate configs/*.yaml
+echo
+echo "== accel launch --dry-run (2 CPU ranks, from configs/ddp_cpu_2.yaml)"
+target/debug/accel launch --config_file configs/ddp_cpu_2.yaml --launcher local --dry-run target/debug/quickstart | grep -E '^rank|RANK=|WORLD_SIZE=|\$'
+echo
 echo "== quickstart, logging through the csv plugin and the built-in jsonl tracker"
 target/debug/quickstart --plugin-dir "$plugins" --log-with csv --log-with jsonl --project-dir "$runs"
 echo
