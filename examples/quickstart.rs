@@ -8,7 +8,7 @@
 //! ```
 
 use accel::{
-    context::SingleProcessContext,
+    context::ProcessContext,
     plugins::{default_search_path, PluginSet},
 };
 use accel_sdk::{
@@ -62,7 +62,7 @@ fn main() -> Result<()> {
     for rejected in plugins.rejected() {
         eprintln!("warning: {rejected}");
     }
-    let ctx = SingleProcessContext::new(DeviceSpec::CPU).into_box();
+    let ctx = ProcessContext::single(DeviceSpec::CPU).into_box();
     let mut strategy = plugins
         .select(PluginKind::Strategy, "NO", None)?
         .new_strategy(ctx.clone(), "{}")?;

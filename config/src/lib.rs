@@ -48,7 +48,8 @@ pub use load::{
 pub use parse::{Format, Mark};
 pub use resolve::{
     env_var_table, flatten, launch_env, resolve, resolve_launch, resolve_training, LaunchInputs,
-    Layer, ResolvedConfig, Setting, Source, SourceKind, LAUNCH_PRECEDENCE, TRAINING_PRECEDENCE,
+    Layer, ResolvedConfig, Setting, Source, SourceKind, LAUNCH_PRECEDENCE, RESOLVED_CONFIG_ENV,
+    TRAINING_PRECEDENCE,
 };
 pub use schema::{
     AccelSection, ComputeEnvironment, Config, DistributedType, MixedPrecision, Section,

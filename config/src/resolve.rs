@@ -1165,6 +1165,9 @@ pub fn resolve_launch(inputs: &LaunchInputs) -> Result<ResolvedConfig, ConfigErr
     Ok(r)
 }
 
+/// The variable `accel launch` puts the whole resolved config in (JSON).
+pub const RESOLVED_CONFIG_ENV: &str = "ACCEL_RESOLVED_CONFIG";
+
 /// Resolves the training-process config: builder > env set by the launcher > defaults.
 pub fn resolve_training(
     builder: &[(String, Value)],
@@ -1180,6 +1183,24 @@ pub fn resolve_training(
     match Layer::from_env(env, extra_distributed_types) {
         Ok(l) => layers.push(l),
         Err(e) => errors.extend(e.diagnostics),
+    }
+    // The whole config `accel launch` resolved, for the keys no single
+    // variable carries (distributed_type, sections, `accel:`); the single
+    // variables above win over it.
+    if let Some(json) = env(RESOLVED_CONFIG_ENV) {
+        let opts = LoadOptions::with_extra_distributed_types(extra_distributed_types);
+        match crate::load::load_str(
+            &json,
+            RESOLVED_CONFIG_ENV,
+            crate::parse::Format::Json,
+            &opts,
+        ) {
+            Ok(loaded) => layers.push(Layer::from_config(
+                &loaded.config,
+                Source::Env(RESOLVED_CONFIG_ENV.to_owned()),
+            )),
+            Err(e) => errors.extend(e.diagnostics),
+        }
     }
     if !errors.is_empty() {
         return Err(ConfigError {

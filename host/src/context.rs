@@ -1,6 +1,8 @@
-//! The host's [`HostContext`] for a single process: rank 0 of a world of 1,
-//! where every collective is exact without communication.
+//! [`ProcessContext`]: the host's [`HostContext`] — this process's place in
+//! the job, its device, and the collectives of its [`Communicator`] — handed
+//! to strategy and precision plugins.
 
+use crate::comm::{CommError, Communicator, SingleProcess};
 use accel_sdk::{
     abi_stable::{
         sabi_trait::TD_Opaque,
@@ -8,90 +10,96 @@ use accel_sdk::{
     },
     context::HostContext_TO,
     tensor::{TensorMut, TensorRef},
-    DeviceSpec, HostContext, HostContextBox, LogLevel, PluginError, PluginResult, ReduceOp,
+    DeviceSpec, ErrorKind, HostContext, HostContextBox, LogLevel, PluginError, PluginResult,
+    ReduceOp,
 };
+use std::sync::Arc;
 
-/// One process on one device.
-#[derive(Debug, Clone, Copy)]
-pub struct SingleProcessContext {
+/// One process of a job.
+#[derive(Clone)]
+pub struct ProcessContext {
+    comm: Arc<dyn Communicator>,
+    local_rank: u32,
+    local_world_size: u32,
     device: DeviceSpec,
 }
 
-impl SingleProcessContext {
-    /// A context computing on `device`.
-    pub fn new(device: DeviceSpec) -> Self {
-        Self { device }
+impl ProcessContext {
+    /// A process of `comm`'s job computing on `device`.
+    pub fn new(
+        comm: Arc<dyn Communicator>,
+        local_rank: u32,
+        local_world_size: u32,
+        device: DeviceSpec,
+    ) -> Self {
+        Self {
+            comm,
+            local_rank,
+            local_world_size,
+            device,
+        }
     }
 
-    /// Erased, shareable, for handing to plugins.
+    /// The only process of a one-process job.
+    pub fn single(device: DeviceSpec) -> Self {
+        Self::new(Arc::new(SingleProcess), 0, 1, device)
+    }
+
+    /// Erased and shareable, for handing to plugins.
     pub fn into_box(self) -> HostContextBox {
         HostContext_TO::from_ptr(RArc::new(self), TD_Opaque)
     }
 }
 
-fn copy_flat(input: TensorRef<'_>, mut output: TensorMut<'_>, call: &str) -> PluginResult<()> {
-    let input = input.get();
-    let mut out = output.get_mut();
-    if input.numel() != out.numel() {
-        return RErr(PluginError::new(
-            accel_sdk::ErrorKind::Communication,
+fn result(r: Result<(), CommError>) -> PluginResult<()> {
+    match r {
+        Ok(()) => ROk(()),
+        Err(e) => RErr(PluginError::new(
+            ErrorKind::Communication,
             "accel",
-            format!(
-                "{call}: output has {} elements, expected {} (world size 1)",
-                out.numel(),
-                input.numel()
-            ),
-        ));
+            e.to_string(),
+        )),
     }
-    let src = input.reshape(out.size());
-    tch::no_grad(|| out.copy_(&src));
-    ROk(())
 }
 
-impl HostContext for SingleProcessContext {
+impl HostContext for ProcessContext {
     fn rank(&self) -> u32 {
-        0
+        self.comm.rank()
     }
     fn world_size(&self) -> u32 {
-        1
+        self.comm.world_size()
     }
     fn local_rank(&self) -> u32 {
-        0
+        self.local_rank
     }
     fn local_world_size(&self) -> u32 {
-        1
+        self.local_world_size
     }
     fn device(&self) -> DeviceSpec {
         self.device
     }
-    fn all_reduce(&self, _tensor: TensorMut<'_>, _op: ReduceOp) -> PluginResult<()> {
-        // Sum, mean, max, min and product over one rank are the tensor itself.
-        ROk(())
+    fn all_reduce(&self, mut tensor: TensorMut<'_>, op: ReduceOp) -> PluginResult<()> {
+        result(self.comm.all_reduce(&mut tensor.get_mut(), op))
     }
-    fn broadcast(&self, _tensor: TensorMut<'_>, root: u32) -> PluginResult<()> {
-        if root == 0 {
-            ROk(())
-        } else {
-            RErr(PluginError::new(
-                accel_sdk::ErrorKind::Communication,
-                "accel",
-                format!("broadcast from rank {root}, but the world has 1 process"),
-            ))
-        }
+    fn broadcast(&self, mut tensor: TensorMut<'_>, root: u32) -> PluginResult<()> {
+        result(self.comm.broadcast(&mut tensor.get_mut(), root))
     }
-    fn all_gather(&self, input: TensorRef<'_>, output: TensorMut<'_>) -> PluginResult<()> {
-        copy_flat(input, output, "all_gather")
+    fn all_gather(&self, input: TensorRef<'_>, mut output: TensorMut<'_>) -> PluginResult<()> {
+        result(self.comm.all_gather(&input.get(), &mut output.get_mut()))
     }
     fn reduce_scatter(
         &self,
         input: TensorRef<'_>,
-        output: TensorMut<'_>,
-        _op: ReduceOp,
+        mut output: TensorMut<'_>,
+        op: ReduceOp,
     ) -> PluginResult<()> {
-        copy_flat(input, output, "reduce_scatter")
+        result(
+            self.comm
+                .reduce_scatter(&input.get(), &mut output.get_mut(), op),
+        )
     }
     fn barrier(&self) -> PluginResult<()> {
-        ROk(())
+        result(self.comm.barrier())
     }
     fn log(&self, level: LogLevel, target: RStr<'_>, message: RStr<'_>) {
         forward_log(level, target.as_str(), message.as_str());
@@ -116,7 +124,7 @@ mod tests {
 
     #[test]
     fn collectives_over_one_rank_are_exact() {
-        let ctx = SingleProcessContext::new(DeviceSpec::CPU).into_box();
+        let ctx = ProcessContext::single(DeviceSpec::CPU).into_box();
         let mut t = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
         ctx.all_reduce(TensorMut::new(&mut t), ReduceOp::Avg)
             .unwrap();
@@ -131,5 +139,6 @@ mod tests {
             .all_gather(TensorRef::new(&t), TensorMut::new(&mut wrong))
             .unwrap_err();
         assert!(err.message.contains("expected 3"), "{err}");
+        assert_eq!(err.kind, ErrorKind::Communication);
     }
 }

@@ -4,7 +4,9 @@
 //! models on one device, many processes or many machines with one API and
 //! one CLI, configured by the files Accelerate users already have.
 //!
+//! * [`accelerator`]: the [`Accelerator`](accelerator::Accelerator) runtime: prepare, accumulate, collectives, data sharding.
 //! * [`plugins`]: the plugin host — discovery, loading, checks, selection.
+//! * [`comm`]: communicators (single process, MPI) and their collectives.
 //! * [`context`]: the host services plugins receive.
 //! * [`launch`]: the env contract, the process supervisor and the built-in launchers.
 //! * [`cli`]: the `accel` command line.
@@ -17,8 +19,10 @@
 //! assert_eq!(strategy.component.name.as_str(), "single-device");
 //! ```
 
+pub mod accelerator;
 mod builtins;
 pub mod cli;
+pub mod comm;
 pub mod context;
 pub mod launch;
 pub mod plugins;

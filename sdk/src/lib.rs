@@ -30,6 +30,7 @@
 //!   collectives, logging).
 //! * [`tensor`]: tensor handles that cross the boundary, with safe views over tch.
 //! * [`error`]: [`PluginError`], returned by every call.
+//! * [`grad`]: gradient norms and clipping, as PyTorch computes them.
 //! * [`guard`]: panics become errors; [`guard::into_tracker`] & co. erase a
 //!   component for the host.
 //! * [`registry`]: [`Component`] registration with `inventory`.
@@ -40,6 +41,7 @@
 
 pub mod context;
 pub mod error;
+pub mod grad;
 pub mod guard;
 pub mod launcher;
 pub mod manifest;

@@ -8,7 +8,7 @@ use accel_sdk::{
     Component, DistributedStrategy, HostContextBox, MemoryStats, PluginError, PluginResult,
     StateDictKind, StrategyBox, WrapUnit,
 };
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 struct SingleDevice {
     params: Vec<(String, Tensor)>,
@@ -35,31 +35,6 @@ fn bytes(t: &Tensor) -> u64 {
     } else {
         0
     }
-}
-
-/// The `norm_type` norm of a 1-D tensor, in f64.
-fn vector_norm(t: &Tensor, norm_type: f64) -> Tensor {
-    t.linalg_norm(norm_type, None::<&[i64]>, false, Kind::Double)
-}
-
-/// `torch.nn.utils.clip_grad_norm_` over `grads`: the total `norm_type`
-/// norm, and every gradient scaled by `min(1, max_norm / (total + 1e-6))`.
-pub(crate) fn clip_grads(grads: &mut [Tensor], max_norm: f64, norm_type: f64) -> f64 {
-    if grads.is_empty() {
-        return 0.0;
-    }
-    let norms: Vec<Tensor> = grads
-        .iter()
-        .map(|g| vector_norm(&g.flatten(0, -1), norm_type))
-        .collect();
-    let total = vector_norm(&Tensor::stack(&norms, 0), norm_type).double_value(&[]);
-    let coef = (max_norm / (total + 1e-6)).min(1.0);
-    tch::no_grad(|| {
-        for g in grads.iter_mut() {
-            let _ = g.g_mul_scalar_(coef);
-        }
-    });
-    total
 }
 
 impl DistributedStrategy for SingleDevice {
@@ -112,7 +87,9 @@ impl DistributedStrategy for SingleDevice {
             .map(|(_, p)| p.grad())
             .filter(Tensor::defined)
             .collect();
-        ROk(clip_grads(&mut grads, max_norm, norm_type))
+        ROk(accel_sdk::grad::clip_grad_norm(
+            &mut grads, max_norm, norm_type,
+        ))
     }
 
     fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
@@ -177,7 +154,7 @@ impl DistributedStrategy for SingleDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::context::SingleProcessContext;
+    use crate::context::ProcessContext;
     use accel_sdk::abi_stable::{sabi_trait::TD_Opaque, sabi_types::RMut};
     use accel_sdk::{
         strategy::{OptimizerStep, OptimizerStep_TO},
@@ -193,31 +170,13 @@ mod tests {
     }
 
     #[test]
-    fn clip_matches_torch_formula() {
-        // grads [3, 4] and [12]: total 2-norm 13; clipped to 6.5 -> halved.
-        let mut grads = vec![
-            Tensor::from_slice(&[3.0f32, 4.0]),
-            Tensor::from_slice(&[12.0f32]),
-        ];
-        let total = clip_grads(&mut grads, 6.5, 2.0);
-        assert!((total - 13.0).abs() < 1e-9);
-        let a = Vec::<f32>::try_from(&grads[0]).unwrap();
-        assert!(
-            (a[0] - 1.5).abs() < 1e-5 && (a[1] - 2.0).abs() < 1e-5,
-            "{a:?}"
-        );
-        let mut inf = vec![Tensor::from_slice(&[-7.0f32, 2.0])];
-        assert_eq!(clip_grads(&mut inf, 100.0, f64::INFINITY), 7.0);
-    }
-
-    #[test]
     fn protocol_round_trip_through_the_erased_strategy() {
         let set = crate::plugins::PluginSet::builtins();
         let choice = set
             .select(accel_sdk::PluginKind::Strategy, "NO", None)
             .unwrap();
         let mut strategy = choice
-            .new_strategy(SingleProcessContext::new(DeviceSpec::CPU).into_box(), "")
+            .new_strategy(ProcessContext::single(DeviceSpec::CPU).into_box(), "")
             .unwrap();
         let mut w = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
         let mut params = vec![NamedTensorMut {

@@ -8,7 +8,9 @@ use crate::{
         config_check::claimed_distributed_types, default_search_path, PluginSet, PLUGIN_DIR_ENV,
     },
 };
-use accel_config::{launch_env, resolve_launch, Config, DistributedType, LaunchInputs, Source};
+use accel_config::{
+    launch_env, resolve_launch, Config, DistributedType, LaunchInputs, Source, RESOLVED_CONFIG_ENV,
+};
 use accel_sdk::{abi_stable::std_types::Tuple2, LaunchSpec, PluginKind};
 use clap::Args;
 use std::{io::Write, path::PathBuf};
@@ -135,7 +137,8 @@ pub struct LaunchArgs {
     #[arg(long)]
     debug: bool,
     /// Launcher: local, mpi, slurm, or a plugin's (default: mpi for CPU
-    /// multi-process jobs when mpirun is installed, local otherwise).
+    /// multi-process jobs when mpirun is installed, local otherwise; CPU
+    /// ranks of a training program communicate through MPI).
     #[arg(long)]
     launcher: Option<String>,
     /// Take the launcher from this plugin when several provide it.
@@ -269,8 +272,10 @@ fn check_config(config: &Config, flags: &LaunchArgs) -> Result<(), String> {
 }
 
 fn default_launcher(config: &Config) -> &'static str {
-    let cpu_multi = config.distributed_type == Some(DistributedType::MultiCpu)
-        && config.num_processes.unwrap_or(1) > 1;
+    let on_cpu = config.use_cpu.unwrap_or(false)
+        || config.distributed_type == Some(DistributedType::MultiCpu)
+        || !tch::Cuda::is_available();
+    let cpu_multi = on_cpu && config.num_processes.unwrap_or(1) > 1;
     let has_mpirun = std::process::Command::new("mpirun")
         .arg("--version")
         .output()
@@ -365,7 +370,7 @@ pub fn run(args: LaunchArgs, plugin_dirs: &[PathBuf], out: &mut dyn Write) -> an
 
     let mut env = launch_env(config);
     let config_json = serde_json::Value::Object(config.to_json());
-    env.push(("ACCEL_RESOLVED_CONFIG".into(), config_json.to_string()));
+    env.push((RESOLVED_CONFIG_ENV.into(), config_json.to_string()));
     env.push((PLUGIN_DIR_ENV.into(), plugin_path(plugin_dirs)));
     let hostfile = args.mpirun_hostfile.clone().or_else(|| {
         config

@@ -2,11 +2,11 @@
 //! strategy plugins claim, the settings a selected plugin receives, and the
 //! plugin-side check of a config file.
 //!
-//! A strategy plugin receives, as JSON, the Accelerate section of its
-//! `distributed_type` (`fsdp_config` for FSDP, `deepspeed_config` for
-//! DEEPSPEED, `mpirun_config` for MULTI_CPU, `megatron_lm_config`), or —
-//! for a value Accelerate has no section for — the plugin's own settings
-//! under `accel.plugins.<plugin name>`; `{}` when there are none.
+//! A strategy plugin receives, as JSON, `{"section": S, "settings": P}`:
+//! `S` is the Accelerate section of its `distributed_type` (`fsdp_config`
+//! for FSDP, `deepspeed_config` for DEEPSPEED, `mpirun_config` for
+//! MULTI_CPU, `megatron_lm_config`) or `null`, and `P` the plugin's own
+//! settings under `accel.plugins.<plugin name>` (or `{}`).
 //! `accel.strategy` names the plugin to take when several claim the value.
 
 use super::{PluginSet, SelectError};
@@ -25,10 +25,14 @@ pub fn strategy_settings(config: &Config, plugin: &str) -> Value {
         .distributed_type
         .as_ref()
         .map_or("NO", |d| d.as_str());
-    section_for_distributed_type(dt)
+    let section = section_for_distributed_type(dt)
         .and_then(|name| config.section(name))
-        .or_else(|| config.plugin_settings(plugin).cloned())
-        .unwrap_or_else(|| Value::Object(Default::default()))
+        .unwrap_or(Value::Null);
+    let settings = config
+        .plugin_settings(plugin)
+        .cloned()
+        .unwrap_or_else(|| Value::Object(Default::default()));
+    serde_json::json!({ "section": section, "settings": settings })
 }
 
 /// Asks the strategy `config` selects to check its settings; one message

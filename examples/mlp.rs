@@ -1,0 +1,221 @@
+//! mlp: the training program to copy. A 3-layer MLP trained with MSE on one
+//! process, or on many under `accel launch`, through the [`Accelerator`].
+//!
+//! ```text
+//! mlp --steps 100                                   # one process
+//! accel launch --cpu --num_processes 2 mlp --steps 100 --loss-log loss.jsonl --save w.safetensors
+//! ```
+//!
+//! The model is `Linear(D,H)-ReLU-Linear(H,H)-ReLU-Linear(H,O)` with
+//! parameters `l1.weight l1.bias l2.weight l2.bias l3.weight l3.bias`.
+
+use accel::accelerator::{AccelError, Accelerator, DataLoader, Reduction};
+use anyhow::{bail, Context, Result};
+use clap::{Parser, ValueEnum};
+use std::{
+    fs::File,
+    io::{BufWriter, Write},
+    path::PathBuf,
+};
+use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Opt {
+    /// Plain SGD, no momentum.
+    Sgd,
+    /// AdamW with torch's defaults (betas 0.9/0.999, eps 1e-8, weight decay 0.01).
+    Adamw,
+}
+
+#[derive(Parser)]
+#[command(about = "Train a 3-layer MLP with accel")]
+struct Args {
+    /// safetensors with `x` [N, D] and `y` [N, O] (float32); default: generated data.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// safetensors with initial weights (l1.weight, ...).
+    #[arg(long)]
+    init: Option<PathBuf>,
+    /// Hidden width H.
+    #[arg(long, default_value_t = 32)]
+    hidden: i64,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 100)]
+    steps: u64,
+    /// Batch size per process.
+    #[arg(long = "batch-size", default_value_t = 16)]
+    batch_size: usize,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.05)]
+    lr: f64,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value = "sgd")]
+    optimizer: Opt,
+    /// Seed of the weight initialisation.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Micro-batches per optimizer step (gradient accumulation).
+    #[arg(long = "grad-accum", default_value_t = 1)]
+    grad_accum: u32,
+    /// Samples of generated data (without --data).
+    #[arg(long, default_value_t = 512)]
+    samples: i64,
+    /// One JSON object per optimizer step: `step` and `loss` (mean across ranks).
+    #[arg(long = "loss-log")]
+    loss_log: Option<PathBuf>,
+    /// Final weights (safetensors). With `{rank}` in the name every rank saves its own.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Extra plugin directory.
+    #[arg(long = "plugin-dir")]
+    plugin_dirs: Vec<PathBuf>,
+}
+
+/// Deterministic data, the same on every rank: x ~ N(0, 1) and a fixed
+/// smooth target, drawn from a seed of their own.
+fn generated(samples: i64) -> (Tensor, Tensor) {
+    tch::manual_seed(20_251_122);
+    let opts = (Kind::Float, Device::Cpu);
+    let x = Tensor::randn([samples, 8], opts);
+    let w = Tensor::randn([8, 2], opts);
+    let y = x.matmul(&w).tanh() + x.narrow(1, 0, 2) * 0.5;
+    (x, y)
+}
+
+fn load_data(path: &PathBuf) -> Result<(Tensor, Tensor)> {
+    let tensors =
+        Tensor::read_safetensors(path).with_context(|| format!("reading {}", path.display()))?;
+    let get = |name: &str| {
+        tensors
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.to_kind(Kind::Float))
+            .with_context(|| {
+                format!(
+                    "{}: no tensor `{name}` (expected `x` [N,D] and `y` [N,O])",
+                    path.display()
+                )
+            })
+    };
+    let (x, y) = (get("x")?, get("y")?);
+    if x.dim() != 2 || y.dim() != 2 || x.size()[0] != y.size()[0] {
+        bail!(
+            "{}: `x` must be [N,D] and `y` [N,O], got {:?} and {:?}",
+            path.display(),
+            x.size(),
+            y.size()
+        );
+    }
+    Ok((x, y))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let mut builder = Accelerator::builder().gradient_accumulation_steps(args.grad_accum);
+    for d in &args.plugin_dirs {
+        builder = builder.plugin_dir(d);
+    }
+    let mut acc = builder.build()?;
+    let (x, y) = match &args.data {
+        Some(p) => load_data(p)?,
+        None => generated(args.samples),
+    };
+    let (d, o) = (x.size()[1], y.size()[1]);
+
+    acc.set_seed(args.seed, false);
+    let mut vs = nn::VarStore::new(acc.device());
+    let root = vs.root();
+    let l1 = nn::linear(&root / "l1", d, args.hidden, Default::default());
+    let l2 = nn::linear(&root / "l2", args.hidden, args.hidden, Default::default());
+    let l3 = nn::linear(&root / "l3", args.hidden, o, Default::default());
+    let model = nn::seq()
+        .add(l1)
+        .add_fn(|t| t.relu())
+        .add(l2)
+        .add_fn(|t| t.relu())
+        .add(l3);
+    if let Some(init) = &args.init {
+        vs.load(init)
+            .with_context(|| format!("loading initial weights from {}", init.display()))?;
+    }
+    acc.prepare_model(&mut vs)?;
+    let mut opt = match args.optimizer {
+        Opt::Sgd => nn::Sgd::default().build(&vs, args.lr)?,
+        Opt::Adamw => nn::AdamW::default().build(&vs, args.lr)?,
+    };
+    let loader = acc.prepare_data_loader(DataLoader::new(
+        x.to_device(acc.device()),
+        y.to_device(acc.device()),
+        args.batch_size,
+    ));
+    if loader.is_empty() {
+        bail!(
+            "no batch for rank {}: the data has {} samples",
+            acc.process_index(),
+            x.size()[0]
+        );
+    }
+    let mut log = match (&args.loss_log, acc.is_main_process()) {
+        (Some(p), true) => Some(BufWriter::new(
+            File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        _ => None,
+    };
+    acc.print(format!(
+        "mlp: {} process(es), strategy {}, {} batches of {} per process per epoch",
+        acc.num_processes(),
+        acc.strategy_name(),
+        loader.len(),
+        args.batch_size
+    ));
+
+    let mut step = 0u64;
+    let mut window: Vec<Tensor> = Vec::new();
+    let mut first = None;
+    let mut last;
+    'training: loop {
+        for (xb, yb) in loader.iter() {
+            let (synced, loss) = acc.accumulate(|acc| -> Result<(bool, Tensor), AccelError> {
+                let loss = model.forward(&xb).mse_loss(&yb, tch::Reduction::Mean);
+                acc.backward(&loss)?;
+                let synced = acc.sync_gradients();
+                acc.step(&mut opt)?;
+                acc.zero_grad(&mut opt);
+                Ok((synced, loss.detach()))
+            })?;
+            window.push(loss);
+            if !synced {
+                continue;
+            }
+            step += 1;
+            let mean = Tensor::stack(&window, 0).mean(Kind::Float);
+            window.clear();
+            let loss = acc.reduce(&mean, Reduction::Mean)?.double_value(&[]);
+            first.get_or_insert(loss);
+            last = loss;
+            if let Some(log) = log.as_mut() {
+                writeln!(log, "{}", serde_json::json!({ "step": step, "loss": loss }))?;
+            }
+            if step == args.steps {
+                break 'training;
+            }
+        }
+    }
+    if let Some(mut log) = log {
+        log.flush()?;
+    }
+    if let Some(path) = &args.save {
+        let name = path.to_string_lossy();
+        if name.contains("{rank}") {
+            vs.save(name.replace("{rank}", &acc.process_index().to_string()))?;
+        } else if acc.is_main_process() {
+            vs.save(path)?;
+        }
+    }
+    acc.print(format!(
+        "mlp: {step} steps, loss {:.6} -> {last:.6}",
+        first.unwrap_or(f64::NAN)
+    ));
+    acc.wait_for_everyone()?;
+    Ok(())
+}

@@ -1,0 +1,661 @@
+//! The [`Accelerator`]: one API for one process, many processes, many machines.
+//!
+//! ```no_run
+//! use accel::accelerator::{Accelerator, DataLoader};
+//! use tch::{nn, nn::Module, nn::OptimizerConfig};
+//! # fn main() -> Result<(), accel::accelerator::AccelError> {
+//! let mut acc = Accelerator::new()?; // reads what `accel launch` set; one process without it
+//! let mut vs = nn::VarStore::new(acc.device());
+//! let model = nn::linear(vs.root() / "fc", 4, 1, Default::default());
+//! acc.prepare_model(&mut vs)?;
+//! let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+//! let x = tch::Tensor::randn([64, 4], (tch::Kind::Float, acc.device()));
+//! let y = x.sum_dim_intlist(1, true, tch::Kind::Float);
+//! let loader = acc.prepare_data_loader(DataLoader::new(x, y, 8));
+//! for (xb, yb) in loader.iter() {
+//!     acc.accumulate(|acc| -> Result<(), accel::accelerator::AccelError> {
+//!         let loss = model.forward(&xb).mse_loss(&yb, tch::Reduction::Mean);
+//!         acc.backward(&loss)?;
+//!         acc.step(&mut opt)?;
+//!         acc.zero_grad(&mut opt);
+//!         Ok(())
+//!     })?;
+//! }
+//! # Ok(()) }
+//! ```
+
+mod data;
+
+pub use data::{shard_indices, DataLoader, ShardedLoader, Sharding};
+
+use crate::{
+    comm::{mpi::started_by_mpirun, CommError, Communicator, SingleProcess},
+    context::ProcessContext,
+    plugins::{
+        config_check::{claimed_distributed_types, strategy_settings},
+        default_search_path, PluginSet, SelectError,
+    },
+};
+use accel_config::{resolve_training, ConfigError, ResolvedConfig};
+use accel_sdk::{
+    abi_stable::{sabi_trait::TD_Opaque, sabi_types::RMut, std_types::ROk},
+    strategy::{OptimizerStep, OptimizerStep_TO},
+    tensor::{NamedTensorMut, TensorMut, TensorRef},
+    DeviceKind, DeviceSpec, PluginError, PluginKind, PluginResult, PrecisionBox, ReduceOp,
+    StrategyBox,
+};
+use serde_json::Value;
+use std::{
+    path::PathBuf,
+    sync::{Arc, Mutex},
+};
+use tch::{nn, Device, Tensor};
+
+/// Everything that can go wrong in the runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum AccelError {
+    /// The configuration (builder or launcher environment) is invalid.
+    #[error("configuration: {0}")]
+    Config(#[from] ConfigError),
+    /// No plugin, or two, for a config value.
+    #[error("{0}")]
+    Select(Box<SelectError>),
+    /// A plugin returned an error.
+    #[error("{0}")]
+    Plugin(#[from] PluginError),
+    /// A collective failed.
+    #[error("communication: {0}")]
+    Comm(#[from] CommError),
+    /// The API was used in a way it does not support.
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl From<SelectError> for AccelError {
+    fn from(e: SelectError) -> Self {
+        AccelError::Select(Box::new(e))
+    }
+}
+
+/// Where the training loop is, shared with the prepared data loaders.
+#[derive(Debug, Clone)]
+pub struct GradientState {
+    /// Whether this micro-step synchronises gradients and steps.
+    pub sync_gradients: bool,
+    /// Whether the active data loader just yielded its last batch.
+    pub end_of_dataloader: bool,
+    /// Samples in the data set beyond the last full round (`-1`: unknown).
+    pub remainder: i64,
+}
+
+/// How `reduce` combines ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// Elementwise sum.
+    Sum,
+    /// Elementwise mean.
+    Mean,
+}
+
+/// Programmatic settings; they win over what the launcher set.
+#[derive(Debug, Default, Clone)]
+pub struct AcceleratorBuilder {
+    settings: Vec<(String, Value)>,
+    plugin_dirs: Vec<PathBuf>,
+    gradient_accumulation_steps: Option<u32>,
+    split_batches: bool,
+    even_batches: Option<bool>,
+    strategy_settings: Option<Value>,
+}
+
+impl AcceleratorBuilder {
+    /// Any config key (`mixed_precision`, `distributed_type`,
+    /// `fsdp_config.fsdp_sharding_strategy`, ...), as in a config file.
+    pub fn config(mut self, key: &str, value: impl Into<Value>) -> Self {
+        self.settings.push((key.to_owned(), value.into()));
+        self
+    }
+
+    /// `mixed_precision`: `no`, `fp16`, `bf16`.
+    pub fn mixed_precision(self, mp: &str) -> Self {
+        self.config("mixed_precision", mp)
+    }
+
+    /// `distributed_type`: `NO`, `MULTI_CPU`, `MULTI_GPU`, or a plugin's value.
+    pub fn distributed_type(self, dt: &str) -> Self {
+        self.config("distributed_type", dt)
+    }
+
+    /// Micro-steps per optimizer step (default: `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, else 1).
+    pub fn gradient_accumulation_steps(mut self, n: u32) -> Self {
+        self.gradient_accumulation_steps = Some(n.max(1));
+        self
+    }
+
+    /// Cut every batch among the ranks instead of dealing whole batches.
+    pub fn split_batches(mut self, split: bool) -> Self {
+        self.split_batches = split;
+        self
+    }
+
+    /// Wrap around at the end of the data so every rank gets as many batches (default true).
+    pub fn even_batches(mut self, even: bool) -> Self {
+        self.even_batches = Some(even);
+        self
+    }
+
+    /// An extra plugin directory (searched before `ACCEL_PLUGIN_DIR`).
+    pub fn plugin_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.plugin_dirs.push(dir.into());
+        self
+    }
+
+    /// Settings for the strategy plugin, instead of `accel.plugins.<name>`
+    /// (e.g. `{"bucket_cap_mb": 50}` for DDP).
+    pub fn strategy_settings(mut self, settings: Value) -> Self {
+        self.strategy_settings = Some(settings);
+        self
+    }
+
+    /// Builds the Accelerator: resolves the config, opens the communicator,
+    /// loads the strategy and precision plugins.
+    pub fn build(self) -> Result<Accelerator, AccelError> {
+        Accelerator::from_builder(self)
+    }
+}
+
+/// The prepared model's parameters, kept to reach their gradients.
+struct Prepared {
+    params: Vec<(String, Tensor)>,
+}
+
+/// The runtime of one process of a training job.
+pub struct Accelerator {
+    rank: u32,
+    world: u32,
+    local_rank: u32,
+    device: Device,
+    config: ResolvedConfig,
+    comm: Arc<dyn Communicator>,
+    strategy: StrategyBox,
+    strategy_name: String,
+    precision: PrecisionBox,
+    prepared: Option<Prepared>,
+    state: Arc<Mutex<GradientState>>,
+    accumulation_steps: u32,
+    micro_step: u32,
+    split_batches: bool,
+    even_batches: bool,
+}
+
+fn env_u32(name: &str) -> Result<Option<u32>, AccelError> {
+    match std::env::var(name) {
+        Ok(v) => v.trim().parse().map(Some).map_err(|_| {
+            AccelError::Usage(format!(
+                "environment variable {name}={v:?} is not a non-negative integer"
+            ))
+        }),
+        Err(_) => Ok(None),
+    }
+}
+
+struct StepWith<'a>(&'a mut nn::Optimizer);
+
+impl OptimizerStep for StepWith<'_> {
+    fn step(&mut self) -> PluginResult<()> {
+        self.0.step();
+        ROk(())
+    }
+}
+
+impl Accelerator {
+    /// An Accelerator configured by the launcher's environment (one process
+    /// on the CPU or the first GPU when started without `accel launch`).
+    pub fn new() -> Result<Self, AccelError> {
+        Self::builder().build()
+    }
+
+    /// Programmatic settings first.
+    pub fn builder() -> AcceleratorBuilder {
+        AcceleratorBuilder::default()
+    }
+
+    fn from_builder(b: AcceleratorBuilder) -> Result<Self, AccelError> {
+        let plugins = PluginSet::discover(&default_search_path(&b.plugin_dirs));
+        let claimed = claimed_distributed_types(&plugins);
+        let env = |k: &str| std::env::var(k).ok();
+        let config = resolve_training(&b.settings, &env, &claimed)?;
+        for w in &config.warnings {
+            tracing::warn!("{w}");
+        }
+        let world = env_u32("WORLD_SIZE")?.unwrap_or(1).max(1);
+        let rank = env_u32("RANK")?.unwrap_or(0);
+        let local_rank = env_u32("LOCAL_RANK")?.unwrap_or(0);
+        let local_world = env_u32("LOCAL_WORLD_SIZE")?.unwrap_or(world);
+        if rank >= world {
+            return Err(AccelError::Usage(format!(
+                "RANK {rank} is not below WORLD_SIZE {world}"
+            )));
+        }
+        let use_cpu = config.config.use_cpu.unwrap_or(false);
+        let device = if use_cpu || !tch::Cuda::is_available() {
+            Device::Cpu
+        } else {
+            Device::Cuda(local_rank as usize)
+        };
+        let comm: Arc<dyn Communicator> = if world == 1 {
+            Arc::new(SingleProcess)
+        } else if device == Device::Cpu {
+            if !started_by_mpirun(&env) {
+                return Err(AccelError::Usage(format!(
+                    "{world} CPU ranks talk through MPI, but this process was not started by mpirun: use `accel launch --launcher mpi` (the default for CPU jobs)"
+                )));
+            }
+            let mpi = crate::comm::mpi::Mpi::init()?;
+            if mpi.world_size() != world || mpi.rank() != rank {
+                return Err(AccelError::Usage(format!(
+                    "MPI says rank {} of {}, the launcher said rank {rank} of {world}",
+                    mpi.rank(),
+                    mpi.world_size()
+                )));
+            }
+            Arc::new(mpi)
+        } else {
+            return Err(AccelError::Usage(
+                "multi-GPU communication (NCCL) is not available in this build of accel yet; run on the CPU with --cpu".into(),
+            ));
+        };
+        let spec = match device {
+            Device::Cuda(i) => DeviceSpec {
+                kind: DeviceKind::Cuda,
+                index: i as u32,
+            },
+            _ => DeviceSpec::CPU,
+        };
+        let ctx = ProcessContext::new(Arc::clone(&comm), local_rank, local_world, spec);
+        let dt = config
+            .config
+            .distributed_type
+            .as_ref()
+            .map_or("NO".to_owned(), |d| d.as_str().to_owned());
+        // One process needs no strategy of its own, whatever the config says.
+        let selector = if world == 1 && matches!(dt.as_str(), "MULTI_CPU" | "MULTI_GPU") {
+            "NO"
+        } else {
+            dt.as_str()
+        };
+        let prefer = config
+            .config
+            .accel
+            .as_ref()
+            .and_then(|a| a.strategy.clone());
+        let choice = plugins.select(PluginKind::Strategy, selector, prefer.as_deref())?;
+        let mut settings = strategy_settings(&config.config, &choice.plugin.name);
+        if let Some(s) = b.strategy_settings {
+            settings["settings"] = s;
+        }
+        let strategy = choice.new_strategy(ctx.clone().into_box(), &settings.to_string())?;
+        let strategy_name = format!("{} ({})", choice.component.name, choice.plugin.name);
+        let mp = config
+            .config
+            .mixed_precision
+            .as_ref()
+            .map_or("no", |m| m.as_str())
+            .to_owned();
+        let precision = plugins
+            .select(PluginKind::Precision, &mp, None)?
+            .new_precision(ctx.into_box(), "{}")?;
+        let accumulation_steps = match b.gradient_accumulation_steps {
+            Some(n) => n,
+            None => env_u32("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")?.unwrap_or(1),
+        }
+        .max(1);
+        Ok(Self {
+            rank,
+            world,
+            local_rank,
+            device,
+            config,
+            comm,
+            strategy,
+            strategy_name,
+            precision,
+            prepared: None,
+            state: Arc::new(Mutex::new(GradientState {
+                sync_gradients: true,
+                end_of_dataloader: false,
+                remainder: -1,
+            })),
+            accumulation_steps,
+            micro_step: 0,
+            split_batches: b.split_batches,
+            even_batches: b.even_batches.unwrap_or(true),
+        })
+    }
+
+    /// The device this process computes on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    /// This process's global rank.
+    pub fn process_index(&self) -> u32 {
+        self.rank
+    }
+    /// This process's rank on its machine.
+    pub fn local_process_index(&self) -> u32 {
+        self.local_rank
+    }
+    /// Processes in the job.
+    pub fn num_processes(&self) -> u32 {
+        self.world
+    }
+    /// Whether this is rank 0.
+    pub fn is_main_process(&self) -> bool {
+        self.rank == 0
+    }
+    /// Whether this is local rank 0.
+    pub fn is_local_main_process(&self) -> bool {
+        self.local_rank == 0
+    }
+    /// The resolved `distributed_type`.
+    pub fn distributed_type(&self) -> String {
+        self.config
+            .config
+            .distributed_type
+            .as_ref()
+            .map_or("NO".to_owned(), |d| d.as_str().to_owned())
+    }
+    /// The resolved `mixed_precision`.
+    pub fn mixed_precision(&self) -> String {
+        self.config
+            .config
+            .mixed_precision
+            .as_ref()
+            .map_or("no".to_owned(), |m| m.as_str().to_owned())
+    }
+    /// The strategy in use, `component (plugin)`.
+    pub fn strategy_name(&self) -> &str {
+        &self.strategy_name
+    }
+    /// The resolved configuration, with the source of every value.
+    pub fn config(&self) -> &ResolvedConfig {
+        &self.config
+    }
+    /// Micro-steps per optimizer step.
+    pub fn gradient_accumulation_steps(&self) -> u32 {
+        self.accumulation_steps
+    }
+    /// Whether the current micro-step synchronises gradients and steps.
+    pub fn sync_gradients(&self) -> bool {
+        self.lock_state().sync_gradients
+    }
+
+    fn lock_state(&self) -> std::sync::MutexGuard<'_, GradientState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Prints on the main process only.
+    pub fn print(&self, message: impl std::fmt::Display) {
+        if self.is_main_process() {
+            println!("{message}");
+        }
+    }
+
+    /// Waits until every process gets here.
+    pub fn wait_for_everyone(&self) -> Result<(), AccelError> {
+        Ok(self.comm.barrier()?)
+    }
+
+    /// Runs `f` on the main process first, then on the others.
+    pub fn main_process_first<R>(&self, f: impl FnOnce() -> R) -> Result<R, AccelError> {
+        if !self.is_main_process() {
+            self.wait_for_everyone()?;
+        }
+        let r = f();
+        if self.is_main_process() {
+            self.wait_for_everyone()?;
+        }
+        Ok(r)
+    }
+
+    /// Runs `f` on the main process only.
+    pub fn on_main_process<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
+        self.is_main_process().then(f)
+    }
+
+    /// Runs `f` on each machine's local main process only.
+    pub fn on_local_main_process<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
+        self.is_local_main_process().then(f)
+    }
+
+    /// This process's contiguous share of `items`, as Accelerate's
+    /// `split_between_processes`: the first `len % n` ranks get one more.
+    pub fn split_between_processes<T: Clone>(&self, items: &[T]) -> Vec<T> {
+        let n = self.world as usize;
+        let r = self.rank as usize;
+        let (per, extra) = (items.len() / n, items.len() % n);
+        let start = r * per + r.min(extra);
+        let end = start + per + usize::from(r < extra);
+        items[start..end].to_vec()
+    }
+
+    /// Seeds libtorch's generators; `device_specific` adds the rank so
+    /// every process draws differently.
+    pub fn set_seed(&self, seed: u64, device_specific: bool) {
+        let seed = if device_specific {
+            seed + u64::from(self.rank)
+        } else {
+            seed
+        };
+        tch::manual_seed(seed as i64);
+    }
+
+    /// Hands the model's variables to the strategy (DDP broadcasts them from
+    /// rank 0 here). One model per Accelerator.
+    pub fn prepare_model(&mut self, vs: &mut nn::VarStore) -> Result<(), AccelError> {
+        if self.prepared.is_some() {
+            return Err(AccelError::Usage(
+                "prepare_model was already called: one model per Accelerator".into(),
+            ));
+        }
+        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut handles: Vec<NamedTensorMut<'_>> = named
+            .iter_mut()
+            .map(|(n, t)| NamedTensorMut {
+                name: n.as_str().into(),
+                tensor: TensorMut::new(t),
+            })
+            .collect();
+        self.strategy
+            .prepare_model(handles.as_mut_slice().into())
+            .into_result()?;
+        drop(handles);
+        self.prepared = Some(Prepared { params: named });
+        Ok(())
+    }
+
+    /// Shards a data loader for this process.
+    pub fn prepare_data_loader(&self, loader: DataLoader) -> ShardedLoader {
+        let sharding = Sharding {
+            num_processes: self.world as usize,
+            process_index: self.rank as usize,
+            split_batches: self.split_batches,
+            even_batches: self.even_batches,
+        };
+        ShardedLoader::new(loader, sharding, Arc::clone(&self.state))
+    }
+
+    /// Marks one micro-step of gradient accumulation and runs `f` in it:
+    /// gradients sync (and the optimizer steps) every
+    /// `gradient_accumulation_steps` micro-steps and at the end of the data loader.
+    pub fn accumulate<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        self.micro_step += 1;
+        let end = {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            st.sync_gradients =
+                self.micro_step.is_multiple_of(self.accumulation_steps) || st.end_of_dataloader;
+            st.end_of_dataloader
+        };
+        if end {
+            self.micro_step = 0;
+        }
+        f(self)
+    }
+
+    fn params(&self) -> Result<&[(String, Tensor)], AccelError> {
+        self.prepared
+            .as_ref()
+            .map(|p| p.params.as_slice())
+            .ok_or_else(|| AccelError::Usage("call prepare_model first".into()))
+    }
+
+    /// Backpropagates `loss` (divided by the accumulation steps, scaled by
+    /// the precision policy), then lets the strategy sync the gradients
+    /// (skipped on accumulation micro-steps).
+    pub fn backward(&mut self, loss: &Tensor) -> Result<(), AccelError> {
+        self.params()?;
+        let loss = if self.accumulation_steps > 1 {
+            loss / f64::from(self.accumulation_steps)
+        } else {
+            loss.shallow_clone()
+        };
+        let scaled = self
+            .precision
+            .scale_loss(TensorRef::new(&loss))
+            .into_result()?
+            .into_tensor();
+        scaled.backward();
+        let sync = self.sync_gradients();
+        self.strategy.post_backward(sync).into_result()?;
+        Ok(())
+    }
+
+    /// Steps `optimizer` through the strategy on sync steps (a no-op on
+    /// accumulation micro-steps and when the precision policy finds inf/NaN
+    /// gradients). Returns whether it stepped.
+    pub fn step(&mut self, optimizer: &mut nn::Optimizer) -> Result<bool, AccelError> {
+        if !self.sync_gradients() {
+            return Ok(false);
+        }
+        let mut grads: Vec<Tensor> = self
+            .params()?
+            .iter()
+            .map(|(_, p)| p.grad())
+            .filter(Tensor::defined)
+            .collect();
+        let mut handles: Vec<TensorMut<'_>> = grads.iter_mut().map(TensorMut::new).collect();
+        let found_inf = self
+            .precision
+            .unscale_grads(handles.as_mut_slice().into())
+            .into_result()?;
+        if !found_inf {
+            let mut step = StepWith(optimizer);
+            self.strategy
+                .optimizer_step(OptimizerStep_TO::from_ptr(RMut::new(&mut step), TD_Opaque))
+                .into_result()?;
+        }
+        self.precision.update(found_inf).into_result()?;
+        Ok(!found_inf)
+    }
+
+    /// Zeroes the gradients on sync steps (kept while accumulating).
+    pub fn zero_grad(&mut self, optimizer: &mut nn::Optimizer) {
+        if self.sync_gradients() {
+            optimizer.zero_grad();
+        }
+    }
+
+    /// Clips gradients to a total norm across all ranks; returns the norm.
+    pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64, AccelError> {
+        Ok(self
+            .strategy
+            .clip_grad_norm(max_norm, norm_type)
+            .into_result()?)
+    }
+
+    /// Every rank's `tensor` (same shape everywhere) concatenated along dim 0.
+    pub fn gather(&self, tensor: &Tensor) -> Result<Tensor, AccelError> {
+        let t = if tensor.dim() == 0 {
+            tensor.reshape([1])
+        } else {
+            tensor.shallow_clone()
+        };
+        let mut size = t.size();
+        let mut out = Tensor::zeros(
+            [t.numel() as i64 * i64::from(self.world)],
+            (t.kind(), t.device()),
+        );
+        self.comm.all_gather(&t, &mut out)?;
+        size[0] *= i64::from(self.world);
+        Ok(out.reshape(size))
+    }
+
+    /// [`Accelerator::gather`], minus the samples the last round of the data
+    /// loader duplicated to even out the ranks.
+    pub fn gather_for_metrics(&self, tensor: &Tensor) -> Result<Tensor, AccelError> {
+        let all = self.gather(tensor)?;
+        let st = self.lock_state().clone();
+        if st.end_of_dataloader && st.remainder > 0 {
+            return Ok(all.narrow(0, 0, st.remainder.min(all.size()[0])));
+        }
+        Ok(all)
+    }
+
+    /// `tensor` summed or averaged over every rank.
+    pub fn reduce(&self, tensor: &Tensor, how: Reduction) -> Result<Tensor, AccelError> {
+        let mut t = tensor.detach().copy();
+        let op = match how {
+            Reduction::Sum => ReduceOp::Sum,
+            Reduction::Mean => ReduceOp::Avg,
+        };
+        self.comm.all_reduce(&mut t, op)?;
+        Ok(t)
+    }
+
+    /// Rank `from`'s `tensor` on every rank.
+    pub fn broadcast(&self, tensor: &Tensor, from: u32) -> Result<Tensor, AccelError> {
+        let mut t = tensor.detach().copy();
+        self.comm.broadcast(&mut t, from)?;
+        Ok(t)
+    }
+
+    /// Pads `tensor` along `dim` with `pad_index` to the largest size any
+    /// rank has (at the start when `pad_first`), so it can be gathered.
+    pub fn pad_across_processes(
+        &self,
+        tensor: &Tensor,
+        dim: usize,
+        pad_index: f64,
+        pad_first: bool,
+    ) -> Result<Tensor, AccelError> {
+        let size = tensor.size();
+        if dim >= size.len() {
+            return Err(AccelError::Usage(format!(
+                "dim {dim} of a {}-dim tensor",
+                size.len()
+            )));
+        }
+        let mine = Tensor::from_slice(&size);
+        let mut all = Tensor::zeros(
+            [size.len() as i64 * i64::from(self.world)],
+            (tch::Kind::Int64, Device::Cpu),
+        );
+        self.comm.all_gather(&mine, &mut all)?;
+        let sizes = Vec::<i64>::try_from(
+            &all.reshape([i64::from(self.world), size.len() as i64])
+                .select(1, dim as i64),
+        )
+        .map_err(|e| AccelError::Usage(e.to_string()))?;
+        let max = sizes.into_iter().max().unwrap_or(size[dim]);
+        if max == size[dim] {
+            return Ok(tensor.shallow_clone());
+        }
+        let mut new_size = size.clone();
+        new_size[dim] = max;
+        let out = Tensor::full(new_size, pad_index, (tensor.kind(), tensor.device()));
+        let start = if pad_first { max - size[dim] } else { 0 };
+        out.narrow(dim as i64, start, size[dim]).copy_(tensor);
+        Ok(out)
+    }
+}

@@ -1,0 +1,119 @@
+//! Communicators: how ranks exchange tensors.
+//!
+//! * [`SingleProcess`] — world size 1, no communication at all;
+//! * [`mpi::Mpi`] — CPU ranks started by `mpirun` (the `mpi` launcher), through
+//!   rsmpi and the system's MPI.
+//!
+//! All collectives work in place on tch tensors, are called by every rank in
+//! the same order, and accept any contiguous or non-contiguous CPU tensor of
+//! f32, f64, i64, i32, u8/bool, or f16/bf16 (reduced in f32).
+
+pub mod mpi;
+
+use accel_sdk::ReduceOp;
+use tch::Tensor;
+
+/// A failed collective.
+#[derive(Debug, thiserror::Error)]
+#[error("{op}: {message}")]
+pub struct CommError {
+    /// The collective.
+    pub op: &'static str,
+    /// What went wrong.
+    pub message: String,
+}
+
+impl CommError {
+    pub(crate) fn new(op: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            op,
+            message: message.into(),
+        }
+    }
+}
+
+/// Collectives over the ranks of a job.
+pub trait Communicator: Send + Sync {
+    /// Short name (`single`, `mpi`, `nccl`).
+    fn name(&self) -> &'static str;
+    /// This rank.
+    fn rank(&self) -> u32;
+    /// Ranks in the job.
+    fn world_size(&self) -> u32;
+    /// Reduces `tensor` over all ranks, in place.
+    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CommError>;
+    /// Copies rank `root`'s `tensor` to every rank, in place.
+    fn broadcast(&self, tensor: &mut Tensor, root: u32) -> Result<(), CommError>;
+    /// Every rank's `input` (same size everywhere), concatenated flat in rank
+    /// order into `output` (`world_size * input.numel()` elements).
+    fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError>;
+    /// Reduces `input` (`world_size * output.numel()` elements) and leaves
+    /// chunk `rank` in `output`.
+    fn reduce_scatter(
+        &self,
+        input: &Tensor,
+        output: &mut Tensor,
+        op: ReduceOp,
+    ) -> Result<(), CommError>;
+    /// Waits for every rank.
+    fn barrier(&self) -> Result<(), CommError>;
+}
+
+/// World size 1: every collective is exact without communicating.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SingleProcess;
+
+fn copy_into(op: &'static str, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
+    if input.numel() != output.numel() {
+        return Err(CommError::new(
+            op,
+            format!(
+                "output has {} elements, expected {} (world size 1)",
+                output.numel(),
+                input.numel()
+            ),
+        ));
+    }
+    let src = input.reshape(output.size());
+    tch::no_grad(|| output.copy_(&src));
+    Ok(())
+}
+
+impl Communicator for SingleProcess {
+    fn name(&self) -> &'static str {
+        "single"
+    }
+    fn rank(&self) -> u32 {
+        0
+    }
+    fn world_size(&self) -> u32 {
+        1
+    }
+    fn all_reduce(&self, _tensor: &mut Tensor, _op: ReduceOp) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn broadcast(&self, _tensor: &mut Tensor, root: u32) -> Result<(), CommError> {
+        if root == 0 {
+            Ok(())
+        } else {
+            Err(CommError::new(
+                "broadcast",
+                format!("from rank {root}, but the world has 1 process"),
+            ))
+        }
+    }
+    fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
+        copy_into("all_gather", input, output)
+    }
+    fn reduce_scatter(
+        &self,
+        input: &Tensor,
+        output: &mut Tensor,
+        _op: ReduceOp,
+    ) -> Result<(), CommError> {
+        copy_into("reduce_scatter", input, output)
+    }
+    fn barrier(&self) -> Result<(), CommError> {
+        Ok(())
+    }
+}

@@ -1,0 +1,261 @@
+//! `ddp`: distributed data parallel, for `distributed_type` MULTI_CPU and
+//! MULTI_GPU.
+//!
+//! * `prepare_model`: every parameter is broadcast from rank 0, so all
+//!   ranks start identical.
+//! * `post_backward(sync)`: gradients are flattened into buckets of at most
+//!   `bucket_cap_mb` (default 25, PyTorch's), in reverse parameter order as
+//!   PyTorch's reducer fills them, all-reduced and averaged; nothing is
+//!   communicated when `sync` is false (accumulation micro-steps: no_sync).
+//! * `optimizer_step`: a plain step (every rank holds the same gradients).
+//! * `clip_grad_norm`: the local norm (gradients are identical everywhere).
+//! * `state_dict`: the full model on rank 0.
+//!
+//! Settings (`accel.plugins.accel-ddp`, or the builder's `strategy_settings`):
+//! `{"bucket_cap_mb": 25}`.
+
+use accel_sdk::tch::Tensor;
+use accel_sdk::{
+    abi_stable::std_types::{RErr, ROk, RSlice, RSliceMut, RVec},
+    serde_json::Value,
+    strategy::OptimizerStepRef,
+    tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef, TensorMut},
+    Component, DistributedStrategy, ErrorKind, HostContextBox, MemoryStats, PluginError,
+    PluginResult, ReduceOp, StateDictKind, StrategyBox, WrapUnit,
+};
+
+const PLUGIN: &str = "accel-ddp";
+
+struct Ddp {
+    ctx: HostContextBox,
+    bucket_bytes: usize,
+    params: Vec<(String, Tensor)>,
+    /// Indices into `params`, one list per bucket.
+    buckets: Vec<Vec<usize>>,
+    peak: u64,
+}
+
+fn bucket_cap_mb(settings: &str) -> Result<f64, PluginError> {
+    let v: Value = accel_sdk::serde_json::from_str(settings)
+        .map_err(|e| PluginError::config(PLUGIN, format!("settings are not JSON: {e}")))?;
+    match v.pointer("/settings/bucket_cap_mb") {
+        None | Some(Value::Null) => Ok(25.0),
+        Some(x) => match x.as_f64() {
+            Some(mb) if mb > 0.0 => Ok(mb),
+            _ => Err(PluginError::config(
+                PLUGIN,
+                format!("accel.plugins.{PLUGIN}.bucket_cap_mb must be a positive number of megabytes, got {x}"),
+            )),
+        },
+    }
+}
+
+fn validate(settings: &str) -> Result<(), PluginError> {
+    bucket_cap_mb(settings).map(|_| ())
+}
+
+fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError> {
+    let mb = bucket_cap_mb(settings)?;
+    Ok(accel_sdk::into_strategy(Ddp {
+        ctx,
+        bucket_bytes: (mb * 1024.0 * 1024.0) as usize,
+        params: Vec::new(),
+        buckets: Vec::new(),
+        peak: 0,
+    }))
+}
+
+accel_sdk::inventory::submit! {
+    Component::strategy(
+        "ddp",
+        "distributed data parallel: broadcast at prepare, bucketed gradient all-reduce",
+        &["MULTI_CPU", "MULTI_GPU"],
+        make,
+    )
+    .with_validator(validate)
+}
+
+accel_sdk::export_plugin!();
+
+fn bytes(t: &Tensor) -> usize {
+    if t.defined() {
+        t.numel() * t.kind().elt_size_in_bytes()
+    } else {
+        0
+    }
+}
+
+/// Groups parameter indices into buckets of at most `cap` bytes, last
+/// parameter first (the order backward produces gradients in).
+fn plan_buckets(sizes: &[usize], cap: usize) -> Vec<Vec<usize>> {
+    let mut buckets: Vec<Vec<usize>> = Vec::new();
+    let mut current: Vec<usize> = Vec::new();
+    let mut filled = 0;
+    for i in (0..sizes.len()).rev() {
+        if !current.is_empty() && filled + sizes[i] > cap {
+            buckets.push(std::mem::take(&mut current));
+            filled = 0;
+        }
+        current.push(i);
+        filled += sizes[i];
+    }
+    if !current.is_empty() {
+        buckets.push(current);
+    }
+    buckets
+}
+
+impl Ddp {
+    fn sync_bucket(&mut self, bucket: usize) -> Result<(), PluginError> {
+        let mut grads = Vec::with_capacity(self.buckets[bucket].len());
+        for &i in &self.buckets[bucket] {
+            let (name, p) = &self.params[i];
+            let g = p.grad();
+            if !g.defined() {
+                return Err(PluginError::other(
+                    PLUGIN,
+                    format!("parameter `{name}` received no gradient; DDP needs every parameter to take part in the loss"),
+                ));
+            }
+            grads.push(g);
+        }
+        let flat: Vec<Tensor> = grads.iter().map(|g| g.reshape([-1])).collect();
+        let mut buffer = Tensor::cat(&flat, 0);
+        self.peak = self.peak.max(bytes(&buffer) as u64);
+        self.ctx
+            .all_reduce(TensorMut::new(&mut buffer), ReduceOp::Avg)
+            .into_result()?;
+        let mut offset = 0;
+        accel_sdk::tch::no_grad(|| {
+            for g in grads.iter_mut() {
+                let n = g.numel() as i64;
+                let part = buffer.narrow(0, offset, n).reshape(g.size());
+                g.copy_(&part);
+                offset += n;
+            }
+        });
+        Ok(())
+    }
+}
+
+impl DistributedStrategy for Ddp {
+    fn prepare_model(
+        &mut self,
+        params: RSliceMut<'_, NamedTensorMut<'_>>,
+    ) -> PluginResult<RVec<WrapUnit>> {
+        let mut kept = Vec::with_capacity(params.len());
+        for p in params.iter() {
+            let mut t = p.tensor.get().shallow_clone();
+            if let Err(e) = self.ctx.broadcast(TensorMut::new(&mut t), 0).into_result() {
+                return RErr(e);
+            }
+            kept.push((p.name.to_string(), t));
+        }
+        self.params = kept;
+        let sizes: Vec<usize> = self.params.iter().map(|(_, t)| bytes(t)).collect();
+        self.buckets = plan_buckets(&sizes, self.bucket_bytes);
+        ROk(vec![WrapUnit {
+            params: self.params.iter().map(|(n, _)| n.as_str().into()).collect(),
+        }]
+        .into())
+    }
+
+    fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
+        ROk(self
+            .params
+            .iter()
+            .map(|(n, t)| NamedOwnedTensor::new(n.clone(), t.shallow_clone()))
+            .collect())
+    }
+
+    fn pre_forward(&mut self, _unit: u32) -> PluginResult<()> {
+        ROk(())
+    }
+
+    fn post_forward(&mut self, _unit: u32) -> PluginResult<()> {
+        ROk(())
+    }
+
+    fn pre_backward(&mut self, _unit: u32) -> PluginResult<()> {
+        ROk(())
+    }
+
+    fn post_backward(&mut self, sync: bool) -> PluginResult<()> {
+        if !sync {
+            return ROk(());
+        }
+        for b in 0..self.buckets.len() {
+            if let Err(e) = self.sync_bucket(b) {
+                return RErr(e);
+            }
+        }
+        ROk(())
+    }
+
+    fn optimizer_step(&mut self, mut step: OptimizerStepRef<'_>) -> PluginResult<()> {
+        step.step()
+    }
+
+    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
+        let mut grads: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(|(_, p)| p.grad())
+            .filter(Tensor::defined)
+            .collect();
+        ROk(accel_sdk::grad::clip_grad_norm(
+            &mut grads, max_norm, norm_type,
+        ))
+    }
+
+    fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
+        if self.ctx.rank() != 0 {
+            return ROk(RVec::new());
+        }
+        ROk(self
+            .params
+            .iter()
+            .map(|(n, t)| NamedOwnedTensor::new(n.clone(), t.detach().copy()))
+            .collect())
+    }
+
+    fn load_state_dict(
+        &mut self,
+        _kind: StateDictKind,
+        tensors: RSlice<'_, NamedTensorRef<'_>>,
+    ) -> PluginResult<()> {
+        for (name, param) in &mut self.params {
+            let Some(entry) = tensors.iter().find(|t| t.name.as_str() == name.as_str()) else {
+                return RErr(PluginError::new(
+                    ErrorKind::Other,
+                    PLUGIN,
+                    format!("state dict has no `{name}`"),
+                ));
+            };
+            let value = entry.tensor.get();
+            if value.size() != param.size() {
+                return RErr(PluginError::other(
+                    PLUGIN,
+                    format!(
+                        "`{name}`: checkpoint shape {:?}, model shape {:?}",
+                        value.size(),
+                        param.size()
+                    ),
+                ));
+            }
+            accel_sdk::tch::no_grad(|| param.copy_(&value.to_kind(param.kind())));
+        }
+        ROk(())
+    }
+
+    fn memory_stats(&self) -> PluginResult<MemoryStats> {
+        let param_bytes: usize = self.params.iter().map(|(_, t)| bytes(t)).sum();
+        let grad_bytes: usize = self.params.iter().map(|(_, t)| bytes(&t.grad())).sum();
+        ROk(MemoryStats {
+            param_bytes: param_bytes as u64,
+            grad_bytes: grad_bytes as u64,
+            optimizer_bytes: 0,
+            peak_bytes: (param_bytes + grad_bytes) as u64 + self.peak,
+        })
+    }
+}
