@@ -145,3 +145,36 @@ pub fn build_plain_c_library(dest: &Path) {
         .expect("cc runs");
     assert!(status.success(), "cc failed");
 }
+
+/// The project venv's Python (made by `scripts/bootstrap.sh`), for the
+/// Python peers (`safetensors`, `accelerate`, `torchrun`).
+pub fn venv_bin(name: &str) -> PathBuf {
+    let path = workspace_root().join(".venv/bin").join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/bootstrap.sh",
+        path.display()
+    );
+    path
+}
+
+/// Reads the tensors of a safetensors file, by name.
+pub fn read_weights(path: &Path) -> Vec<(String, tch::Tensor)> {
+    let mut t = tch::Tensor::read_safetensors(path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    t.sort_by(|a, b| a.0.cmp(&b.0));
+    t
+}
+
+/// The largest absolute difference between two sets of weights with the
+/// same names and shapes.
+pub fn max_abs_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64 {
+    assert_eq!(
+        a.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+        b.iter().map(|(n, _)| n).collect::<Vec<_>>()
+    );
+    a.iter()
+        .zip(b)
+        .map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
+}

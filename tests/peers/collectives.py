@@ -1,0 +1,33 @@
+"""Reference: Accelerate's collectives, run under torchrun (gloo on CPU).
+
+Writes rank<RANK>.json into argv[1] with the same keys the Rust
+collectives-probe writes.
+"""
+import json
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
+
+acc = Accelerator(cpu=True)
+r = acc.process_index
+t = torch.arange(3, dtype=torch.float32) + 10 * r
+out = {
+    "gather": acc.gather(t).tolist(),
+    "sum": acc.reduce(t.clone(), reduction="sum").tolist(),
+    "mean": acc.reduce(t.clone(), reduction="mean").tolist(),
+}
+from accelerate.utils import broadcast
+
+out["broadcast"] = broadcast(t.clone(), from_process=0).tolist()
+ragged = torch.arange(r + 1, dtype=torch.float32) + 100 * r
+out["pad_gather"] = acc.gather(acc.pad_across_processes(ragged, dim=0, pad_index=-1)).tolist()
+loader = acc.prepare(DataLoader(TensorDataset(torch.arange(10, dtype=torch.float32)), batch_size=2))
+metrics = []
+for (xb,) in loader:
+    metrics += acc.gather_for_metrics(xb).tolist()
+out["metrics"] = metrics
+with open(os.path.join(sys.argv[1], f"rank{r}.json"), "w") as f:
+    json.dump(out, f)

@@ -1,0 +1,339 @@
+//! The training runtime end to end: DDP equals one process on the whole
+//! batch, accumulation equals a big batch, sharding and collectives give
+//! what Python Accelerate gives, `mlp` runs alone, and the out-of-tree Local
+//! SGD strategy behaves as its rule says.
+
+use accel::accelerator::{shard_indices, Sharding};
+use accel_integration_tests::{
+    accel_bin, build_bin, build_plugin_into, describe, max_abs_diff, read_weights, venv_bin,
+};
+use serde_json::Value;
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+
+fn mlp() -> PathBuf {
+    build_bin("accel-examples", "mlp")
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let out = cmd
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .env(
+            "HF_HOME",
+            std::env::temp_dir().join("accel-tests-no-hf-home"),
+        )
+        .output()
+        .expect("starts");
+    assert!(out.status.success(), "{:?}: {}", cmd, describe(&out));
+    out
+}
+
+fn launch_mlp(n: u32, args: &[&str]) -> Output {
+    let mlp = mlp();
+    run(Command::new(accel_bin())
+        .args(["launch", "-q", "--cpu", "--num_processes", &n.to_string()])
+        .arg(&mlp)
+        .args(args))
+}
+
+fn loss_log(path: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+fn ddp_matches_one_process(optimizer: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let common = ["--steps", "15", "--optimizer", optimizer, "--lr", "0.01"];
+    run(Command::new(mlp()).args(common).args([
+        "--batch-size",
+        "32",
+        "--save",
+        &p("one.safetensors"),
+        "--loss-log",
+        &p("one.jsonl"),
+    ]));
+    launch_mlp(
+        2,
+        &[
+            &common[..],
+            &[
+                "--batch-size",
+                "16",
+                "--save",
+                &p("ddp_{rank}.safetensors"),
+                "--loss-log",
+                &p("ddp.jsonl"),
+            ],
+        ]
+        .concat(),
+    );
+    let one = read_weights(&dir.path().join("one.safetensors"));
+    let r0 = read_weights(&dir.path().join("ddp_0.safetensors"));
+    let r1 = read_weights(&dir.path().join("ddp_1.safetensors"));
+    assert_eq!(max_abs_diff(&r0, &r1), 0.0, "ranks hold different weights");
+    let diff = max_abs_diff(&one, &r0);
+    assert!(
+        diff <= 1e-5,
+        "{optimizer}: DDP differs from one process by {diff}"
+    );
+    // And training happened: the weights moved, the loss fell.
+    let losses = loss_log(&dir.path().join("ddp.jsonl"));
+    assert_eq!(losses.len(), 15);
+    assert!(losses[14].1 < losses[0].1, "{losses:?}");
+    let one_losses = loss_log(&dir.path().join("one.jsonl"));
+    for ((s1, l1), (s2, l2)) in one_losses.iter().zip(&losses) {
+        assert_eq!(s1, s2);
+        assert!(
+            (l1 - l2).abs() <= 1e-5 * l1.abs().max(1.0),
+            "step {s1}: {l1} vs {l2}"
+        );
+    }
+}
+
+#[test]
+fn ddp_two_ranks_equal_one_process_with_sgd() {
+    ddp_matches_one_process("sgd");
+}
+
+#[test]
+fn ddp_two_ranks_equal_one_process_with_adamw() {
+    ddp_matches_one_process("adamw");
+}
+
+#[test]
+fn accumulation_equals_one_big_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    run(Command::new(mlp()).args([
+        "--steps",
+        "10",
+        "--batch-size",
+        "32",
+        "--save",
+        &p("big.safetensors"),
+    ]));
+    run(Command::new(mlp()).args([
+        "--steps",
+        "10",
+        "--batch-size",
+        "8",
+        "--grad-accum",
+        "4",
+        "--save",
+        &p("accum.safetensors"),
+        "--loss-log",
+        &p("accum.jsonl"),
+    ]));
+    let diff = max_abs_diff(
+        &read_weights(&dir.path().join("big.safetensors")),
+        &read_weights(&dir.path().join("accum.safetensors")),
+    );
+    assert!(diff <= 1e-5, "4 x 8 accumulated differs from 32 by {diff}");
+    // One log line per optimizer step, not per micro-step.
+    assert_eq!(loss_log(&dir.path().join("accum.jsonl")).len(), 10);
+
+    // The same holds with DDP: 2 ranks x 2 micro-steps x 8 = one batch of 32.
+    launch_mlp(
+        2,
+        &[
+            "--steps",
+            "10",
+            "--batch-size",
+            "8",
+            "--grad-accum",
+            "2",
+            "--save",
+            &p("ddp_accum.safetensors"),
+        ],
+    );
+    let diff = max_abs_diff(
+        &read_weights(&dir.path().join("big.safetensors")),
+        &read_weights(&dir.path().join("ddp_accum.safetensors")),
+    );
+    assert!(
+        diff <= 1e-5,
+        "DDP + accumulation differs from one batch of 32 by {diff}"
+    );
+}
+
+#[test]
+fn mlp_without_a_launcher_trains_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("loss.jsonl");
+    let out = run(Command::new(mlp()).args(["--steps", "30", "--loss-log", log.to_str().unwrap()]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("mlp: 1 process(es), strategy single-device"),
+        "{text}"
+    );
+    let losses = loss_log(&log);
+    assert_eq!(
+        losses.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        (1..=30).collect::<Vec<_>>()
+    );
+    assert!(losses[29].1 < losses[0].1 * 0.5, "{losses:?}");
+}
+
+#[test]
+fn data_sharding_matches_accelerates_batch_sampler_shard() {
+    let mut cases = Vec::new();
+    for n in [1usize, 7, 20, 21, 22, 24] {
+        for bs in [1usize, 2, 3, 4] {
+            for nproc in [1usize, 2, 3] {
+                for split in [false, true] {
+                    if split && bs % nproc != 0 {
+                        continue;
+                    }
+                    for even in [true, false] {
+                        for drop in [false, true] {
+                            cases.push((n, bs, nproc, split, even, drop));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peers/batch_sampler_shard.py");
+    let out = run(Command::new(venv_bin("python"))
+        .arg(script)
+        .arg(serde_json::to_string(&cases).unwrap()));
+    let expected: Vec<Vec<Vec<Vec<usize>>>> = serde_json::from_slice(&out.stdout).unwrap();
+    for (case, want) in cases.iter().zip(expected) {
+        let (n, bs, nproc, split, even, drop) = *case;
+        for (r, want_r) in want.iter().enumerate() {
+            let got = shard_indices(
+                n,
+                bs,
+                drop,
+                Sharding {
+                    num_processes: nproc,
+                    process_index: r,
+                    split_batches: split,
+                    even_batches: even,
+                },
+            );
+            assert_eq!(&got, want_r, "case {case:?}, rank {r}");
+        }
+    }
+}
+
+fn rank_files(dir: &Path, n: u32) -> Vec<Value> {
+    (0..n)
+        .map(|r| {
+            let p = dir.join(format!("rank{r}.json"));
+            serde_json::from_str(
+                &std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())),
+            )
+            .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn collectives_give_what_accelerate_gives_on_1_2_and_3_ranks() {
+    let probe = build_bin("accel-integration-tests", "collectives-probe");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peers/collectives.py");
+    for n in [1u32, 2, 3] {
+        let ours = tempfile::tempdir().unwrap();
+        let theirs = tempfile::tempdir().unwrap();
+        if n == 1 {
+            run(Command::new(&probe).arg(ours.path()));
+        } else {
+            run(Command::new(accel_bin())
+                .args(["launch", "-q", "--cpu", "--num_processes", &n.to_string()])
+                .arg(&probe)
+                .arg(ours.path()));
+        }
+        run(Command::new(venv_bin("torchrun"))
+            .args(["--nproc_per_node", &n.to_string(), "--master_port", "0"])
+            .arg(&script)
+            .arg(theirs.path())
+            .env("OMP_NUM_THREADS", "1"));
+        let (a, b) = (rank_files(ours.path(), n), rank_files(theirs.path(), n));
+        for r in 0..n as usize {
+            for key in [
+                "gather",
+                "sum",
+                "mean",
+                "broadcast",
+                "pad_gather",
+                "metrics",
+            ] {
+                assert_eq!(
+                    a[r][key], b[r][key],
+                    "{n} ranks, rank {r}, {key}: accel {} vs Accelerate {}",
+                    a[r][key], b[r][key]
+                );
+            }
+        }
+        // gather_for_metrics saw every sample exactly once.
+        let metrics: Vec<f64> = serde_json::from_value(a[0]["metrics"].clone()).unwrap();
+        let mut sorted = metrics.clone();
+        sorted.sort_by(f64::total_cmp);
+        assert_eq!(
+            sorted,
+            (0..10).map(f64::from).collect::<Vec<_>>(),
+            "{n} ranks"
+        );
+    }
+}
+
+#[test]
+fn out_of_tree_local_sgd_trains_mlp_and_follows_its_rule() {
+    let plugins = tempfile::tempdir().unwrap();
+    build_plugin_into(
+        "accel-local-sgd",
+        &[],
+        &plugins.path().join("libaccel_local_sgd.so"),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("local_sgd.yaml");
+    std::fs::write(
+        &cfg,
+        "distributed_type: LOCAL_SGD\nnum_processes: 2\nuse_cpu: true\naccel:\n  plugins:\n    accel-local-sgd:\n      sync_every: 3\n",
+    )
+    .unwrap();
+    let mlp = mlp();
+    let weights = |steps: u32| {
+        let save = dir.path().join(format!("w{steps}_{{rank}}.safetensors"));
+        let log = dir.path().join(format!("loss{steps}.jsonl"));
+        let out = run(Command::new(accel_bin())
+            .args(["launch", "--plugin-dir", plugins.path().to_str().unwrap()])
+            .args(["--config_file", cfg.to_str().unwrap()])
+            .arg(&mlp)
+            .args([
+                "--steps",
+                &steps.to_string(),
+                "--save",
+                save.to_str().unwrap(),
+            ])
+            .args(["--loss-log", log.to_str().unwrap()]));
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("strategy local-sgd (accel-local-sgd)"),
+            "{}",
+            describe(&out)
+        );
+        let w = |r: u32| read_weights(&dir.path().join(format!("w{steps}_{r}.safetensors")));
+        (w(0), w(1), loss_log(&log))
+    };
+    // Right after an averaging point (every 3 steps) the ranks agree...
+    let (a, b, losses) = weights(6);
+    assert_eq!(max_abs_diff(&a, &b), 0.0);
+    assert!(losses[5].1 < losses[0].1, "{losses:?}");
+    // ...between two, each rank has stepped on its own data.
+    let (a, b, _) = weights(4);
+    let diff = max_abs_diff(&a, &b);
+    assert!(
+        diff > 1e-4,
+        "ranks should have drifted apart, differ by {diff}"
+    );
+}
