@@ -253,11 +253,27 @@ fn collectives_give_what_accelerate_gives_on_1_2_and_3_ranks() {
                 .arg(&probe)
                 .arg(ours.path()));
         }
-        run(Command::new(venv_bin("torchrun"))
-            .args(["--nproc_per_node", &n.to_string(), "--master_port", "0"])
-            .arg(&script)
-            .arg(theirs.path())
-            .env("OMP_NUM_THREADS", "1"));
+        if n == 1 {
+            run(Command::new(venv_bin("python"))
+                .arg(&script)
+                .arg(theirs.path()));
+        } else {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            run(Command::new(venv_bin("torchrun"))
+                .args([
+                    "--nproc_per_node",
+                    &n.to_string(),
+                    "--master_port",
+                    &port.to_string(),
+                ])
+                .arg(&script)
+                .arg(theirs.path())
+                .env("OMP_NUM_THREADS", "1"));
+        }
         let (a, b) = (rank_files(ours.path(), n), rank_files(theirs.path(), n));
         for r in 0..n as usize {
             for key in [

@@ -31,3 +31,6 @@ for (xb,) in loader:
 out["metrics"] = metrics
 with open(os.path.join(sys.argv[1], f"rank{r}.json"), "w") as f:
     json.dump(out, f)
+acc.wait_for_everyone()
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()

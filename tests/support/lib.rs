@@ -84,26 +84,50 @@ pub fn build_plugin_variant_into(package: &str, env: &[(&str, &str)], dest: &Pat
     build_locked(&["-p", package], &[], |_| ());
 }
 
+/// The plugins accel ships, linked beside every test binary as an install
+/// would put them.
+const SHIPPED_PLUGINS: &[&str] = &["accel-ddp"];
+
 /// Builds binary `bin` of `package` and returns the path of a link to it in
-/// a directory of its own (`target/test-bins/<test binary>/`), so that the
-/// program's "executable directory" plugin search sees no test fixtures
-/// that other tests built into `target/debug`.
+/// a directory of its own (`target/test-bins/<test binary>/`), beside the
+/// plugins accel ships, so that the program's "executable directory" plugin
+/// search sees no test fixtures that other tests built into `target/debug`.
 pub fn build_bin(package: &str, bin: &str) -> PathBuf {
+    let mut plugin_args = Vec::new();
+    for p in SHIPPED_PLUGINS {
+        plugin_args.extend(["-p", p]);
+    }
+    let plugin_files = build_locked(&plugin_args, &[], <[PathBuf]>::to_vec);
     build_locked(&["-p", package, "--bin", bin], &[], |files| {
         let built = files
             .iter()
             .find(|f| f.file_name().is_some_and(|n| n == bin))
             .unwrap_or_else(|| panic!("no {bin} among {files:?}"));
+        let shipped: Vec<&PathBuf> = plugin_files
+            .iter()
+            .filter(|f| {
+                SHIPPED_PLUGINS.iter().any(|p| {
+                    f.file_name().and_then(|n| n.to_str())
+                        == Some(&format!("lib{}.so", p.replace('-', "_")))
+                })
+            })
+            .collect();
         let test_exe = std::env::current_exe().unwrap();
         let stem = test_exe.file_stem().unwrap().to_string_lossy().into_owned();
         let dir = built.parent().unwrap().join("../test-bins").join(stem);
         std::fs::create_dir_all(&dir).unwrap();
-        let link = dir.join(bin);
-        let _ = std::fs::remove_file(&link);
-        if std::fs::hard_link(built, &link).is_err() {
-            std::fs::copy(built, &link).unwrap();
+        let place = |from: &Path| {
+            let link = dir.join(from.file_name().unwrap());
+            let _ = std::fs::remove_file(&link);
+            if std::fs::hard_link(from, &link).is_err() {
+                std::fs::copy(from, &link).unwrap();
+            }
+            link
+        };
+        for so in shipped {
+            place(so);
         }
-        link
+        place(built)
     })
 }
 

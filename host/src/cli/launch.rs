@@ -292,6 +292,7 @@ fn plugin_path(plugin_dirs: &[PathBuf]) -> String {
     let dirs: Vec<PathBuf> = default_search_path(plugin_dirs)
         .into_iter()
         .map(|d| d.path)
+        .filter(|p| p.is_dir())
         .collect();
     std::env::join_paths(dirs)
         .map(|p| p.to_string_lossy().into_owned())
