@@ -139,7 +139,7 @@ impl DistributedStrategy for LocalSgd {
             return RErr(e);
         }
         self.steps += 1;
-        if self.steps % self.sync_every == 0 {
+        if self.steps.is_multiple_of(self.sync_every) {
             return self.average().into();
         }
         ROk(())
