@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# The main job: set up, build accel and the template plugin, then show the
-# plugin system at work — list what is found, and train the quickstart
-# model while logging through a plugin tracker loaded from a plugin dir.
+# The main job: set up, build, show the plugin system at work, then train
+# the `mlp` example with DDP on 2 CPU processes under `accel launch`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
@@ -25,3 +24,12 @@ target/debug/quickstart --plugin-dir "$plugins" --log-with csv --log-with jsonl 
 echo
 echo "== $runs/quickstart/metrics.csv (last lines)"
 tail -n 4 "$runs/quickstart/metrics.csv"
+
+echo
+echo "== accel launch --cpu --num_processes 2 mlp (DDP over MPI)"
+target/debug/accel launch --cpu --num_processes 2 target/debug/mlp \
+  --steps 200 --optimizer adamw --lr 0.01 \
+  --loss-log "$runs/mlp_loss.jsonl" --save "$runs/mlp.safetensors"
+echo
+echo "outputs: loss log $runs/mlp_loss.jsonl (last: $(tail -n 1 "$runs/mlp_loss.jsonl")),"
+echo "         weights $runs/mlp.safetensors, tracker files $runs/quickstart/"
