@@ -31,6 +31,7 @@
 //! * [`tensor`]: tensor handles that cross the boundary, with safe views over tch.
 //! * [`error`]: [`PluginError`], returned by every call.
 //! * [`grad`]: gradient norms and clipping, as PyTorch computes them.
+//! * [`params`]: [`params::ParamSet`], the parameters a strategy keeps and what it does with them.
 //! * [`guard`]: panics become errors; [`guard::into_tracker`] & co. erase a
 //!   component for the host.
 //! * [`registry`]: [`Component`] registration with `inventory`.
@@ -45,6 +46,7 @@ pub mod grad;
 pub mod guard;
 pub mod launcher;
 pub mod manifest;
+pub mod params;
 pub mod precision;
 pub mod registry;
 pub mod root;

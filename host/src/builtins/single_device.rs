@@ -2,21 +2,21 @@
 //! nothing to communicate, everything else as the protocol says.
 
 use accel_sdk::{
-    abi_stable::std_types::{RErr, ROk, RSlice, RSliceMut, RVec},
+    abi_stable::std_types::{ROk, RSlice, RSliceMut, RVec},
+    params::ParamSet,
     strategy::OptimizerStepRef,
     tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef},
     Component, DistributedStrategy, HostContextBox, MemoryStats, PluginError, PluginResult,
     StateDictKind, StrategyBox, WrapUnit,
 };
-use tch::Tensor;
 
 struct SingleDevice {
-    params: Vec<(String, Tensor)>,
+    params: ParamSet,
 }
 
 fn make(_ctx: HostContextBox, _config: &str) -> Result<StrategyBox, PluginError> {
     Ok(accel_sdk::into_strategy(SingleDevice {
-        params: Vec::new(),
+        params: ParamSet::default(),
     }))
 }
 
@@ -29,35 +29,17 @@ inventory::submit! {
     )
 }
 
-fn bytes(t: &Tensor) -> u64 {
-    if t.defined() {
-        (t.numel() * t.kind().elt_size_in_bytes()) as u64
-    } else {
-        0
-    }
-}
-
 impl DistributedStrategy for SingleDevice {
     fn prepare_model(
         &mut self,
         params: RSliceMut<'_, NamedTensorMut<'_>>,
     ) -> PluginResult<RVec<WrapUnit>> {
-        self.params = params
-            .iter()
-            .map(|p| (p.name.to_string(), p.tensor.get().shallow_clone()))
-            .collect();
-        let unit = WrapUnit {
-            params: self.params.iter().map(|(n, _)| n.as_str().into()).collect(),
-        };
-        ROk(vec![unit].into())
+        self.params = ParamSet::from_handles(&params);
+        ROk(self.params.single_unit())
     }
 
     fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self
-            .params
-            .iter()
-            .map(|(n, t)| NamedOwnedTensor::new(n.clone(), t.shallow_clone()))
-            .collect())
+        ROk(self.params.shared())
     }
 
     fn pre_forward(&mut self, _unit: u32) -> PluginResult<()> {
@@ -81,23 +63,11 @@ impl DistributedStrategy for SingleDevice {
     }
 
     fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
-        let mut grads: Vec<Tensor> = self
-            .params
-            .iter()
-            .map(|(_, p)| p.grad())
-            .filter(Tensor::defined)
-            .collect();
-        ROk(accel_sdk::grad::clip_grad_norm(
-            &mut grads, max_norm, norm_type,
-        ))
+        ROk(self.params.clip_grad_norm(max_norm, norm_type))
     }
 
     fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self
-            .params
-            .iter()
-            .map(|(n, t)| NamedOwnedTensor::new(n.clone(), t.detach().copy()))
-            .collect())
+        ROk(self.params.copies())
     }
 
     fn load_state_dict(
@@ -105,49 +75,11 @@ impl DistributedStrategy for SingleDevice {
         _kind: StateDictKind,
         tensors: RSlice<'_, NamedTensorRef<'_>>,
     ) -> PluginResult<()> {
-        for (name, param) in &mut self.params {
-            let Some(entry) = tensors.iter().find(|t| t.name.as_str() == name.as_str()) else {
-                return RErr(PluginError::other(
-                    "accel",
-                    format!("state dict has no `{name}`"),
-                ));
-            };
-            let value = entry.tensor.get();
-            if value.size() != param.size() {
-                return RErr(PluginError::other(
-                    "accel",
-                    format!(
-                        "`{name}`: checkpoint shape {:?}, model shape {:?}",
-                        value.size(),
-                        param.size()
-                    ),
-                ));
-            }
-            tch::no_grad(|| param.copy_(&value));
-        }
-        if let Some(extra) = tensors.iter().find(|t| {
-            !self
-                .params
-                .iter()
-                .any(|(n, _)| n.as_str() == t.name.as_str())
-        }) {
-            return RErr(PluginError::other(
-                "accel",
-                format!("state dict entry `{}` is not a model parameter", extra.name),
-            ));
-        }
-        ROk(())
+        self.params.load("accel", tensors).into()
     }
 
     fn memory_stats(&self) -> PluginResult<MemoryStats> {
-        let param_bytes: u64 = self.params.iter().map(|(_, t)| bytes(t)).sum();
-        let grad_bytes: u64 = self.params.iter().map(|(_, t)| bytes(&t.grad())).sum();
-        ROk(MemoryStats {
-            param_bytes,
-            grad_bytes,
-            optimizer_bytes: 0,
-            peak_bytes: param_bytes + grad_bytes,
-        })
+        ROk(self.params.memory_stats(0, 0))
     }
 }
 
@@ -160,6 +92,7 @@ mod tests {
         strategy::{OptimizerStep, OptimizerStep_TO},
         DeviceSpec,
     };
+    use tch::Tensor;
 
     struct CountSteps(u32);
     impl OptimizerStep for CountSteps {

@@ -17,19 +17,20 @@
 use accel_sdk::tch::Tensor;
 use accel_sdk::{
     abi_stable::std_types::{RErr, ROk, RSlice, RSliceMut, RVec},
+    params::{bytes, ParamSet},
     serde_json::Value,
     strategy::OptimizerStepRef,
     tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef, TensorMut},
-    Component, DistributedStrategy, ErrorKind, HostContextBox, MemoryStats, PluginError,
-    PluginResult, ReduceOp, StateDictKind, StrategyBox, WrapUnit,
+    Component, DistributedStrategy, HostContextBox, MemoryStats, PluginError, PluginResult,
+    ReduceOp, StateDictKind, StrategyBox, WrapUnit,
 };
 
 const PLUGIN: &str = "accel-ddp";
 
 struct Ddp {
     ctx: HostContextBox,
-    bucket_bytes: usize,
-    params: Vec<(String, Tensor)>,
+    bucket_bytes: u64,
+    params: ParamSet,
     /// Indices into `params`, one list per bucket.
     buckets: Vec<Vec<usize>>,
     peak: u64,
@@ -58,8 +59,8 @@ fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError>
     let mb = bucket_cap_mb(settings)?;
     Ok(accel_sdk::into_strategy(Ddp {
         ctx,
-        bucket_bytes: (mb * 1024.0 * 1024.0) as usize,
-        params: Vec::new(),
+        bucket_bytes: (mb * 1024.0 * 1024.0) as u64,
+        params: ParamSet::default(),
         buckets: Vec::new(),
         peak: 0,
     }))
@@ -77,17 +78,9 @@ accel_sdk::inventory::submit! {
 
 accel_sdk::export_plugin!();
 
-fn bytes(t: &Tensor) -> usize {
-    if t.defined() {
-        t.numel() * t.kind().elt_size_in_bytes()
-    } else {
-        0
-    }
-}
-
 /// Groups parameter indices into buckets of at most `cap` bytes, last
 /// parameter first (the order backward produces gradients in).
-fn plan_buckets(sizes: &[usize], cap: usize) -> Vec<Vec<usize>> {
+fn plan_buckets(sizes: &[u64], cap: u64) -> Vec<Vec<usize>> {
     let mut buckets: Vec<Vec<usize>> = Vec::new();
     let mut current: Vec<usize> = Vec::new();
     let mut filled = 0;
@@ -109,7 +102,7 @@ impl Ddp {
     fn sync_bucket(&mut self, bucket: usize) -> Result<(), PluginError> {
         let mut grads = Vec::with_capacity(self.buckets[bucket].len());
         for &i in &self.buckets[bucket] {
-            let (name, p) = &self.params[i];
+            let (name, p) = &self.params.items[i];
             let g = p.grad();
             if !g.defined() {
                 return Err(PluginError::other(
@@ -121,7 +114,7 @@ impl Ddp {
         }
         let flat: Vec<Tensor> = grads.iter().map(|g| g.reshape([-1])).collect();
         let mut buffer = Tensor::cat(&flat, 0);
-        self.peak = self.peak.max(bytes(&buffer) as u64);
+        self.peak = self.peak.max(bytes(&buffer));
         self.ctx
             .all_reduce(TensorMut::new(&mut buffer), ReduceOp::Avg)
             .into_result()?;
@@ -143,29 +136,19 @@ impl DistributedStrategy for Ddp {
         &mut self,
         params: RSliceMut<'_, NamedTensorMut<'_>>,
     ) -> PluginResult<RVec<WrapUnit>> {
-        let mut kept = Vec::with_capacity(params.len());
-        for p in params.iter() {
-            let mut t = p.tensor.get().shallow_clone();
-            if let Err(e) = self.ctx.broadcast(TensorMut::new(&mut t), 0).into_result() {
+        self.params = ParamSet::from_handles(&params);
+        for (_, t) in &mut self.params.items {
+            if let Err(e) = self.ctx.broadcast(TensorMut::new(t), 0).into_result() {
                 return RErr(e);
             }
-            kept.push((p.name.to_string(), t));
         }
-        self.params = kept;
-        let sizes: Vec<usize> = self.params.iter().map(|(_, t)| bytes(t)).collect();
+        let sizes: Vec<u64> = self.params.items.iter().map(|(_, t)| bytes(t)).collect();
         self.buckets = plan_buckets(&sizes, self.bucket_bytes);
-        ROk(vec![WrapUnit {
-            params: self.params.iter().map(|(n, _)| n.as_str().into()).collect(),
-        }]
-        .into())
+        ROk(self.params.single_unit())
     }
 
     fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self
-            .params
-            .iter()
-            .map(|(n, t)| NamedOwnedTensor::new(n.clone(), t.shallow_clone()))
-            .collect())
+        ROk(self.params.shared())
     }
 
     fn pre_forward(&mut self, _unit: u32) -> PluginResult<()> {
@@ -197,26 +180,14 @@ impl DistributedStrategy for Ddp {
     }
 
     fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
-        let mut grads: Vec<Tensor> = self
-            .params
-            .iter()
-            .map(|(_, p)| p.grad())
-            .filter(Tensor::defined)
-            .collect();
-        ROk(accel_sdk::grad::clip_grad_norm(
-            &mut grads, max_norm, norm_type,
-        ))
+        ROk(self.params.clip_grad_norm(max_norm, norm_type))
     }
 
     fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
         if self.ctx.rank() != 0 {
             return ROk(RVec::new());
         }
-        ROk(self
-            .params
-            .iter()
-            .map(|(n, t)| NamedOwnedTensor::new(n.clone(), t.detach().copy()))
-            .collect())
+        ROk(self.params.copies())
     }
 
     fn load_state_dict(
@@ -224,38 +195,35 @@ impl DistributedStrategy for Ddp {
         _kind: StateDictKind,
         tensors: RSlice<'_, NamedTensorRef<'_>>,
     ) -> PluginResult<()> {
-        for (name, param) in &mut self.params {
-            let Some(entry) = tensors.iter().find(|t| t.name.as_str() == name.as_str()) else {
-                return RErr(PluginError::new(
-                    ErrorKind::Other,
-                    PLUGIN,
-                    format!("state dict has no `{name}`"),
-                ));
-            };
-            let value = entry.tensor.get();
-            if value.size() != param.size() {
-                return RErr(PluginError::other(
-                    PLUGIN,
-                    format!(
-                        "`{name}`: checkpoint shape {:?}, model shape {:?}",
-                        value.size(),
-                        param.size()
-                    ),
-                ));
-            }
-            accel_sdk::tch::no_grad(|| param.copy_(&value.to_kind(param.kind())));
-        }
-        ROk(())
+        self.params.load(PLUGIN, tensors).into()
     }
 
     fn memory_stats(&self) -> PluginResult<MemoryStats> {
-        let param_bytes: usize = self.params.iter().map(|(_, t)| bytes(t)).sum();
-        let grad_bytes: usize = self.params.iter().map(|(_, t)| bytes(&t.grad())).sum();
-        ROk(MemoryStats {
-            param_bytes: param_bytes as u64,
-            grad_bytes: grad_bytes as u64,
-            optimizer_bytes: 0,
-            peak_bytes: (param_bytes + grad_bytes) as u64 + self.peak,
-        })
+        ROk(self.params.memory_stats(0, self.peak))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_fill_from_the_last_parameter_up_to_the_cap() {
+        assert_eq!(
+            plan_buckets(&[10, 10, 10, 25], 25),
+            vec![vec![3], vec![2, 1], vec![0]]
+        );
+        assert_eq!(plan_buckets(&[1, 2, 3], 100), vec![vec![2, 1, 0]]);
+        assert!(plan_buckets(&[], 10).is_empty());
+    }
+
+    #[test]
+    fn bucket_cap_is_read_and_checked() {
+        assert_eq!(bucket_cap_mb("{}").unwrap(), 25.0);
+        assert_eq!(
+            bucket_cap_mb(r#"{"settings": {"bucket_cap_mb": 50}}"#).unwrap(),
+            50.0
+        );
+        assert!(bucket_cap_mb(r#"{"settings": {"bucket_cap_mb": -1}}"#).is_err());
     }
 }

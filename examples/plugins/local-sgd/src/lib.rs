@@ -15,9 +15,9 @@
 
 use accel_sdk::{
     abi_stable::std_types::{RErr, ROk, RSlice, RSliceMut, RVec},
+    params::ParamSet,
     serde_json::Value,
     strategy::OptimizerStepRef,
-    tch::Tensor,
     tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef, TensorMut},
     Component, DistributedStrategy, HostContextBox, LogLevel, MemoryStats, PluginError,
     PluginResult, ReduceOp, StateDictKind, StrategyBox, WrapUnit,
@@ -29,7 +29,8 @@ struct LocalSgd {
     ctx: HostContextBox,
     sync_every: u64,
     steps: u64,
-    params: Vec<(String, Tensor)>,
+    /// The parameters (shallow clones sharing storage with the model's).
+    params: ParamSet,
 }
 
 /// `{"settings": {"sync_every": k}}` (k ≥ 1; default 4). The host passes the
@@ -53,7 +54,7 @@ fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError>
         ctx,
         sync_every: sync_every(settings)?,
         steps: 0,
-        params: Vec::new(),
+        params: ParamSet::default(),
     }))
 }
 
@@ -72,7 +73,7 @@ accel_sdk::export_plugin!();
 impl LocalSgd {
     /// Averages every parameter across ranks, in place.
     fn average(&mut self) -> Result<(), PluginError> {
-        for (_, p) in &mut self.params {
+        for (_, p) in &mut self.params.items {
             self.ctx
                 .all_reduce(TensorMut::new(p), ReduceOp::Avg)
                 .into_result()?;
@@ -87,15 +88,12 @@ impl DistributedStrategy for LocalSgd {
         params: RSliceMut<'_, NamedTensorMut<'_>>,
     ) -> PluginResult<RVec<WrapUnit>> {
         // Start identical: everyone takes rank 0's parameters.
-        let mut kept = Vec::new();
-        for p in params.iter() {
-            let mut t = p.tensor.get().shallow_clone();
-            if let Err(e) = self.ctx.broadcast(TensorMut::new(&mut t), 0).into_result() {
+        self.params = ParamSet::from_handles(&params);
+        for (_, t) in &mut self.params.items {
+            if let Err(e) = self.ctx.broadcast(TensorMut::new(t), 0).into_result() {
                 return RErr(e);
             }
-            kept.push((p.name.to_string(), t));
         }
-        self.params = kept;
         self.ctx.log(
             LogLevel::Info,
             PLUGIN.into(),
@@ -103,18 +101,11 @@ impl DistributedStrategy for LocalSgd {
                 .as_str()
                 .into(),
         );
-        ROk(vec![WrapUnit {
-            params: self.params.iter().map(|(n, _)| n.as_str().into()).collect(),
-        }]
-        .into())
+        ROk(self.params.single_unit())
     }
 
     fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self
-            .params
-            .iter()
-            .map(|(n, t)| NamedOwnedTensor::new(n.clone(), t.shallow_clone()))
-            .collect())
+        ROk(self.params.shared())
     }
 
     fn pre_forward(&mut self, _unit: u32) -> PluginResult<()> {
@@ -147,31 +138,22 @@ impl DistributedStrategy for LocalSgd {
 
     fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
         // Each rank clips its own gradients: they are never synchronised.
-        let mut grads: Vec<Tensor> = self
-            .params
-            .iter()
-            .map(|(_, p)| p.grad())
-            .filter(Tensor::defined)
-            .collect();
-        ROk(accel_sdk::grad::clip_grad_norm(
-            &mut grads, max_norm, norm_type,
-        ))
+        ROk(self.params.clip_grad_norm(max_norm, norm_type))
     }
 
     fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
         // A checkpoint holds the average, whatever the step.
-        let averaged: Result<Vec<NamedOwnedTensor>, PluginError> = self
-            .params
-            .iter()
-            .map(|(n, p)| {
-                let mut t = p.detach().copy();
-                self.ctx
-                    .all_reduce(TensorMut::new(&mut t), ReduceOp::Avg)
-                    .into_result()?;
-                Ok(NamedOwnedTensor::new(n.clone(), t))
-            })
-            .collect();
-        averaged.map(RVec::from).into()
+        let mut averaged = self.params.copies();
+        for entry in averaged.iter_mut() {
+            if let Err(e) = self
+                .ctx
+                .all_reduce(entry.tensor.as_tensor_mut(), ReduceOp::Avg)
+                .into_result()
+            {
+                return RErr(e);
+            }
+        }
+        ROk(averaged)
     }
 
     fn load_state_dict(
@@ -179,36 +161,11 @@ impl DistributedStrategy for LocalSgd {
         _kind: StateDictKind,
         tensors: RSlice<'_, NamedTensorRef<'_>>,
     ) -> PluginResult<()> {
-        for (name, p) in &mut self.params {
-            match tensors.iter().find(|t| t.name.as_str() == name.as_str()) {
-                Some(t) => accel_sdk::tch::no_grad(|| p.copy_(&t.tensor.get())),
-                None => {
-                    return RErr(PluginError::other(
-                        PLUGIN,
-                        format!("state dict has no `{name}`"),
-                    ))
-                }
-            }
-        }
-        ROk(())
+        self.params.load(PLUGIN, tensors).into()
     }
 
     fn memory_stats(&self) -> PluginResult<MemoryStats> {
-        let bytes = |t: &Tensor| {
-            if t.defined() {
-                (t.numel() * t.kind().elt_size_in_bytes()) as u64
-            } else {
-                0
-            }
-        };
-        let param_bytes = self.params.iter().map(|(_, p)| bytes(p)).sum();
-        let grad_bytes = self.params.iter().map(|(_, p)| bytes(&p.grad())).sum();
-        ROk(MemoryStats {
-            param_bytes,
-            grad_bytes,
-            optimizer_bytes: 0,
-            peak_bytes: param_bytes + grad_bytes,
-        })
+        ROk(self.params.memory_stats(0, 0))
     }
 }
 

@@ -1,0 +1,130 @@
+//! [`ParamSet`]: the model parameters a strategy keeps, with what every
+//! strategy does with them (gradients, clipping, state dicts, memory).
+
+use crate::{
+    error::PluginError,
+    grad::clip_grad_norm,
+    strategy::{MemoryStats, WrapUnit},
+    tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef},
+};
+use abi_stable::std_types::{RSlice, RSliceMut, RVec};
+use tch::Tensor;
+
+/// Named parameters, kept as `shallow_clone`s: they share storage and
+/// `.grad()` with the model's own tensors.
+#[derive(Debug, Default)]
+pub struct ParamSet {
+    /// `(name, parameter)` in model order.
+    pub items: Vec<(String, Tensor)>,
+}
+
+/// Bytes held by `t` (0 when undefined).
+pub fn bytes(t: &Tensor) -> u64 {
+    if t.defined() {
+        (t.numel() * t.kind().elt_size_in_bytes()) as u64
+    } else {
+        0
+    }
+}
+
+impl ParamSet {
+    /// Keeps the parameters handed to `prepare_model`.
+    pub fn from_handles(params: &RSliceMut<'_, NamedTensorMut<'_>>) -> Self {
+        Self {
+            items: params
+                .iter()
+                .map(|p| (p.name.to_string(), p.tensor.get().shallow_clone()))
+                .collect(),
+        }
+    }
+
+    /// One wrap unit holding every parameter.
+    pub fn single_unit(&self) -> RVec<WrapUnit> {
+        vec![WrapUnit {
+            params: self.items.iter().map(|(n, _)| n.as_str().into()).collect(),
+        }]
+        .into()
+    }
+
+    /// The parameters themselves, for `prepare_optimizer`.
+    pub fn shared(&self) -> RVec<NamedOwnedTensor> {
+        self.items
+            .iter()
+            .map(|(n, t)| NamedOwnedTensor::new(n.clone(), t.shallow_clone()))
+            .collect()
+    }
+
+    /// The defined gradients, sharing storage with the parameters'.
+    pub fn grads(&self) -> Vec<Tensor> {
+        self.items
+            .iter()
+            .map(|(_, p)| p.grad())
+            .filter(Tensor::defined)
+            .collect()
+    }
+
+    /// `clip_grad_norm_` over this process's gradients.
+    pub fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> f64 {
+        clip_grad_norm(&mut self.grads(), max_norm, norm_type)
+    }
+
+    /// Copies of every parameter, for a state dict.
+    pub fn copies(&self) -> RVec<NamedOwnedTensor> {
+        self.items
+            .iter()
+            .map(|(n, t)| NamedOwnedTensor::new(n.clone(), t.detach().copy()))
+            .collect()
+    }
+
+    /// Loads `tensors` into the parameters in place: every parameter must be
+    /// there with its shape, and nothing else may be.
+    pub fn load(
+        &mut self,
+        plugin: &str,
+        tensors: RSlice<'_, NamedTensorRef<'_>>,
+    ) -> Result<(), PluginError> {
+        for (name, param) in &mut self.items {
+            let entry = tensors
+                .iter()
+                .find(|t| t.name.as_str() == name.as_str())
+                .ok_or_else(|| PluginError::other(plugin, format!("state dict has no `{name}`")))?;
+            let value = entry.tensor.get();
+            if value.size() != param.size() {
+                return Err(PluginError::other(
+                    plugin,
+                    format!(
+                        "`{name}`: checkpoint shape {:?}, model shape {:?}",
+                        value.size(),
+                        param.size()
+                    ),
+                ));
+            }
+            tch::no_grad(|| param.copy_(&value.to_kind(param.kind())));
+        }
+        if let Some(extra) = tensors.iter().find(|t| {
+            !self
+                .items
+                .iter()
+                .any(|(n, _)| n.as_str() == t.name.as_str())
+        }) {
+            return Err(PluginError::other(
+                plugin,
+                format!("state dict entry `{}` is not a model parameter", extra.name),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Parameter and gradient bytes; `extra_peak` is added to the peak
+    /// (e.g. a communication buffer).
+    pub fn memory_stats(&self, optimizer_bytes: u64, extra_peak: u64) -> MemoryStats {
+        let param_bytes = self.items.iter().map(|(_, t)| bytes(t)).sum();
+        let grad_bytes = self.items.iter().map(|(_, t)| bytes(&t.grad())).sum();
+        MemoryStats {
+            param_bytes,
+            grad_bytes,
+            optimizer_bytes,
+            peak_bytes: param_bytes + grad_bytes + optimizer_bytes + extra_peak,
+        }
+    }
+}
