@@ -261,9 +261,18 @@ impl Accelerator {
             }
             Arc::new(mpi)
         } else {
-            return Err(AccelError::Usage(
-                "multi-GPU communication (NCCL) is not available in this build of accel yet; run on the CPU with --cpu".into(),
-            ));
+            let (Some(addr), Some(port)) = (env("MASTER_ADDR"), env("MASTER_PORT")) else {
+                return Err(AccelError::Usage(
+                    "GPU ranks exchange the NCCL id through the launcher's store, but MASTER_ADDR/MASTER_PORT are not set: start the job with `accel launch`".into(),
+                ));
+            };
+            let nccl = crate::comm::nccl::Nccl::init(
+                rank,
+                world,
+                local_rank as usize,
+                &format!("{addr}:{port}"),
+            )?;
+            Arc::new(nccl)
         };
         let spec = match device {
             Device::Cuda(i) => DeviceSpec {

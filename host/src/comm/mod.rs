@@ -2,13 +2,16 @@
 //!
 //! * [`SingleProcess`] — world size 1, no communication at all;
 //! * [`mpi::Mpi`] — CPU ranks started by `mpirun` (the `mpi` launcher), through
-//!   rsmpi and the system's MPI.
+//!   rsmpi and the system's MPI;
+//! * [`nccl::Nccl`] — CUDA ranks, through cudarc's NCCL bindings, with the
+//!   unique id exchanged through the launcher's rendezvous store.
 //!
 //! All collectives work in place on tch tensors, are called by every rank in
-//! the same order, and accept any contiguous or non-contiguous CPU tensor of
-//! f32, f64, i64, i32, u8/bool, or f16/bf16 (reduced in f32).
+//! the same order. MPI takes CPU tensors of f32, f64, i64, i32, u8/bool or
+//! f16/bf16 (reduced in f32); NCCL takes CUDA tensors of those kinds and i8.
 
 pub mod mpi;
+pub mod nccl;
 
 use accel_sdk::ReduceOp;
 use tch::Tensor;

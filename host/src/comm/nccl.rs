@@ -1,0 +1,248 @@
+//! NCCL for CUDA ranks, through cudarc's raw API on tensor data pointers.
+//!
+//! libnccl and libcudart are loaded at run time (cudarc's dynamic loading),
+//! so accel builds without CUDA; nothing here runs unless the Accelerator
+//! found a GPU. Rank 0 creates the NCCL unique id and publishes it in the
+//! launcher's rendezvous store (`MASTER_ADDR:MASTER_PORT`); the others read
+//! it there. Collectives run on the default stream, the one libtorch uses
+//! unless told otherwise, so they are ordered with the surrounding kernels.
+
+use super::{CommError, Communicator};
+use accel_rendezvous::Client;
+use accel_sdk::ReduceOp;
+use cudarc::nccl::{result, sys};
+use std::{ffi::c_void, sync::Mutex, time::Duration};
+use tch::{Kind, Tensor};
+
+struct Handle(sys::ncclComm_t);
+
+// SAFETY: the NCCL communicator is only used under the mutex.
+unsafe impl Send for Handle {}
+
+/// An NCCL communicator over every rank of the job.
+pub struct Nccl {
+    comm: Mutex<Handle>,
+    rank: u32,
+    size: u32,
+    device: usize,
+}
+
+fn err(op: &'static str, e: impl std::fmt::Debug) -> CommError {
+    CommError::new(op, format!("{e:?}"))
+}
+
+fn dtype(op: &'static str, k: Kind) -> Result<sys::ncclDataType_t, CommError> {
+    Ok(match k {
+        Kind::Float => sys::ncclDataType_t::ncclFloat32,
+        Kind::Double => sys::ncclDataType_t::ncclFloat64,
+        Kind::Half => sys::ncclDataType_t::ncclFloat16,
+        Kind::BFloat16 => sys::ncclDataType_t::ncclBfloat16,
+        Kind::Int64 => sys::ncclDataType_t::ncclInt64,
+        Kind::Int => sys::ncclDataType_t::ncclInt32,
+        Kind::Uint8 | Kind::Bool => sys::ncclDataType_t::ncclUint8,
+        Kind::Int8 => sys::ncclDataType_t::ncclInt8,
+        other => {
+            return Err(CommError::new(
+                op,
+                format!("unsupported tensor kind {other:?}"),
+            ))
+        }
+    })
+}
+
+fn red_op(op: ReduceOp) -> sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
+        ReduceOp::Product => sys::ncclRedOp_t::ncclProd,
+    }
+}
+
+fn cuda_contiguous(op: &'static str, t: &Tensor) -> Result<Tensor, CommError> {
+    match t.device() {
+        tch::Device::Cuda(_) => Ok(t.detach().contiguous()),
+        d => Err(CommError::new(
+            op,
+            format!("NCCL collectives take CUDA tensors, got one on {d:?}"),
+        )),
+    }
+}
+
+fn write_back(t: &mut Tensor, work: &Tensor) {
+    if t.data_ptr() != work.data_ptr() {
+        let src = work.reshape(t.size());
+        tch::no_grad(|| t.copy_(&src));
+    }
+}
+
+impl Nccl {
+    /// Joins the job's NCCL communicator as `rank` of `size` on CUDA device
+    /// `device`, exchanging the unique id through the store at `store_addr`.
+    pub fn init(rank: u32, size: u32, device: usize, store_addr: &str) -> Result<Nccl, CommError> {
+        cudarc::runtime::result::device::set(device as i32).map_err(|e| err("init", e))?;
+        let mut store = Client::connect(store_addr, Duration::from_secs(300))
+            .map_err(|e| CommError::new("init", e.to_string()))?;
+        let attempt = std::env::var("ACCEL_RESTART_COUNT").unwrap_or_else(|_| "0".into());
+        let key = format!("accel/nccl/unique-id/{attempt}");
+        let id = if rank == 0 {
+            let id = result::get_uniqueid().map_err(|e| err("init", e))?;
+            let bytes: Vec<u8> = id.internal.iter().map(|c| *c as u8).collect();
+            store
+                .set(&key, &bytes)
+                .map_err(|e| CommError::new("init", e.to_string()))?;
+            id
+        } else {
+            let bytes = store
+                .get(&key, Duration::from_secs(300))
+                .map_err(|e| CommError::new("init", e.to_string()))?;
+            let mut id = sys::ncclUniqueId { internal: [0; 128] };
+            if bytes.len() != id.internal.len() {
+                return Err(CommError::new(
+                    "init",
+                    format!("NCCL unique id of {} bytes", bytes.len()),
+                ));
+            }
+            for (d, s) in id.internal.iter_mut().zip(bytes) {
+                *d = s as _;
+            }
+            id
+        };
+        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid out-pointer; every rank passes the same id.
+        unsafe { result::comm_init_rank(&mut comm, size as i32, id, rank as i32) }
+            .map_err(|e| err("init", e))?;
+        Ok(Nccl {
+            comm: Mutex::new(Handle(comm)),
+            rank,
+            size,
+            device,
+        })
+    }
+
+    fn with_comm<R>(&self, f: impl FnOnce(sys::ncclComm_t) -> R) -> R {
+        let h = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        f(h.0)
+    }
+}
+
+impl Communicator for Nccl {
+    fn name(&self) -> &'static str {
+        "nccl"
+    }
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+    fn world_size(&self) -> u32 {
+        self.size
+    }
+
+    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
+        let work = cuda_contiguous("all_reduce", tensor)?;
+        let dt = dtype("all_reduce", work.kind())?;
+        let p = work.data_ptr();
+        // SAFETY: in-place on a contiguous CUDA buffer of `numel` elements.
+        self.with_comm(|c| unsafe {
+            result::all_reduce(
+                p as *const c_void,
+                p,
+                work.numel(),
+                dt,
+                red_op(op),
+                c,
+                std::ptr::null_mut(),
+            )
+        })
+        .map_err(|e| err("all_reduce", e))?;
+        write_back(tensor, &work);
+        Ok(())
+    }
+
+    fn broadcast(&self, tensor: &mut Tensor, root: u32) -> Result<(), CommError> {
+        let work = cuda_contiguous("broadcast", tensor)?;
+        let dt = dtype("broadcast", work.kind())?;
+        let p = work.data_ptr();
+        // SAFETY: in-place on a contiguous CUDA buffer of `numel` elements.
+        self.with_comm(|c| unsafe {
+            result::broadcast(
+                p as *const c_void,
+                p,
+                work.numel(),
+                dt,
+                root as i32,
+                c,
+                std::ptr::null_mut(),
+            )
+        })
+        .map_err(|e| err("broadcast", e))?;
+        write_back(tensor, &work);
+        Ok(())
+    }
+
+    fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
+        if output.numel() != input.numel() * self.size as usize {
+            return Err(CommError::new(
+                "all_gather",
+                "output is not world_size x input",
+            ));
+        }
+        let send = cuda_contiguous("all_gather", input)?;
+        let recv = cuda_contiguous("all_gather", output)?;
+        let dt = dtype("all_gather", send.kind())?;
+        // SAFETY: contiguous CUDA buffers of the sizes NCCL expects.
+        self.with_comm(|c| unsafe {
+            result::all_gather(
+                send.data_ptr() as *const c_void,
+                recv.data_ptr(),
+                send.numel(),
+                dt,
+                c,
+                std::ptr::null_mut(),
+            )
+        })
+        .map_err(|e| err("all_gather", e))?;
+        write_back(output, &recv);
+        Ok(())
+    }
+
+    fn reduce_scatter(
+        &self,
+        input: &Tensor,
+        output: &mut Tensor,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        if input.numel() != output.numel() * self.size as usize {
+            return Err(CommError::new(
+                "reduce_scatter",
+                "input is not world_size x output",
+            ));
+        }
+        let send = cuda_contiguous("reduce_scatter", input)?;
+        let recv = cuda_contiguous("reduce_scatter", output)?;
+        let dt = dtype("reduce_scatter", send.kind())?;
+        // SAFETY: contiguous CUDA buffers of the sizes NCCL expects.
+        self.with_comm(|c| unsafe {
+            result::reduce_scatter(
+                send.data_ptr() as *const c_void,
+                recv.data_ptr(),
+                recv.numel(),
+                dt,
+                red_op(op),
+                c,
+                std::ptr::null_mut(),
+            )
+        })
+        .map_err(|e| err("reduce_scatter", e))?;
+        write_back(output, &recv);
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        // NCCL has no barrier: a one-element all-reduce is one.
+        let mut t = Tensor::zeros([1], (Kind::Float, tch::Device::Cuda(self.device)));
+        self.all_reduce(&mut t, ReduceOp::Sum)?;
+        let _ = t.double_value(&[0]);
+        Ok(())
+    }
+}
