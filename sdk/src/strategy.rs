@@ -84,14 +84,23 @@ pub trait DistributedStrategy: Send {
     /// after [`DistributedStrategy::post_backward`] with `sync = true`.
     fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>>;
 
-    /// Called just before wrap unit `unit` runs its forward.
-    fn pre_forward(&mut self, unit: u32) -> PluginResult<()>;
+    /// Called just before wrap unit `unit` runs its forward (default: nothing).
+    fn pre_forward(&mut self, unit: u32) -> PluginResult<()> {
+        let _ = unit;
+        abi_stable::std_types::ROk(())
+    }
 
-    /// Called just after wrap unit `unit` ran its forward.
-    fn post_forward(&mut self, unit: u32) -> PluginResult<()>;
+    /// Called just after wrap unit `unit` ran its forward (default: nothing).
+    fn post_forward(&mut self, unit: u32) -> PluginResult<()> {
+        let _ = unit;
+        abi_stable::std_types::ROk(())
+    }
 
-    /// Called just before the backward of wrap unit `unit` runs.
-    fn pre_backward(&mut self, unit: u32) -> PluginResult<()>;
+    /// Called just before the backward of wrap unit `unit` runs (default: nothing).
+    fn pre_backward(&mut self, unit: u32) -> PluginResult<()> {
+        let _ = unit;
+        abi_stable::std_types::ROk(())
+    }
 
     /// Called after `loss.backward()`. `sync` is false on gradient-accumulation
     /// micro-steps, where no communication may happen (no_sync).

@@ -42,18 +42,6 @@ impl DistributedStrategy for SingleDevice {
         ROk(self.params.shared())
     }
 
-    fn pre_forward(&mut self, _unit: u32) -> PluginResult<()> {
-        ROk(())
-    }
-
-    fn post_forward(&mut self, _unit: u32) -> PluginResult<()> {
-        ROk(())
-    }
-
-    fn pre_backward(&mut self, _unit: u32) -> PluginResult<()> {
-        ROk(())
-    }
-
     fn post_backward(&mut self, _sync: bool) -> PluginResult<()> {
         ROk(())
     }

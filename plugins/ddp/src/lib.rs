@@ -151,18 +151,6 @@ impl DistributedStrategy for Ddp {
         ROk(self.params.shared())
     }
 
-    fn pre_forward(&mut self, _unit: u32) -> PluginResult<()> {
-        ROk(())
-    }
-
-    fn post_forward(&mut self, _unit: u32) -> PluginResult<()> {
-        ROk(())
-    }
-
-    fn pre_backward(&mut self, _unit: u32) -> PluginResult<()> {
-        ROk(())
-    }
-
     fn post_backward(&mut self, sync: bool) -> PluginResult<()> {
         if !sync {
             return ROk(());
