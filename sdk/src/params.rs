@@ -2,10 +2,11 @@
 //! strategy does with them (gradients, clipping, state dicts, memory).
 
 use crate::{
+    context::HostContextBox,
     error::PluginError,
     grad::clip_grad_norm,
     strategy::{MemoryStats, WrapUnit},
-    tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef},
+    tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef, TensorMut},
 };
 use abi_stable::std_types::{RSlice, RSliceMut, RVec};
 use tch::Tensor;
@@ -36,6 +37,14 @@ impl ParamSet {
                 .map(|p| (p.name.to_string(), p.tensor.get().shallow_clone()))
                 .collect(),
         }
+    }
+
+    /// Makes every rank's parameters rank `root`'s, in place.
+    pub fn broadcast(&mut self, ctx: &HostContextBox, root: u32) -> Result<(), PluginError> {
+        for (_, t) in &mut self.items {
+            ctx.broadcast(TensorMut::new(t), root).into_result()?;
+        }
+        Ok(())
     }
 
     /// One wrap unit holding every parameter.

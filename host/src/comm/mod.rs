@@ -62,6 +62,15 @@ pub trait Communicator: Send + Sync {
     fn barrier(&self) -> Result<(), CommError>;
 }
 
+/// Copies a collective's stand-in buffer `work` back into `t` (converting
+/// kind and shape) when it is not `t`'s own storage.
+pub(crate) fn write_back(t: &mut Tensor, work: &Tensor) {
+    if t.data_ptr() != work.data_ptr() {
+        let src = work.to_kind(t.kind()).reshape(t.size());
+        tch::no_grad(|| t.copy_(&src));
+    }
+}
+
 /// World size 1: every collective is exact without communicating.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SingleProcess;

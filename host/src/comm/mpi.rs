@@ -5,7 +5,7 @@
 //! at exit, so mpirun sees every rank end cleanly. Calls are serialised by a
 //! mutex, so any thread may issue them.
 
-use super::{CommError, Communicator};
+use super::{write_back, CommError, Communicator};
 use accel_sdk::ReduceOp;
 use mpi::{
     collective::SystemOperation,
@@ -127,14 +127,6 @@ macro_rules! with_slices {
             }
         }
     }};
-}
-
-/// Writes `work` back into `t` if it is a stand-in copy.
-fn write_back(t: &mut Tensor, work: &Tensor) {
-    if t.data_ptr() != work.data_ptr() {
-        let src = work.to_kind(t.kind()).reshape(t.size());
-        tch::no_grad(|| t.copy_(&src));
-    }
 }
 
 impl Communicator for Mpi {

@@ -7,7 +7,7 @@
 //! it there. Collectives run on the default stream, the one libtorch uses
 //! unless told otherwise, so they are ordered with the surrounding kernels.
 
-use super::{CommError, Communicator};
+use super::{write_back, CommError, Communicator};
 use accel_rendezvous::Client;
 use accel_sdk::ReduceOp;
 use cudarc::nccl::{result, sys};
@@ -67,13 +67,6 @@ fn cuda_contiguous(op: &'static str, t: &Tensor) -> Result<Tensor, CommError> {
             op,
             format!("NCCL collectives take CUDA tensors, got one on {d:?}"),
         )),
-    }
-}
-
-fn write_back(t: &mut Tensor, work: &Tensor) {
-    if t.data_ptr() != work.data_ptr() {
-        let src = work.reshape(t.size());
-        tch::no_grad(|| t.copy_(&src));
     }
 }
 

@@ -137,10 +137,8 @@ impl DistributedStrategy for Ddp {
         params: RSliceMut<'_, NamedTensorMut<'_>>,
     ) -> PluginResult<RVec<WrapUnit>> {
         self.params = ParamSet::from_handles(&params);
-        for (_, t) in &mut self.params.items {
-            if let Err(e) = self.ctx.broadcast(TensorMut::new(t), 0).into_result() {
-                return RErr(e);
-            }
+        if let Err(e) = self.params.broadcast(&self.ctx, 0) {
+            return RErr(e);
         }
         let sizes: Vec<u64> = self.params.items.iter().map(|(_, t)| bytes(t)).collect();
         self.buckets = plan_buckets(&sizes, self.bucket_bytes);

@@ -89,10 +89,8 @@ impl DistributedStrategy for LocalSgd {
     ) -> PluginResult<RVec<WrapUnit>> {
         // Start identical: everyone takes rank 0's parameters.
         self.params = ParamSet::from_handles(&params);
-        for (_, t) in &mut self.params.items {
-            if let Err(e) = self.ctx.broadcast(TensorMut::new(t), 0).into_result() {
-                return RErr(e);
-            }
+        if let Err(e) = self.params.broadcast(&self.ctx, 0) {
+            return RErr(e);
         }
         self.ctx.log(
             LogLevel::Info,
