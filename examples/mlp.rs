@@ -10,6 +10,10 @@
 //! parameters `l1.weight l1.bias l2.weight l2.bias l3.weight l3.bias`.
 
 use accel::accelerator::{AccelError, Accelerator, DataLoader, Reduction};
+use accel_sdk::{
+    optim::OptimizerConfig,
+    schedule::{LrScheduler, Schedule},
+};
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use std::{
@@ -17,7 +21,27 @@ use std::{
     io::{BufWriter, Write},
     path::PathBuf,
 };
-use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+use tch::{nn, nn::Module, Device, Kind, Tensor};
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Precision {
+    /// Full fp32.
+    No,
+    /// fp16 autocast with dynamic loss scaling.
+    Fp16,
+    /// bf16 autocast.
+    Bf16,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Sched {
+    /// Warmup, then the base rate.
+    Constant,
+    /// Warmup, then linear decay to 0 at --steps.
+    Linear,
+    /// Warmup, then cosine decay to 0 at --steps.
+    Cosine,
+}
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Opt {
@@ -57,10 +81,24 @@ struct Args {
     /// Micro-batches per optimizer step (gradient accumulation).
     #[arg(long = "grad-accum", default_value_t = 1)]
     grad_accum: u32,
+    /// Mixed precision (default: what `accel launch` or the config set, else no).
+    #[arg(long = "mixed-precision", value_enum)]
+    mixed_precision: Option<Precision>,
+    /// Clip the gradients' total 2-norm to this value before each step.
+    #[arg(long = "max-grad-norm")]
+    max_grad_norm: Option<f64>,
+    /// Learning-rate schedule, stepped as Accelerate's AcceleratedScheduler.
+    #[arg(long, value_enum, default_value = "constant")]
+    scheduler: Sched,
+    /// Warmup steps of the schedule.
+    #[arg(long, default_value_t = 0)]
+    warmup: u64,
     /// Samples of generated data (without --data).
     #[arg(long, default_value_t = 512)]
     samples: i64,
-    /// One JSON object per optimizer step: `step` and `loss` (mean across ranks).
+    /// One JSON object per optimizer step: `step`, `loss` (mean across
+    /// ranks), `lr`, and `grad_norm` (with --max-grad-norm) and `skipped`
+    /// (fp16 found inf/NaN) when they apply.
     #[arg(long = "loss-log")]
     loss_log: Option<PathBuf>,
     /// Final weights (safetensors). With `{rank}` in the name every rank saves its own.
@@ -112,6 +150,13 @@ fn load_data(path: &PathBuf) -> Result<(Tensor, Tensor)> {
 fn main() -> Result<()> {
     let args = Args::parse();
     let mut builder = Accelerator::builder().gradient_accumulation_steps(args.grad_accum);
+    if let Some(mp) = args.mixed_precision {
+        builder = builder.mixed_precision(match mp {
+            Precision::No => "no",
+            Precision::Fp16 => "fp16",
+            Precision::Bf16 => "bf16",
+        });
+    }
     for d in &args.plugin_dirs {
         builder = builder.plugin_dir(d);
     }
@@ -139,10 +184,26 @@ fn main() -> Result<()> {
             .with_context(|| format!("loading initial weights from {}", init.display()))?;
     }
     acc.prepare_model(&mut vs)?;
-    let mut opt = match args.optimizer {
-        Opt::Sgd => nn::Sgd::default().build(&vs, args.lr)?,
-        Opt::Adamw => nn::AdamW::default().build(&vs, args.lr)?,
+    let mut opt = acc.prepare_optimizer(match args.optimizer {
+        Opt::Sgd => OptimizerConfig::sgd(args.lr),
+        Opt::Adamw => OptimizerConfig::adamw(args.lr),
+    })?;
+    // The schedule counts single-process steps; Accelerate's scheduler
+    // steps it num_processes times per optimizer step.
+    let schedule = match args.scheduler {
+        Sched::Constant => Schedule::Constant {
+            warmup: args.warmup,
+        },
+        Sched::Linear => Schedule::Linear {
+            warmup: args.warmup,
+            total: args.steps * u64::from(acc.num_processes()),
+        },
+        Sched::Cosine => Schedule::Cosine {
+            warmup: args.warmup,
+            total: args.steps * u64::from(acc.num_processes()),
+        },
     };
+    let mut scheduler = acc.prepare_scheduler(LrScheduler::new(schedule, &mut opt));
     let loader = acc.prepare_data_loader(DataLoader::new(
         x.to_device(acc.device()),
         y.to_device(acc.device()),
@@ -175,13 +236,20 @@ fn main() -> Result<()> {
     let mut last;
     'training: loop {
         for (xb, yb) in loader.iter() {
-            let (synced, loss) = acc.accumulate(|acc| -> Result<(bool, Tensor), AccelError> {
-                let loss = model.forward(&xb).mse_loss(&yb, tch::Reduction::Mean);
+            let lr_used = opt.lr();
+            let (synced, loss, norm) = acc.accumulate(|acc| -> Result<_, AccelError> {
+                let out = acc.autocast(|| model.forward(&xb))?;
+                let loss = out.to_kind(Kind::Float).mse_loss(&yb, tch::Reduction::Mean);
                 acc.backward(&loss)?;
                 let synced = acc.sync_gradients();
+                let norm = match args.max_grad_norm {
+                    Some(max) if synced => Some(acc.clip_grad_norm(max, 2.0)?),
+                    _ => None,
+                };
                 acc.step(&mut opt)?;
+                scheduler.step(&mut opt);
                 acc.zero_grad(&mut opt);
-                Ok((synced, loss.detach()))
+                Ok((synced, loss.detach(), norm))
             })?;
             window.push(loss);
             if !synced {
@@ -194,7 +262,14 @@ fn main() -> Result<()> {
             first.get_or_insert(loss);
             last = loss;
             if let Some(log) = log.as_mut() {
-                writeln!(log, "{}", serde_json::json!({ "step": step, "loss": loss }))?;
+                let mut record = serde_json::json!({ "step": step, "loss": loss, "lr": lr_used });
+                if let Some(norm) = norm {
+                    record["grad_norm"] = norm.into();
+                }
+                if acc.optimizer_step_was_skipped() {
+                    record["skipped"] = true.into();
+                }
+                writeln!(log, "{record}")?;
             }
             if step == args.steps {
                 break 'training;

@@ -5,7 +5,9 @@
 //!   every plugin manifest, read from libtorch's own `version.h`;
 //! * `DEP_ACCEL_SDK_LIBTORCH_LIB` (for dependents' build scripts) — the
 //!   directory holding `libtorch_cpu.so`, so binaries can carry it as rpath;
-//! * an rpath on the SDK's own test binaries.
+//! * an rpath on the SDK's own test binaries;
+//! * the C++ shim (`shim/accel_shim.cpp`), compiled with `cc` against
+//!   libtorch's headers.
 use std::{
     env, fs,
     path::{Path, PathBuf},
@@ -49,5 +51,23 @@ fn main() {
     println!("cargo:libtorch_lib={}", lib.display());
     println!("cargo:libtorch_version={version}");
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    compile_shim(&include);
     println!("cargo:rerun-if-changed=build.rs");
+}
+
+/// Compiles `shim/accel_shim.cpp` against the same libtorch headers; its
+/// symbols resolve against the libtorch torch-sys links.
+fn compile_shim(include: &Path) {
+    println!("cargo:rerun-if-changed=shim/accel_shim.cpp");
+    cc::Build::new()
+        .cpp(true)
+        .file("shim/accel_shim.cpp")
+        .include(include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+        .flag_if_supported("-Wno-unused-parameter")
+        .flag_if_supported("-Wno-deprecated-declarations")
+        .warnings(false)
+        .compile("accel_shim");
 }

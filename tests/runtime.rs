@@ -5,49 +5,11 @@
 
 use accel::accelerator::{shard_indices, Sharding};
 use accel_integration_tests::{
-    accel_bin, build_bin, build_plugin_into, describe, max_abs_diff, read_weights, venv_bin,
+    accel_bin, build_bin, build_plugin_into, describe, launch_mlp, loss_log, max_abs_diff, mlp,
+    read_weights, run_ok as run, venv_bin,
 };
 use serde_json::Value;
-use std::{
-    path::{Path, PathBuf},
-    process::{Command, Output},
-};
-
-fn mlp() -> PathBuf {
-    build_bin("accel-examples", "mlp")
-}
-
-fn run(cmd: &mut Command) -> Output {
-    let out = cmd
-        .env_remove("ACCEL_PLUGIN_DIR")
-        .env(
-            "HF_HOME",
-            std::env::temp_dir().join("accel-tests-no-hf-home"),
-        )
-        .output()
-        .expect("starts");
-    assert!(out.status.success(), "{:?}: {}", cmd, describe(&out));
-    out
-}
-
-fn launch_mlp(n: u32, args: &[&str]) -> Output {
-    let mlp = mlp();
-    run(Command::new(accel_bin())
-        .args(["launch", "-q", "--cpu", "--num_processes", &n.to_string()])
-        .arg(&mlp)
-        .args(args))
-}
-
-fn loss_log(path: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
-        })
-        .collect()
-}
+use std::{path::Path, process::Command};
 
 fn ddp_matches_one_process(optimizer: &str) {
     let dir = tempfile::tempdir().unwrap();

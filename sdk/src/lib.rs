@@ -36,6 +36,10 @@
 //!   component for the host.
 //! * [`registry`]: [`Component`] registration with `inventory`.
 //! * [`root`]: the root module and the export macro.
+//! * [`optim`]: SGD, Adam, AdamW as torch.optim computes them, with state to
+//!   save and shard; [`schedule`]: learning-rate schedules.
+//! * [`shim`]: the C++ shim — autocast, GradScaler's unscale, torch.optim's
+//!   update rules and fused kernels.
 
 // abi_stable's `#[sabi_trait]` expansion defines impls inside a const block.
 #![allow(non_local_definitions)]
@@ -46,10 +50,13 @@ pub mod grad;
 pub mod guard;
 pub mod launcher;
 pub mod manifest;
+pub mod optim;
 pub mod params;
 pub mod precision;
 pub mod registry;
 pub mod root;
+pub mod schedule;
+pub mod shim;
 pub mod strategy;
 pub mod tensor;
 pub mod tracker;

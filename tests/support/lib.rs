@@ -156,6 +156,54 @@ pub fn run(program: &Path, args: &[&str]) -> Output {
         .expect("program starts")
 }
 
+/// The `mlp` example program.
+pub fn mlp() -> PathBuf {
+    build_bin("accel-examples", "mlp")
+}
+
+/// Runs `cmd` (no `ACCEL_PLUGIN_DIR`, no Hugging Face cache) and asserts it
+/// succeeded.
+pub fn run_ok(cmd: &mut Command) -> Output {
+    let out = cmd
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .env(
+            "HF_HOME",
+            std::env::temp_dir().join("accel-tests-no-hf-home"),
+        )
+        .output()
+        .expect("starts");
+    assert!(out.status.success(), "{:?}: {}", cmd, describe(&out));
+    out
+}
+
+/// `accel launch --cpu --num_processes n mlp <args>`.
+pub fn launch_mlp(n: u32, args: &[&str]) -> Output {
+    let mlp = mlp();
+    run_ok(
+        Command::new(accel_bin())
+            .args(["launch", "-q", "--cpu", "--num_processes", &n.to_string()])
+            .arg(&mlp)
+            .args(args),
+    )
+}
+
+/// The lines of an `mlp --loss-log` file.
+pub fn loss_records(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// `(step, loss)` of every line of an `mlp --loss-log` file.
+pub fn loss_log(path: &Path) -> Vec<(u64, f64)> {
+    loss_records(path)
+        .iter()
+        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
+        .collect()
+}
+
 /// Stdout and stderr of `out`, for assertion messages.
 pub fn describe(out: &Output) -> String {
     format!(
@@ -201,7 +249,7 @@ pub fn read_weights(path: &Path) -> Vec<(String, tch::Tensor)> {
 }
 
 /// The largest absolute difference between two sets of weights with the
-/// same names and shapes.
+/// same names and shapes (NaN when either holds NaN).
 pub fn max_abs_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64 {
     assert_eq!(
         a.iter().map(|(n, _)| n).collect::<Vec<_>>(),
@@ -210,5 +258,12 @@ pub fn max_abs_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) ->
     a.iter()
         .zip(b)
         .map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[]))
-        .fold(0.0, f64::max)
+        // NaN anywhere (diverged weights) must not read as "no difference".
+        .fold(0.0, |acc: f64, d| {
+            if acc.is_nan() || d.is_nan() {
+                f64::NAN
+            } else {
+                acc.max(d)
+            }
+        })
 }

@@ -38,7 +38,13 @@ use crate::{
 };
 use accel_config::{resolve_training, ConfigError, ResolvedConfig};
 use accel_sdk::{
-    abi_stable::{sabi_trait::TD_Opaque, sabi_types::RMut, std_types::ROk},
+    abi_stable::{
+        sabi_trait::TD_Opaque,
+        sabi_types::RMut,
+        std_types::{RErr, ROk},
+    },
+    optim::{Hyper, OptimError, Optimizer, OptimizerConfig, ParamGroup},
+    schedule::LrScheduler,
     strategy::{OptimizerStep, OptimizerStep_TO},
     tensor::{NamedTensorMut, TensorMut, TensorRef},
     DeviceKind, DeviceSpec, PluginError, PluginKind, PluginResult, PrecisionBox, ReduceOp,
@@ -66,6 +72,9 @@ pub enum AccelError {
     /// A collective failed.
     #[error("communication: {0}")]
     Comm(#[from] CommError),
+    /// The optimizer refused a setting or a step.
+    #[error("{0}")]
+    Optim(#[from] OptimError),
     /// The API was used in a way it does not support.
     #[error("{0}")]
     Usage(String),
@@ -106,6 +115,7 @@ pub struct AcceleratorBuilder {
     split_batches: bool,
     even_batches: Option<bool>,
     strategy_settings: Option<Value>,
+    precision_settings: Option<Value>,
 }
 
 impl AcceleratorBuilder {
@@ -157,6 +167,13 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Settings for the precision policy (for `fp16`, GradScaler's
+    /// `{"init_scale", "growth_factor", "backoff_factor", "growth_interval"}`).
+    pub fn precision_settings(mut self, settings: Value) -> Self {
+        self.precision_settings = Some(settings);
+        self
+    }
+
     /// Builds the Accelerator: resolves the config, opens the communicator,
     /// loads the strategy and precision plugins.
     pub fn build(self) -> Result<Accelerator, AccelError> {
@@ -167,6 +184,87 @@ impl AcceleratorBuilder {
 /// The prepared model's parameters, kept to reach their gradients.
 struct Prepared {
     params: Vec<(String, Tensor)>,
+    /// What the strategy handed the optimizer (parameters, shards or a
+    /// partition): the gradients the optimizer steps on.
+    optimized: Option<Vec<Tensor>>,
+}
+
+/// An optimizer the Accelerator can step: accel's own
+/// ([`accel_sdk::optim::Optimizer`], from [`Accelerator::prepare_optimizer`])
+/// or a tch `nn::Optimizer`.
+pub trait TrainOptimizer {
+    /// One update from the current gradients.
+    fn step(&mut self) -> Result<(), AccelError>;
+    /// Zeroes the gradients.
+    fn zero_grad(&mut self);
+    /// Told whether the runtime skipped this step (fp16 found inf/NaN).
+    fn set_step_was_skipped(&mut self, skipped: bool) {
+        let _ = skipped;
+    }
+}
+
+impl TrainOptimizer for Optimizer {
+    fn step(&mut self) -> Result<(), AccelError> {
+        Ok(Optimizer::step(self)?)
+    }
+    fn zero_grad(&mut self) {
+        Optimizer::zero_grad(self)
+    }
+    fn set_step_was_skipped(&mut self, skipped: bool) {
+        Optimizer::set_step_was_skipped(self, skipped)
+    }
+}
+
+impl TrainOptimizer for nn::Optimizer {
+    fn step(&mut self) -> Result<(), AccelError> {
+        nn::Optimizer::step(self);
+        Ok(())
+    }
+    fn zero_grad(&mut self) {
+        nn::Optimizer::zero_grad(self)
+    }
+}
+
+/// A learning-rate scheduler stepped as Accelerate's `AcceleratedScheduler`:
+/// only on sync steps, not when the optimizer step was skipped, and
+/// `num_processes` times per step unless batches are split (the schedule
+/// is written in single-process steps, each of which saw one batch).
+pub struct AcceleratedScheduler {
+    inner: LrScheduler,
+    state: Arc<Mutex<GradientState>>,
+    per_step: u32,
+}
+
+impl AcceleratedScheduler {
+    /// Advances the schedule after `optimizer` stepped.
+    pub fn step(&mut self, optimizer: &mut Optimizer) {
+        let sync = self
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .sync_gradients;
+        if !sync || optimizer.step_was_skipped() {
+            return;
+        }
+        for _ in 0..self.per_step {
+            self.inner.step(optimizer);
+        }
+    }
+
+    /// The rates now, one per group.
+    pub fn last_lrs(&self) -> Vec<f64> {
+        self.inner.last_lrs()
+    }
+
+    /// The wrapped schedule.
+    pub fn scheduler(&self) -> &LrScheduler {
+        &self.inner
+    }
+
+    /// The wrapped schedule, mutably (for checkpoints).
+    pub fn scheduler_mut(&mut self) -> &mut LrScheduler {
+        &mut self.inner
+    }
 }
 
 /// The runtime of one process of a training job.
@@ -186,6 +284,10 @@ pub struct Accelerator {
     micro_step: u32,
     split_batches: bool,
     even_batches: bool,
+    /// This step's gradients were unscaled already (clipping does it first);
+    /// holds whether inf/NaN was found.
+    unscaled: Option<bool>,
+    step_was_skipped: bool,
 }
 
 fn env_u32(name: &str) -> Result<Option<u32>, AccelError> {
@@ -199,12 +301,14 @@ fn env_u32(name: &str) -> Result<Option<u32>, AccelError> {
     }
 }
 
-struct StepWith<'a>(&'a mut nn::Optimizer);
+struct StepWith<'a, O: TrainOptimizer>(&'a mut O);
 
-impl OptimizerStep for StepWith<'_> {
+impl<O: TrainOptimizer> OptimizerStep for StepWith<'_, O> {
     fn step(&mut self) -> PluginResult<()> {
-        self.0.step();
-        ROk(())
+        match self.0.step() {
+            Ok(()) => ROk(()),
+            Err(e) => RErr(PluginError::other("accel", e.to_string())),
+        }
     }
 }
 
@@ -313,7 +417,12 @@ impl Accelerator {
             .to_owned();
         let precision = plugins
             .select(PluginKind::Precision, &mp, None)?
-            .new_precision(ctx.into_box(), "{}")?;
+            .new_precision(
+                ctx.into_box(),
+                &b.precision_settings
+                    .unwrap_or_else(|| serde_json::json!({}))
+                    .to_string(),
+            )?;
         let accumulation_steps = match b.gradient_accumulation_steps {
             Some(n) => n,
             None => env_u32("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")?.unwrap_or(1),
@@ -339,6 +448,8 @@ impl Accelerator {
             micro_step: 0,
             split_batches: b.split_batches,
             even_batches: b.even_batches.unwrap_or(true),
+            unscaled: None,
+            step_was_skipped: false,
         })
     }
 
@@ -480,8 +591,90 @@ impl Accelerator {
             .prepare_model(handles.as_mut_slice().into())
             .into_result()?;
         drop(handles);
-        self.prepared = Some(Prepared { params: named });
+        self.prepared = Some(Prepared {
+            params: named,
+            optimized: None,
+        });
         Ok(())
+    }
+
+    /// accel's optimizer over what the strategy hands out for this rank
+    /// (the parameters under DDP; shards or a partition under sharding
+    /// strategies), in one group with `config`'s hyper-parameters.
+    pub fn prepare_optimizer(&mut self, config: OptimizerConfig) -> Result<Optimizer, AccelError> {
+        self.prepare_optimizer_with(config, |_, h| h)
+    }
+
+    /// As [`Accelerator::prepare_optimizer`], with parameter groups:
+    /// `hyper_for(name, defaults)` gives each tensor's hyper-parameters, and
+    /// tensors with equal hyper-parameters share a group (in order of first
+    /// appearance), e.g. no weight decay on biases:
+    ///
+    /// ```no_run
+    /// # use accel::accelerator::Accelerator;
+    /// # use accel_sdk::optim::{Hyper, OptimizerConfig};
+    /// # fn f(acc: &mut Accelerator) -> Result<(), accel::accelerator::AccelError> {
+    /// let opt = acc.prepare_optimizer_with(OptimizerConfig::adamw(1e-3), |name, h| {
+    ///     if name.ends_with("bias") { Hyper { weight_decay: 0.0, ..h } } else { h }
+    /// })?;
+    /// # Ok(()) }
+    /// ```
+    pub fn prepare_optimizer_with(
+        &mut self,
+        config: OptimizerConfig,
+        hyper_for: impl Fn(&str, Hyper) -> Hyper,
+    ) -> Result<Optimizer, AccelError> {
+        config.validate()?;
+        self.params()?;
+        let tensors = self.strategy.prepare_optimizer().into_result()?;
+        let mut groups: Vec<ParamGroup> = Vec::new();
+        let mut optimized = Vec::with_capacity(tensors.len());
+        for named in tensors {
+            let name = named.name.to_string();
+            let t = named.tensor.into_tensor();
+            optimized.push(t.shallow_clone());
+            let hyper = hyper_for(&name, config.hyper);
+            match groups.iter_mut().find(|g| g.hyper == hyper) {
+                Some(g) => g.params.push((name, t)),
+                None => groups.push(ParamGroup {
+                    params: vec![(name, t)],
+                    hyper,
+                }),
+            }
+        }
+        if let Some(p) = self.prepared.as_mut() {
+            p.optimized = Some(optimized);
+        }
+        Ok(Optimizer::with_groups(config, groups))
+    }
+
+    /// Wraps `scheduler` to step as Accelerate's `AcceleratedScheduler`.
+    pub fn prepare_scheduler(&self, scheduler: LrScheduler) -> AcceleratedScheduler {
+        AcceleratedScheduler {
+            inner: scheduler,
+            state: Arc::clone(&self.state),
+            per_step: if self.split_batches { 1 } else { self.world },
+        }
+    }
+
+    /// Runs `forward` inside the precision policy's autocast region
+    /// (`bf16`/`fp16`: matmuls and convolutions in half precision; weights
+    /// stay fp32). Compute the loss from its output cast to fp32.
+    pub fn autocast<R>(&mut self, forward: impl FnOnce() -> R) -> Result<R, AccelError> {
+        self.precision.forward_begin().into_result()?;
+        let out = forward();
+        self.precision.forward_end().into_result()?;
+        Ok(out)
+    }
+
+    /// The precision policy's loss scale (1 without fp16).
+    pub fn loss_scale(&self) -> Result<f64, AccelError> {
+        Ok(self.precision.loss_scale().into_result()?)
+    }
+
+    /// Whether the last optimizer step was skipped (fp16 found inf/NaN).
+    pub fn optimizer_step_was_skipped(&self) -> bool {
+        self.step_was_skipped
     }
 
     /// Shards a data loader for this process.
@@ -540,24 +733,45 @@ impl Accelerator {
         Ok(())
     }
 
-    /// Steps `optimizer` through the strategy on sync steps (a no-op on
-    /// accumulation micro-steps and when the precision policy finds inf/NaN
-    /// gradients). Returns whether it stepped.
-    pub fn step(&mut self, optimizer: &mut nn::Optimizer) -> Result<bool, AccelError> {
-        if !self.sync_gradients() {
-            return Ok(false);
+    /// The gradients the optimizer steps on.
+    fn optimized_grads(&self) -> Result<Vec<Tensor>, AccelError> {
+        let prepared = self
+            .prepared
+            .as_ref()
+            .ok_or_else(|| AccelError::Usage("call prepare_model first".into()))?;
+        let grads = match &prepared.optimized {
+            Some(ts) => ts.iter().map(Tensor::grad).collect::<Vec<_>>(),
+            None => prepared.params.iter().map(|(_, p)| p.grad()).collect(),
+        };
+        Ok(grads.into_iter().filter(Tensor::defined).collect())
+    }
+
+    /// Unscales this step's gradients once (fp16); returns whether any rank
+    /// found inf/NaN.
+    fn unscale_once(&mut self) -> Result<bool, AccelError> {
+        if let Some(found) = self.unscaled {
+            return Ok(found);
         }
-        let mut grads: Vec<Tensor> = self
-            .params()?
-            .iter()
-            .map(|(_, p)| p.grad())
-            .filter(Tensor::defined)
-            .collect();
+        let mut grads = self.optimized_grads()?;
         let mut handles: Vec<TensorMut<'_>> = grads.iter_mut().map(TensorMut::new).collect();
         let found_inf = self
             .precision
             .unscale_grads(handles.as_mut_slice().into())
             .into_result()?;
+        self.unscaled = Some(found_inf);
+        Ok(found_inf)
+    }
+
+    /// Steps `optimizer` through the strategy on sync steps (a no-op on
+    /// accumulation micro-steps and when the precision policy finds inf/NaN
+    /// gradients, which [`Accelerator::optimizer_step_was_skipped`] and the
+    /// optimizer then report). Returns whether it stepped.
+    pub fn step<O: TrainOptimizer>(&mut self, optimizer: &mut O) -> Result<bool, AccelError> {
+        if !self.sync_gradients() {
+            return Ok(false);
+        }
+        let found_inf = self.unscale_once()?;
+        self.unscaled = None;
         if !found_inf {
             let mut step = StepWith(optimizer);
             self.strategy
@@ -565,22 +779,46 @@ impl Accelerator {
                 .into_result()?;
         }
         self.precision.update(found_inf).into_result()?;
+        self.step_was_skipped = found_inf;
+        optimizer.set_step_was_skipped(found_inf);
         Ok(!found_inf)
     }
 
     /// Zeroes the gradients on sync steps (kept while accumulating).
-    pub fn zero_grad(&mut self, optimizer: &mut nn::Optimizer) {
+    pub fn zero_grad<O: TrainOptimizer>(&mut self, optimizer: &mut O) {
         if self.sync_gradients() {
             optimizer.zero_grad();
         }
     }
 
-    /// Clips gradients to a total norm across all ranks; returns the norm.
+    /// `clip_grad_norm_`: unscales the gradients first (fp16), then clips
+    /// them to a total `norm_type` norm of `max_norm` across all ranks and
+    /// shards (through the strategy); returns the total norm before
+    /// clipping. On accumulation micro-steps it does nothing and returns 0.
     pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64, AccelError> {
+        if !self.sync_gradients() {
+            return Ok(0.0);
+        }
+        self.unscale_once()?;
         Ok(self
             .strategy
             .clip_grad_norm(max_norm, norm_type)
             .into_result()?)
+    }
+
+    /// `clip_grad_value_`: unscales first (fp16), then clamps every gradient
+    /// element to `[-clip_value, clip_value]`. Nothing on micro-steps.
+    pub fn clip_grad_value(&mut self, clip_value: f64) -> Result<(), AccelError> {
+        if !self.sync_gradients() {
+            return Ok(());
+        }
+        self.unscale_once()?;
+        tch::no_grad(|| -> Result<(), AccelError> {
+            for mut g in self.optimized_grads()? {
+                let _ = g.clamp_(-clip_value, clip_value);
+            }
+            Ok(())
+        })
     }
 
     /// Every rank's `tensor` (same shape everywhere) concatenated along dim 0.

@@ -1,8 +1,9 @@
 //! Components compiled into accel, registered with `inventory` like a
 //! plugin's: the single-device strategy (`distributed_type: NO`), the `no`
-//! precision policy, and the JSONL tracker.
+//! precision policy, the `fp16` and `bf16` policies, and the JSONL tracker.
 
 mod jsonl;
+mod mixed_precision;
 mod no_precision;
 mod single_device;
 

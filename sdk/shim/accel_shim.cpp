@@ -1,0 +1,175 @@
+// The C++ shim: what tch does not expose, called from `accel_sdk::shim`.
+//
+// Every function takes `at::Tensor*` (tch's `C_tensor`), never throws across
+// the boundary, and returns NULL on success or a heap-allocated message
+// (freed with `accel_shim_free`).
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+namespace {
+
+char* dup_message(const char* what) {
+  size_t n = std::strlen(what);
+  char* out = static_cast<char*>(std::malloc(n + 1));
+  if (out != nullptr) std::memcpy(out, what, n + 1);
+  return out;
+}
+
+template <typename F>
+char* guarded(F&& f) {
+  try {
+    f();
+    return nullptr;
+  } catch (const c10::Error& e) {
+    return dup_message(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return dup_message(e.what());
+  } catch (...) {
+    return dup_message("unknown C++ exception");
+  }
+}
+
+std::vector<at::Tensor> list(at::Tensor* const* ts, size_t n) {
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) out.push_back(*ts[i]);
+  return out;
+}
+
+at::DeviceType device_type(int device) {
+  return device == 1 ? at::kCUDA : at::kCPU;
+}
+
+}  // namespace
+
+extern "C" {
+
+void accel_shim_free(char* message) { std::free(message); }
+
+// Enters an autocast region for `device` (0 CPU, 1 CUDA) casting to `dtype`
+// (a c10::ScalarType code); writes the previous state to `prev_enabled` and
+// `prev_dtype` for `accel_autocast_exit`.
+char* accel_autocast_enter(int device, int dtype, bool* prev_enabled, int* prev_dtype) {
+  return guarded([&] {
+    auto dt = device_type(device);
+    *prev_enabled = at::autocast::is_autocast_enabled(dt);
+    *prev_dtype = static_cast<int>(at::autocast::get_autocast_dtype(dt));
+    at::autocast::set_autocast_enabled(dt, true);
+    at::autocast::set_autocast_dtype(dt, static_cast<at::ScalarType>(dtype));
+    at::autocast::increment_nesting();
+  });
+}
+
+// Leaves the region `accel_autocast_enter` opened, restoring its state and
+// clearing the cast cache when the outermost region closes.
+char* accel_autocast_exit(int device, bool prev_enabled, int prev_dtype) {
+  return guarded([&] {
+    auto dt = device_type(device);
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(dt, prev_enabled);
+    at::autocast::set_autocast_dtype(dt, static_cast<at::ScalarType>(prev_dtype));
+  });
+}
+
+// Whether autocast is on for `device`.
+bool accel_autocast_enabled(int device) {
+  try {
+    return at::autocast::is_autocast_enabled(device_type(device));
+  } catch (...) {
+    return false;
+  }
+}
+
+// GradScaler's unscale: multiplies every gradient by `inv_scale` and sets
+// `found_inf` to 1 when any holds inf or NaN.
+char* accel_amp_unscale(at::Tensor* const* grads, size_t n, at::Tensor* found_inf,
+                        const at::Tensor* inv_scale) {
+  return guarded([&] {
+    auto gs = list(grads, n);
+    at::_amp_foreach_non_finite_check_and_unscale_(gs, *found_inf, *inv_scale);
+  });
+}
+
+// torch.optim.SGD's single-tensor step for one parameter. `buf` is the
+// momentum buffer: undefined before the first step, set here.
+char* accel_sgd_step(at::Tensor* param, const at::Tensor* grad_in, at::Tensor* buf, double lr,
+                     double momentum, double dampening, double weight_decay, bool nesterov,
+                     bool maximize) {
+  return guarded([&] {
+    at::NoGradGuard no_grad;
+    at::Tensor grad = maximize ? grad_in->neg() : *grad_in;
+    if (weight_decay != 0) grad = grad.add(*param, weight_decay);
+    if (momentum != 0) {
+      if (!buf->defined()) {
+        *buf = grad.clone().detach();
+      } else {
+        buf->mul_(momentum).add_(grad, 1 - dampening);
+      }
+      grad = nesterov ? grad.add(*buf, momentum) : *buf;
+    }
+    param->add_(grad, -lr);
+  });
+}
+
+// torch.optim.Adam / AdamW's single-tensor step for one parameter (`step`
+// already counts this step). `max_exp_avg_sq` is used with `amsgrad` only.
+char* accel_adam_step(at::Tensor* param, const at::Tensor* grad_in, at::Tensor* exp_avg,
+                      at::Tensor* exp_avg_sq, at::Tensor* max_exp_avg_sq, double step, double lr,
+                      double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
+                      bool decoupled, bool maximize) {
+  return guarded([&] {
+    at::NoGradGuard no_grad;
+    at::Tensor grad = maximize ? grad_in->neg() : *grad_in;
+    if (weight_decay != 0) {
+      if (decoupled) {
+        param->mul_(1 - lr * weight_decay);
+      } else {
+        grad = grad.add(*param, weight_decay);
+      }
+    }
+    exp_avg->lerp_(grad, 1 - beta1);
+    exp_avg_sq->mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+    double bias_correction1 = 1 - std::pow(beta1, step);
+    double bias_correction2 = 1 - std::pow(beta2, step);
+    double step_size = lr / bias_correction1;
+    double bias_correction2_sqrt = std::sqrt(bias_correction2);
+    at::Tensor denom;
+    if (amsgrad) {
+      at::maximum_out(*max_exp_avg_sq, *max_exp_avg_sq, *exp_avg_sq);
+      denom = (max_exp_avg_sq->sqrt() / bias_correction2_sqrt).add_(eps);
+    } else {
+      denom = (exp_avg_sq->sqrt() / bias_correction2_sqrt).add_(eps);
+    }
+    param->addcdiv_(*exp_avg, denom, -step_size);
+  });
+}
+
+// ATen's fused Adam/AdamW (`decoupled`) over `n` parameters at once;
+// `steps` are float scalar tensors, incremented by the kernel's caller
+// (torch.optim increments them before the call, and so do we).
+char* accel_fused_adam(at::Tensor* const* params, at::Tensor* const* grads,
+                       at::Tensor* const* exp_avgs, at::Tensor* const* exp_avg_sqs,
+                       at::Tensor* const* max_exp_avg_sqs, at::Tensor* const* steps, size_t n,
+                       double lr, double beta1, double beta2, double eps, double weight_decay,
+                       bool amsgrad, bool decoupled, bool maximize) {
+  return guarded([&] {
+    at::NoGradGuard no_grad;
+    auto p = list(params, n), g = list(grads, n), m = list(exp_avgs, n),
+         v = list(exp_avg_sqs, n), s = list(steps, n);
+    auto vmax = amsgrad ? list(max_exp_avg_sqs, n) : std::vector<at::Tensor>{};
+    if (decoupled) {
+      at::_fused_adamw_(p, g, m, v, vmax, s, lr, beta1, beta2, weight_decay, eps, amsgrad,
+                        maximize);
+    } else {
+      at::_fused_adam_(p, g, m, v, vmax, s, lr, beta1, beta2, weight_decay, eps, amsgrad,
+                       maximize);
+    }
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,673 @@
+//! accel's optimizers: SGD (momentum, dampening, nesterov, weight decay),
+//! Adam and AdamW (with AMSGrad), numerically identical to `torch.optim`
+//! (the update rules run in libtorch through the [`crate::shim`]), with
+//! parameter groups and state you can read, save, load and shard.
+//!
+//! Parameters are known by name: the optimizer's state is keyed by the
+//! names the strategy hands out (a parameter, a flat shard, a partition),
+//! so a checkpoint is readable without the model.
+//!
+//! ```
+//! use accel_sdk::optim::{Optimizer, OptimizerConfig};
+//! use tch::Tensor;
+//! let w = Tensor::from_slice(&[1.0f32, -2.0]).set_requires_grad(true);
+//! let mut opt = Optimizer::new(OptimizerConfig::sgd(0.1), vec![("w".into(), w.shallow_clone())]);
+//! (&w * &w).sum(Kind::Float).backward(); // grad = 2w
+//! opt.step().unwrap();
+//! assert_eq!(Vec::<f32>::try_from(&w).unwrap(), vec![0.8, -1.6]);
+//! ```
+
+use crate::shim::{self, AdamLists, AdamMoments, AdamUpdate, SgdUpdate, ShimError};
+use serde_json::{json, Map, Value};
+use std::collections::HashMap;
+use tch::Tensor;
+
+/// The update rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    /// `torch.optim.SGD`.
+    Sgd,
+    /// `torch.optim.Adam`.
+    Adam,
+    /// `torch.optim.AdamW` (decoupled weight decay).
+    AdamW,
+}
+
+impl Algorithm {
+    /// The name used in configs and checkpoints: `sgd`, `adam`, `adamw`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Sgd => "sgd",
+            Algorithm::Adam => "adam",
+            Algorithm::AdamW => "adamw",
+        }
+    }
+
+    /// Parses [`Algorithm::name`].
+    pub fn parse(name: &str) -> Result<Self, OptimError> {
+        match name.to_ascii_lowercase().as_str() {
+            "sgd" => Ok(Algorithm::Sgd),
+            "adam" => Ok(Algorithm::Adam),
+            "adamw" => Ok(Algorithm::AdamW),
+            other => Err(OptimError::Config(format!(
+                "unknown optimizer `{other}`; allowed: sgd, adam, adamw"
+            ))),
+        }
+    }
+}
+
+/// Hyper-parameters of a parameter group (torch.optim's names and defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Hyper {
+    /// Learning rate.
+    pub lr: f64,
+    /// L2 penalty (SGD, Adam) or decoupled decay (AdamW).
+    pub weight_decay: f64,
+    /// SGD momentum.
+    pub momentum: f64,
+    /// SGD dampening.
+    pub dampening: f64,
+    /// SGD Nesterov momentum.
+    pub nesterov: bool,
+    /// Adam betas.
+    pub betas: (f64, f64),
+    /// Adam epsilon.
+    pub eps: f64,
+    /// Adam's AMSGrad variant.
+    pub amsgrad: bool,
+    /// Maximise the objective.
+    pub maximize: bool,
+}
+
+/// What to build: the algorithm, the default hyper-parameters, and whether
+/// Adam uses ATen's fused kernel.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OptimizerConfig {
+    /// The update rule.
+    pub algorithm: Algorithm,
+    /// Defaults for every group.
+    pub hyper: Hyper,
+    /// Adam/AdamW: one fused ATen kernel per group (`fused=True` in
+    /// torch.optim) instead of the per-parameter rule.
+    pub fused: bool,
+}
+
+impl OptimizerConfig {
+    fn with(algorithm: Algorithm, lr: f64, weight_decay: f64) -> Self {
+        Self {
+            algorithm,
+            hyper: Hyper {
+                lr,
+                weight_decay,
+                momentum: 0.0,
+                dampening: 0.0,
+                nesterov: false,
+                betas: (0.9, 0.999),
+                eps: 1e-8,
+                amsgrad: false,
+                maximize: false,
+            },
+            fused: false,
+        }
+    }
+
+    /// `torch.optim.SGD(lr=lr)`: no momentum, no weight decay.
+    pub fn sgd(lr: f64) -> Self {
+        Self::with(Algorithm::Sgd, lr, 0.0)
+    }
+    /// `torch.optim.Adam(lr=lr)`: betas (0.9, 0.999), eps 1e-8, no weight decay.
+    pub fn adam(lr: f64) -> Self {
+        Self::with(Algorithm::Adam, lr, 0.0)
+    }
+    /// `torch.optim.AdamW(lr=lr)`: as Adam, with decoupled weight decay 0.01.
+    pub fn adamw(lr: f64) -> Self {
+        Self::with(Algorithm::AdamW, lr, 1e-2)
+    }
+    /// The defaults of `algorithm` at `lr`.
+    pub fn for_algorithm(algorithm: Algorithm, lr: f64) -> Self {
+        match algorithm {
+            Algorithm::Sgd => Self::sgd(lr),
+            Algorithm::Adam => Self::adam(lr),
+            Algorithm::AdamW => Self::adamw(lr),
+        }
+    }
+    /// Sets the weight decay.
+    pub fn weight_decay(mut self, wd: f64) -> Self {
+        self.hyper.weight_decay = wd;
+        self
+    }
+    /// Sets SGD's momentum.
+    pub fn momentum(mut self, m: f64) -> Self {
+        self.hyper.momentum = m;
+        self
+    }
+    /// Sets SGD's dampening.
+    pub fn dampening(mut self, d: f64) -> Self {
+        self.hyper.dampening = d;
+        self
+    }
+    /// Turns on SGD's Nesterov momentum.
+    pub fn nesterov(mut self, on: bool) -> Self {
+        self.hyper.nesterov = on;
+        self
+    }
+    /// Sets Adam's betas.
+    pub fn betas(mut self, b1: f64, b2: f64) -> Self {
+        self.hyper.betas = (b1, b2);
+        self
+    }
+    /// Sets Adam's epsilon.
+    pub fn eps(mut self, eps: f64) -> Self {
+        self.hyper.eps = eps;
+        self
+    }
+    /// Turns on AMSGrad.
+    pub fn amsgrad(mut self, on: bool) -> Self {
+        self.hyper.amsgrad = on;
+        self
+    }
+    /// Maximises instead of minimising.
+    pub fn maximize(mut self, on: bool) -> Self {
+        self.hyper.maximize = on;
+        self
+    }
+    /// Uses ATen's fused Adam kernel.
+    pub fn fused(mut self, on: bool) -> Self {
+        self.fused = on;
+        self
+    }
+
+    /// Checks the values torch.optim checks, naming the one at fault.
+    pub fn validate(&self) -> Result<(), OptimError> {
+        validate_hyper(self.algorithm, &self.hyper)?;
+        if self.fused && self.algorithm == Algorithm::Sgd {
+            return Err(OptimError::Config(
+                "`fused` is available for adam and adamw only".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `x >= 0` (false for NaN).
+fn non_negative(x: f64) -> bool {
+    x >= 0.0
+}
+
+fn validate_hyper(algorithm: Algorithm, h: &Hyper) -> Result<(), OptimError> {
+    let bad = |what: &str, v: f64, allowed: &str| {
+        Err(OptimError::Config(format!(
+            "{}: invalid {what} {v}; allowed: {allowed}",
+            algorithm.name()
+        )))
+    };
+    if !non_negative(h.lr) {
+        return bad("lr", h.lr, ">= 0");
+    }
+    if !non_negative(h.weight_decay) {
+        return bad("weight_decay", h.weight_decay, ">= 0");
+    }
+    match algorithm {
+        Algorithm::Sgd => {
+            if !non_negative(h.momentum) {
+                return bad("momentum", h.momentum, ">= 0");
+            }
+            if h.nesterov && (h.momentum <= 0.0 || h.dampening != 0.0) {
+                return Err(OptimError::Config(
+                    "sgd: nesterov momentum requires a momentum > 0 and zero dampening".into(),
+                ));
+            }
+        }
+        Algorithm::Adam | Algorithm::AdamW => {
+            if !(0.0..1.0).contains(&h.betas.0) {
+                return bad("beta1", h.betas.0, "0 <= beta1 < 1");
+            }
+            if !(0.0..1.0).contains(&h.betas.1) {
+                return bad("beta2", h.betas.1, "0 <= beta2 < 1");
+            }
+            if !non_negative(h.eps) {
+                return bad("eps", h.eps, ">= 0");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Errors from building, stepping or loading an optimizer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OptimError {
+    /// A hyper-parameter or option is out of range.
+    Config(String),
+    /// A saved state does not fit this optimizer.
+    State(String),
+    /// libtorch refused an update.
+    Torch(ShimError),
+}
+
+impl std::fmt::Display for OptimError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OptimError::Config(m) => write!(f, "optimizer: {m}"),
+            OptimError::State(m) => write!(f, "optimizer state: {m}"),
+            OptimError::Torch(e) => write!(f, "optimizer step: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for OptimError {}
+
+impl From<ShimError> for OptimError {
+    fn from(e: ShimError) -> Self {
+        OptimError::Torch(e)
+    }
+}
+
+/// Parameters sharing hyper-parameters.
+pub struct ParamGroup {
+    /// Named parameters (leaf tensors with `requires_grad`).
+    pub params: Vec<(String, Tensor)>,
+    /// Their hyper-parameters.
+    pub hyper: Hyper,
+}
+
+/// What one parameter carries between steps.
+#[derive(Default)]
+struct ParamState {
+    step: u64,
+    momentum_buffer: Option<Tensor>,
+    exp_avg: Option<Tensor>,
+    exp_avg_sq: Option<Tensor>,
+    max_exp_avg_sq: Option<Tensor>,
+}
+
+impl ParamState {
+    /// The state's tensors with their torch.optim names.
+    fn tensors(&self) -> impl Iterator<Item = (&'static str, &Tensor)> {
+        [
+            ("momentum_buffer", &self.momentum_buffer),
+            ("exp_avg", &self.exp_avg),
+            ("exp_avg_sq", &self.exp_avg_sq),
+            ("max_exp_avg_sq", &self.max_exp_avg_sq),
+        ]
+        .into_iter()
+        .filter_map(|(n, t)| t.as_ref().map(|t| (n, t)))
+    }
+
+    fn slot(&mut self, name: &str) -> Option<&mut Option<Tensor>> {
+        match name {
+            "momentum_buffer" => Some(&mut self.momentum_buffer),
+            "exp_avg" => Some(&mut self.exp_avg),
+            "exp_avg_sq" => Some(&mut self.exp_avg_sq),
+            "max_exp_avg_sq" => Some(&mut self.max_exp_avg_sq),
+            _ => None,
+        }
+    }
+}
+
+/// An optimizer over named parameters, in groups.
+pub struct Optimizer {
+    algorithm: Algorithm,
+    fused: bool,
+    groups: Vec<ParamGroup>,
+    state: HashMap<String, ParamState>,
+    step_was_skipped: bool,
+}
+
+impl Optimizer {
+    /// One group holding `params`, with `config`'s hyper-parameters.
+    pub fn new(config: OptimizerConfig, params: Vec<(String, Tensor)>) -> Self {
+        let hyper = config.hyper;
+        Self::with_groups(config, vec![ParamGroup { params, hyper }])
+    }
+
+    /// Several groups, each with its own hyper-parameters (the algorithm
+    /// and `fused` come from `config`).
+    pub fn with_groups(config: OptimizerConfig, groups: Vec<ParamGroup>) -> Self {
+        Self {
+            algorithm: config.algorithm,
+            fused: config.fused,
+            groups,
+            state: HashMap::new(),
+            step_was_skipped: false,
+        }
+    }
+
+    /// The update rule.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// The groups, to read or change their hyper-parameters.
+    pub fn groups(&self) -> &[ParamGroup] {
+        &self.groups
+    }
+
+    /// The groups, mutably.
+    pub fn groups_mut(&mut self) -> &mut [ParamGroup] {
+        &mut self.groups
+    }
+
+    /// The first group's learning rate.
+    pub fn lr(&self) -> f64 {
+        self.groups.first().map_or(0.0, |g| g.hyper.lr)
+    }
+
+    /// Sets every group's learning rate.
+    pub fn set_lr(&mut self, lr: f64) {
+        for g in &mut self.groups {
+            g.hyper.lr = lr;
+        }
+    }
+
+    /// Whether the last step was skipped (fp16 found inf/NaN gradients).
+    pub fn step_was_skipped(&self) -> bool {
+        self.step_was_skipped
+    }
+
+    /// Records whether the runtime skipped this step.
+    pub fn set_step_was_skipped(&mut self, skipped: bool) {
+        self.step_was_skipped = skipped;
+    }
+
+    /// Sets every gradient to zero.
+    pub fn zero_grad(&mut self) {
+        for g in &mut self.groups {
+            for (_, p) in &mut g.params {
+                let mut grad = p.grad();
+                if grad.defined() {
+                    let _ = grad.detach_().zero_();
+                }
+            }
+        }
+    }
+
+    /// One update of every parameter that has a gradient.
+    pub fn step(&mut self) -> Result<(), OptimError> {
+        for gi in 0..self.groups.len() {
+            validate_hyper(self.algorithm, &self.groups[gi].hyper)?;
+            match (self.algorithm, self.fused) {
+                (Algorithm::Sgd, _) => self.sgd_group(gi)?,
+                (_, false) => self.adam_group(gi)?,
+                (_, true) => self.fused_adam_group(gi)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn sgd_group(&mut self, gi: usize) -> Result<(), OptimError> {
+        let group = &mut self.groups[gi];
+        let h = &group.hyper;
+        let update = SgdUpdate {
+            lr: h.lr,
+            momentum: h.momentum,
+            dampening: h.dampening,
+            weight_decay: h.weight_decay,
+            nesterov: h.nesterov,
+            maximize: h.maximize,
+        };
+        for (name, p) in &mut group.params {
+            let grad = p.grad();
+            if !grad.defined() {
+                continue;
+            }
+            let st = self.state.entry(name.clone()).or_default();
+            let mut buf = st.momentum_buffer.take().unwrap_or_default();
+            shim::sgd_step_(p, &grad, &mut buf, &update)?;
+            st.step += 1;
+            st.momentum_buffer = buf.defined().then_some(buf);
+        }
+        Ok(())
+    }
+
+    fn adam_update(&self, h: &Hyper) -> AdamUpdate {
+        AdamUpdate {
+            lr: h.lr,
+            betas: h.betas,
+            eps: h.eps,
+            weight_decay: h.weight_decay,
+            amsgrad: h.amsgrad,
+            decoupled: self.algorithm == Algorithm::AdamW,
+            maximize: h.maximize,
+        }
+    }
+
+    /// The Adam moments of `p`, created as zeros on first use.
+    fn moments<'s>(
+        state: &'s mut HashMap<String, ParamState>,
+        name: &str,
+        p: &Tensor,
+    ) -> &'s mut ParamState {
+        let st = state.entry(name.to_owned()).or_default();
+        for slot in [&mut st.exp_avg, &mut st.exp_avg_sq, &mut st.max_exp_avg_sq] {
+            if slot.is_none() {
+                *slot = Some(p.zeros_like());
+            }
+        }
+        st
+    }
+
+    fn adam_group(&mut self, gi: usize) -> Result<(), OptimError> {
+        let update = self.adam_update(&self.groups[gi].hyper);
+        let group = &mut self.groups[gi];
+        for (name, p) in &mut group.params {
+            let grad = p.grad();
+            if !grad.defined() {
+                continue;
+            }
+            let st = Self::moments(&mut self.state, name, p);
+            st.step += 1;
+            let (Some(m), Some(v), Some(vmax)) = (
+                st.exp_avg.as_mut(),
+                st.exp_avg_sq.as_mut(),
+                st.max_exp_avg_sq.as_mut(),
+            ) else {
+                unreachable!("moments() fills every slot");
+            };
+            let moments = AdamMoments {
+                exp_avg: m,
+                exp_avg_sq: v,
+                max_exp_avg_sq: vmax,
+            };
+            shim::adam_step_(p, &grad, moments, st.step as f64, &update)?;
+        }
+        Ok(())
+    }
+
+    fn fused_adam_group(&mut self, gi: usize) -> Result<(), OptimError> {
+        let update = self.adam_update(&self.groups[gi].hyper);
+        let group = &self.groups[gi];
+        let (mut params, mut grads, mut m, mut v, mut vmax, mut steps) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        for (name, p) in &group.params {
+            let grad = p.grad();
+            if !grad.defined() {
+                continue;
+            }
+            let st = Self::moments(&mut self.state, name, p);
+            st.step += 1;
+            let shallow = |t: &Option<Tensor>| t.as_ref().map(Tensor::shallow_clone);
+            m.extend(shallow(&st.exp_avg));
+            v.extend(shallow(&st.exp_avg_sq));
+            vmax.extend(shallow(&st.max_exp_avg_sq));
+            steps.push(Tensor::from(st.step as f32).to_device(p.device()));
+            params.push(p.shallow_clone());
+            grads.push(grad);
+        }
+        let lists = AdamLists {
+            params: &params,
+            grads: &grads,
+            exp_avgs: &m,
+            exp_avg_sqs: &v,
+            max_exp_avg_sqs: &vmax,
+            steps: &steps,
+        };
+        Ok(shim::fused_adam_(&lists, &update)?)
+    }
+
+    /// The state as tensors named `<param>.<slot>` (`exp_avg`,
+    /// `exp_avg_sq`, `max_exp_avg_sq`, `momentum_buffer`) and JSON holding
+    /// the algorithm, every group's hyper-parameters and parameter names,
+    /// and each parameter's step count — torch.optim's `state_dict()`,
+    /// keyed by name.
+    pub fn state_dict(&self) -> (Vec<(String, Tensor)>, Value) {
+        let mut tensors = Vec::new();
+        let mut steps = Map::new();
+        for g in &self.groups {
+            for (name, _) in &g.params {
+                if let Some(st) = self.state.get(name) {
+                    steps.insert(name.clone(), json!(st.step));
+                    for (slot, t) in st.tensors() {
+                        tensors.push((format!("{name}.{slot}"), t.shallow_clone()));
+                    }
+                }
+            }
+        }
+        let groups: Vec<Value> = self
+            .groups
+            .iter()
+            .map(|g| {
+                let h = &g.hyper;
+                json!({
+                    "params": g.params.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+                    "lr": h.lr, "weight_decay": h.weight_decay,
+                    "momentum": h.momentum, "dampening": h.dampening, "nesterov": h.nesterov,
+                    "betas": [h.betas.0, h.betas.1], "eps": h.eps,
+                    "amsgrad": h.amsgrad, "maximize": h.maximize,
+                })
+            })
+            .collect();
+        let meta = json!({
+            "algorithm": self.algorithm.name(),
+            "fused": self.fused,
+            "param_groups": groups,
+            "steps": steps,
+        });
+        (tensors, meta)
+    }
+
+    /// Restores [`Optimizer::state_dict`]'s output into an optimizer built
+    /// over the same parameter names and groups; tensors are copied onto
+    /// each parameter's device.
+    pub fn load_state_dict(
+        &mut self,
+        tensors: &[(String, Tensor)],
+        meta: &Value,
+    ) -> Result<(), OptimError> {
+        let algorithm = meta["algorithm"].as_str().unwrap_or_default();
+        if algorithm != self.algorithm.name() {
+            return Err(OptimError::State(format!(
+                "saved by `{algorithm}`, loading into `{}`",
+                self.algorithm.name()
+            )));
+        }
+        let groups = meta["param_groups"].as_array().cloned().unwrap_or_default();
+        if groups.len() != self.groups.len() {
+            return Err(OptimError::State(format!(
+                "{} parameter groups saved, {} here",
+                groups.len(),
+                self.groups.len()
+            )));
+        }
+        let mut state: HashMap<String, ParamState> = HashMap::new();
+        for (saved, group) in groups.iter().zip(self.groups.iter_mut()) {
+            let names: Vec<&str> = group.params.iter().map(|(n, _)| n.as_str()).collect();
+            let saved_names: Vec<&str> = saved["params"]
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            if names != saved_names {
+                return Err(OptimError::State(format!(
+                    "group parameters differ: saved {saved_names:?}, here {names:?}"
+                )));
+            }
+            group.hyper = hyper_from_json(saved, group.hyper)?;
+            for (name, p) in &group.params {
+                let Some(step) = meta["steps"].get(name.as_str()) else {
+                    continue;
+                };
+                let mut st = ParamState {
+                    step: step.as_u64().ok_or_else(|| {
+                        OptimError::State(format!("step of `{name}` is not a count: {step}"))
+                    })?,
+                    ..ParamState::default()
+                };
+                for (tname, t) in tensors {
+                    let Some(slot) = tname
+                        .strip_prefix(name.as_str())
+                        .and_then(|s| s.strip_prefix('.'))
+                    else {
+                        continue;
+                    };
+                    let Some(dest) = st.slot(slot) else { continue };
+                    if t.size() != p.size() {
+                        return Err(OptimError::State(format!(
+                            "`{tname}` has shape {:?}, the parameter {:?}",
+                            t.size(),
+                            p.size()
+                        )));
+                    }
+                    *dest = Some(t.to_device(p.device()).to_kind(p.kind()).copy());
+                }
+                state.insert(name.clone(), st);
+            }
+        }
+        self.state = state;
+        Ok(())
+    }
+
+    /// Bytes of optimizer state this optimizer holds.
+    pub fn state_bytes(&self) -> u64 {
+        self.state
+            .values()
+            .flat_map(|s| s.tensors().map(|(_, t)| crate::params::bytes(t)))
+            .sum()
+    }
+
+    /// A parameter's step count (0 before its first update).
+    pub fn param_step(&self, name: &str) -> u64 {
+        self.state.get(name).map_or(0, |s| s.step)
+    }
+
+    /// A state tensor of a parameter (`exp_avg`, `momentum_buffer`, ...).
+    pub fn state_tensor(&self, name: &str, slot: &str) -> Option<&Tensor> {
+        let st = self.state.get(name)?;
+        st.tensors().find(|(n, _)| *n == slot).map(|(_, t)| t)
+    }
+}
+
+fn hyper_from_json(v: &Value, mut h: Hyper) -> Result<Hyper, OptimError> {
+    let num = |key: &str, into: &mut f64| -> Result<(), OptimError> {
+        match v.get(key) {
+            None => Ok(()),
+            Some(x) => {
+                *into = x.as_f64().ok_or_else(|| {
+                    OptimError::State(format!("param group `{key}` is not a number: {x}"))
+                })?;
+                Ok(())
+            }
+        }
+    };
+    num("lr", &mut h.lr)?;
+    num("weight_decay", &mut h.weight_decay)?;
+    num("momentum", &mut h.momentum)?;
+    num("dampening", &mut h.dampening)?;
+    num("eps", &mut h.eps)?;
+    if let Some(b) = v.get("betas").and_then(Value::as_array) {
+        if let [b1, b2] = b.as_slice() {
+            h.betas = (
+                b1.as_f64().unwrap_or(h.betas.0),
+                b2.as_f64().unwrap_or(h.betas.1),
+            );
+        }
+    }
+    for (key, into) in [
+        ("nesterov", &mut h.nesterov),
+        ("amsgrad", &mut h.amsgrad),
+        ("maximize", &mut h.maximize),
+    ] {
+        if let Some(b) = v.get(key).and_then(Value::as_bool) {
+            *into = b;
+        }
+    }
+    Ok(h)
+}

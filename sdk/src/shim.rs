@@ -1,0 +1,379 @@
+//! Safe wrappers over the C++ shim (`shim/accel_shim.cpp`): what tch does
+//! not expose — autocast on any device and dtype, GradScaler's unscale, and
+//! `torch.optim`'s exact per-parameter update rules and ATen's fused kernels.
+//!
+//! Every call returns a [`ShimError`] carrying libtorch's message instead of
+//! letting a C++ exception cross into Rust.
+
+use std::ffi::{c_char, c_int, CStr};
+use tch::{Device, Kind, Tensor};
+use torch_sys::C_tensor;
+
+extern "C" {
+    fn accel_shim_free(message: *mut c_char);
+    fn accel_autocast_enter(
+        device: c_int,
+        dtype: c_int,
+        prev_enabled: *mut bool,
+        prev_dtype: *mut c_int,
+    ) -> *mut c_char;
+    fn accel_autocast_exit(device: c_int, prev_enabled: bool, prev_dtype: c_int) -> *mut c_char;
+    fn accel_autocast_enabled(device: c_int) -> bool;
+    fn accel_amp_unscale(
+        grads: *const *mut C_tensor,
+        n: usize,
+        found_inf: *mut C_tensor,
+        inv_scale: *const C_tensor,
+    ) -> *mut c_char;
+    fn accel_sgd_step(
+        param: *mut C_tensor,
+        grad: *const C_tensor,
+        buf: *mut C_tensor,
+        lr: f64,
+        momentum: f64,
+        dampening: f64,
+        weight_decay: f64,
+        nesterov: bool,
+        maximize: bool,
+    ) -> *mut c_char;
+    fn accel_adam_step(
+        param: *mut C_tensor,
+        grad: *const C_tensor,
+        exp_avg: *mut C_tensor,
+        exp_avg_sq: *mut C_tensor,
+        max_exp_avg_sq: *mut C_tensor,
+        step: f64,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        amsgrad: bool,
+        decoupled: bool,
+        maximize: bool,
+    ) -> *mut c_char;
+    fn accel_fused_adam(
+        params: *const *mut C_tensor,
+        grads: *const *mut C_tensor,
+        exp_avgs: *const *mut C_tensor,
+        exp_avg_sqs: *const *mut C_tensor,
+        max_exp_avg_sqs: *const *mut C_tensor,
+        steps: *const *mut C_tensor,
+        n: usize,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        amsgrad: bool,
+        decoupled: bool,
+        maximize: bool,
+    ) -> *mut c_char;
+}
+
+/// A libtorch error raised inside the shim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShimError(pub String);
+
+impl std::fmt::Display for ShimError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "libtorch: {}", self.0)
+    }
+}
+
+impl std::error::Error for ShimError {}
+
+/// Turns the shim's return value into a `Result`, freeing the message.
+fn check(message: *mut c_char) -> Result<(), ShimError> {
+    if message.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null return is a NUL-terminated string malloc'd by the shim.
+    let text = unsafe { CStr::from_ptr(message) }
+        .to_string_lossy()
+        .into_owned();
+    unsafe { accel_shim_free(message) };
+    Err(ShimError(text))
+}
+
+fn ptr(t: &Tensor) -> *mut C_tensor {
+    t.as_ptr() as *mut C_tensor
+}
+
+fn ptrs(ts: &[Tensor]) -> Vec<*mut C_tensor> {
+    ts.iter().map(ptr).collect()
+}
+
+/// The shim's device code: autocast keys exist for the CPU and CUDA.
+fn device_code(device: Device) -> c_int {
+    match device {
+        Device::Cuda(_) => 1,
+        _ => 0,
+    }
+}
+
+/// c10::ScalarType's code for the dtypes autocast casts to.
+fn scalar_type(kind: Kind) -> Result<c_int, ShimError> {
+    match kind {
+        Kind::Half => Ok(5),
+        Kind::Float => Ok(6),
+        Kind::BFloat16 => Ok(15),
+        other => Err(ShimError(format!(
+            "autocast casts to Half, BFloat16 or Float, not {other:?}"
+        ))),
+    }
+}
+
+/// An autocast region on one device type: ops that autocast covers (matmul,
+/// linear, conv, ...) run in `kind` while the guard lives, as inside
+/// `torch.autocast(device_type, dtype)`; weights keep their own dtype.
+///
+/// ```
+/// use accel_sdk::shim::AutocastGuard;
+/// use tch::{Device, Kind, Tensor};
+/// let a = Tensor::ones([2, 2], (Kind::Float, Device::Cpu));
+/// {
+///     let _bf16 = AutocastGuard::enter(Device::Cpu, Kind::BFloat16).unwrap();
+///     assert_eq!(a.matmul(&a).kind(), Kind::BFloat16);
+/// }
+/// assert_eq!(a.matmul(&a).kind(), Kind::Float);
+/// ```
+#[must_use = "autocast ends when the guard is dropped"]
+pub struct AutocastGuard {
+    device: c_int,
+    prev_enabled: bool,
+    prev_dtype: c_int,
+}
+
+impl AutocastGuard {
+    /// Enters autocast to `kind` for `device`'s type.
+    pub fn enter(device: Device, kind: Kind) -> Result<Self, ShimError> {
+        let device = device_code(device);
+        let dtype = scalar_type(kind)?;
+        let (mut prev_enabled, mut prev_dtype) = (false, 0);
+        // SAFETY: plain values and out-pointers to locals.
+        check(unsafe { accel_autocast_enter(device, dtype, &mut prev_enabled, &mut prev_dtype) })?;
+        Ok(Self {
+            device,
+            prev_enabled,
+            prev_dtype,
+        })
+    }
+
+    /// Whether autocast is on for `device`'s type on this thread.
+    pub fn is_enabled(device: Device) -> bool {
+        // SAFETY: reads thread-local state.
+        unsafe { accel_autocast_enabled(device_code(device)) }
+    }
+}
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        // SAFETY: restores the state read by `enter`.
+        let result =
+            check(unsafe { accel_autocast_exit(self.device, self.prev_enabled, self.prev_dtype) });
+        if let Err(e) = result {
+            eprintln!("accel-sdk: leaving autocast failed: {e}");
+        }
+    }
+}
+
+/// GradScaler's unscale (`_amp_foreach_non_finite_check_and_unscale_`):
+/// multiplies every gradient in place by `inv_scale` (a 1-element float
+/// tensor) and sets `found_inf` (a 1-element float tensor) to 1 when any
+/// gradient holds inf or NaN.
+pub fn amp_unscale_(
+    grads: &[Tensor],
+    found_inf: &mut Tensor,
+    inv_scale: &Tensor,
+) -> Result<(), ShimError> {
+    let gs = ptrs(grads);
+    // SAFETY: every pointer is a live tensor for the duration of the call.
+    check(unsafe { accel_amp_unscale(gs.as_ptr(), gs.len(), ptr(found_inf), ptr(inv_scale)) })
+}
+
+/// Hyper-parameters of one SGD update (torch.optim.SGD's names).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SgdUpdate {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum factor.
+    pub momentum: f64,
+    /// Dampening for momentum.
+    pub dampening: f64,
+    /// L2 penalty.
+    pub weight_decay: f64,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// Maximise instead of minimise.
+    pub maximize: bool,
+}
+
+/// One `torch.optim.SGD` update of `param` from `grad`; `momentum_buffer`
+/// starts undefined (`Tensor::new()`) and is filled on the first step.
+pub fn sgd_step_(
+    param: &mut Tensor,
+    grad: &Tensor,
+    momentum_buffer: &mut Tensor,
+    h: &SgdUpdate,
+) -> Result<(), ShimError> {
+    // SAFETY: live tensors; the buffer pointer is a tch tensor slot the shim may assign.
+    check(unsafe {
+        accel_sgd_step(
+            ptr(param),
+            ptr(grad),
+            ptr(momentum_buffer),
+            h.lr,
+            h.momentum,
+            h.dampening,
+            h.weight_decay,
+            h.nesterov,
+            h.maximize,
+        )
+    })
+}
+
+/// Hyper-parameters of one Adam/AdamW update (torch.optim's names).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamUpdate {
+    /// Learning rate.
+    pub lr: f64,
+    /// Coefficients of the running averages of the gradient and its square.
+    pub betas: (f64, f64),
+    /// Added to the denominator.
+    pub eps: f64,
+    /// L2 penalty (Adam) or decoupled decay (AdamW).
+    pub weight_decay: f64,
+    /// The AMSGrad variant.
+    pub amsgrad: bool,
+    /// AdamW's decoupled weight decay.
+    pub decoupled: bool,
+    /// Maximise instead of minimise.
+    pub maximize: bool,
+}
+
+/// The moments one parameter keeps under Adam.
+pub struct AdamMoments<'a> {
+    /// First moment.
+    pub exp_avg: &'a mut Tensor,
+    /// Second moment.
+    pub exp_avg_sq: &'a mut Tensor,
+    /// Running maximum of the second moment (AMSGrad only; else any tensor).
+    pub max_exp_avg_sq: &'a mut Tensor,
+}
+
+/// One `torch.optim.Adam`/`AdamW` update of `param`, `step` counting this
+/// step (1 on the first).
+pub fn adam_step_(
+    param: &mut Tensor,
+    grad: &Tensor,
+    m: AdamMoments<'_>,
+    step: f64,
+    h: &AdamUpdate,
+) -> Result<(), ShimError> {
+    // SAFETY: live tensors for the duration of the call.
+    check(unsafe {
+        accel_adam_step(
+            ptr(param),
+            ptr(grad),
+            ptr(m.exp_avg),
+            ptr(m.exp_avg_sq),
+            ptr(m.max_exp_avg_sq),
+            step,
+            h.lr,
+            h.betas.0,
+            h.betas.1,
+            h.eps,
+            h.weight_decay,
+            h.amsgrad,
+            h.decoupled,
+            h.maximize,
+        )
+    })
+}
+
+/// Tensors of every parameter of a group, for [`fused_adam_`].
+pub struct AdamLists<'a> {
+    /// The parameters.
+    pub params: &'a [Tensor],
+    /// Their gradients.
+    pub grads: &'a [Tensor],
+    /// First moments.
+    pub exp_avgs: &'a [Tensor],
+    /// Second moments.
+    pub exp_avg_sqs: &'a [Tensor],
+    /// AMSGrad maxima (ignored without amsgrad).
+    pub max_exp_avg_sqs: &'a [Tensor],
+    /// Step counts as float scalar tensors, already counting this step.
+    pub steps: &'a [Tensor],
+}
+
+/// ATen's fused Adam/AdamW kernel (`_fused_adam_` / `_fused_adamw_`) over
+/// a whole group at once, as `torch.optim.Adam(fused=True)`.
+pub fn fused_adam_(l: &AdamLists<'_>, h: &AdamUpdate) -> Result<(), ShimError> {
+    let n = l.params.len();
+    let same = [l.grads, l.exp_avgs, l.exp_avg_sqs, l.steps]
+        .iter()
+        .all(|x| x.len() == n);
+    if !same || (h.amsgrad && l.max_exp_avg_sqs.len() != n) {
+        return Err(ShimError("fused_adam_: lists of different lengths".into()));
+    }
+    let (p, g, m, v, vmax, s) = (
+        ptrs(l.params),
+        ptrs(l.grads),
+        ptrs(l.exp_avgs),
+        ptrs(l.exp_avg_sqs),
+        ptrs(l.max_exp_avg_sqs),
+        ptrs(l.steps),
+    );
+    // SAFETY: n live tensors in each list (checked above).
+    check(unsafe {
+        accel_fused_adam(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            vmax.as_ptr(),
+            s.as_ptr(),
+            n,
+            h.lr,
+            h.betas.0,
+            h.betas.1,
+            h.eps,
+            h.weight_decay,
+            h.amsgrad,
+            h.decoupled,
+            h.maximize,
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unscale_finds_inf_and_scales() {
+        let grads = vec![
+            Tensor::from_slice(&[2.0f32, 4.0]),
+            Tensor::from_slice(&[8.0f32]),
+        ];
+        let mut found = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+        let inv = Tensor::from_slice(&[0.5f32]);
+        amp_unscale_(&grads, &mut found, &inv).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&grads[0]).unwrap(), vec![1.0, 2.0]);
+        assert_eq!(found.double_value(&[0]), 0.0);
+        let bad = vec![Tensor::from_slice(&[f32::INFINITY])];
+        amp_unscale_(&bad, &mut found, &inv).unwrap();
+        assert_eq!(found.double_value(&[0]), 1.0);
+    }
+
+    #[test]
+    fn libtorch_errors_become_messages() {
+        let grads = vec![Tensor::from_slice(&[1.0f32])];
+        let mut found = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+        let wrong = Tensor::from_slice(&[1.0f32, 2.0]);
+        let err = amp_unscale_(&grads, &mut found, &wrong).unwrap_err();
+        assert!(!err.0.is_empty());
+    }
+}
