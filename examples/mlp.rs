@@ -4,6 +4,7 @@
 //! ```text
 //! mlp --steps 100                                   # one process
 //! accel launch --cpu --num_processes 2 mlp --steps 100 --loss-log loss.jsonl --save w.safetensors
+//! accel launch --cpu --num_processes 2 mlp --log-with tensorboard --log-with wandb --project-dir runs
 //! ```
 //!
 //! The model is `Linear(D,H)-ReLU-Linear(H,H)-ReLU-Linear(H,O)` with
@@ -107,6 +108,14 @@ struct Args {
     /// Extra plugin directory.
     #[arg(long = "plugin-dir")]
     plugin_dirs: Vec<PathBuf>,
+    /// Tracker to log `loss` and `lr` to at every optimizer step
+    /// (repeatable): `tensorboard`, `wandb`, `jsonl`, a plugin's, or `all`.
+    /// Default: `ACCELERATE_LOG_WITH`, else the config's `accel.trackers`.
+    #[arg(long = "log-with")]
+    log_with: Vec<String>,
+    /// Where the trackers write (default `.`).
+    #[arg(long = "project-dir")]
+    project_dir: Option<PathBuf>,
 }
 
 /// Deterministic data, the same on every rank: x ~ N(0, 1) and a fixed
@@ -147,6 +156,12 @@ fn load_data(path: &PathBuf) -> Result<(Tensor, Tensor)> {
     Ok((x, y))
 }
 
+/// The command-line spelling of an enum option (`adamw`, `cosine`).
+fn value_name<T: ValueEnum>(v: &T) -> String {
+    v.to_possible_value()
+        .map_or_else(String::new, |p| p.get_name().to_owned())
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let mut builder = Accelerator::builder().gradient_accumulation_steps(args.grad_accum);
@@ -159,6 +174,10 @@ fn main() -> Result<()> {
     }
     for d in &args.plugin_dirs {
         builder = builder.plugin_dir(d);
+    }
+    builder = builder.log_with(&args.log_with);
+    if let Some(dir) = &args.project_dir {
+        builder = builder.project_dir(dir);
     }
     let mut acc = builder.build()?;
     let (x, y) = match &args.data {
@@ -222,6 +241,24 @@ fn main() -> Result<()> {
         )),
         _ => None,
     };
+    acc.init_trackers(
+        "mlp",
+        serde_json::json!({
+            "lr": args.lr,
+            "optimizer": value_name(&args.optimizer),
+            "scheduler": value_name(&args.scheduler),
+            "warmup": args.warmup,
+            "hidden": args.hidden,
+            "batch_size": args.batch_size,
+            "steps": args.steps,
+            "grad_accum": args.grad_accum,
+            "max_grad_norm": args.max_grad_norm,
+            "mixed_precision": acc.mixed_precision(),
+            "num_processes": acc.num_processes(),
+            "seed": args.seed,
+        }),
+        serde_json::json!({}),
+    )?;
     acc.print(format!(
         "mlp: {} process(es), strategy {}, {} batches of {} per process per epoch",
         acc.num_processes(),
@@ -230,6 +267,7 @@ fn main() -> Result<()> {
         args.batch_size
     ));
 
+    let started = std::time::Instant::now();
     let mut step = 0u64;
     let mut window: Vec<Tensor> = Vec::new();
     let mut first = None;
@@ -271,14 +309,18 @@ fn main() -> Result<()> {
                 }
                 writeln!(log, "{record}")?;
             }
+            // Queued for the tracker thread (main process only).
+            acc.log([("loss", loss), ("lr", lr_used)], Some(step))?;
             if step == args.steps {
                 break 'training;
             }
         }
     }
+    let secs = started.elapsed().as_secs_f64();
     if let Some(mut log) = log {
         log.flush()?;
     }
+    acc.end_training()?;
     if let Some(path) = &args.save {
         let name = path.to_string_lossy();
         if name.contains("{rank}") {
@@ -288,8 +330,9 @@ fn main() -> Result<()> {
         }
     }
     acc.print(format!(
-        "mlp: {step} steps, loss {:.6} -> {last:.6}",
-        first.unwrap_or(f64::NAN)
+        "mlp: {step} steps, loss {:.6} -> {last:.6}, {:.1} steps/s",
+        first.unwrap_or(f64::NAN),
+        step as f64 / secs
     ));
     acc.wait_for_everyone()?;
     Ok(())

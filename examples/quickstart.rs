@@ -18,7 +18,7 @@ use accel_sdk::{
         std_types::{ROk, ROption},
     },
     strategy::{OptimizerStep, OptimizerStep_TO},
-    tensor::{NamedTensorMut, TensorMut, TensorRef},
+    tensor::{NamedTensorMut, TensorRef},
     DeviceSpec, LogEntry, PluginKind, PluginResult, TrackerBox,
 };
 use anyhow::{bail, Context, Result};
@@ -86,13 +86,7 @@ fn main() -> Result<()> {
     let model = nn::linear(vs.root() / "fc", 1, 1, Default::default());
     let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut handles: Vec<NamedTensorMut<'_>> = named
-        .iter_mut()
-        .map(|(n, t)| NamedTensorMut {
-            name: n.as_str().into(),
-            tensor: TensorMut::new(t),
-        })
-        .collect();
+    let mut handles = NamedTensorMut::all(&mut named);
     strategy
         .prepare_model(handles.as_mut_slice().into())
         .into_result()?;

@@ -232,6 +232,12 @@ fn tiny(mp: &str, settings: Value) -> (Accelerator, tch::nn::VarStore) {
         .unwrap();
     let mut vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let _ = tch::nn::linear(vs.root() / "fc", 4, 1, Default::default());
+    // Fixed weights (other tests reseed the global generator concurrently).
+    tch::no_grad(|| {
+        for (_, mut t) in vs.variables() {
+            let _ = t.fill_(0.5);
+        }
+    });
     acc.prepare_model(&mut vs).unwrap();
     (acc, vs)
 }

@@ -85,6 +85,13 @@ bool accel_autocast_enabled(int device) {
   }
 }
 
+// Makes `grad` the gradient of `param` (undefined `grad` clears it), so a
+// strategy can point gradients into its own buffers (DDP's
+// gradient_as_bucket_view): backward then accumulates into them in place.
+char* accel_set_grad(at::Tensor* param, const at::Tensor* grad) {
+  return guarded([&] { param->mutable_grad() = *grad; });
+}
+
 // GradScaler's unscale: multiplies every gradient by `inv_scale` and sets
 // `found_inf` to 1 when any holds inf or NaN.
 char* accel_amp_unscale(at::Tensor* const* grads, size_t n, at::Tensor* found_inf,

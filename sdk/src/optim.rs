@@ -9,7 +9,7 @@
 //!
 //! ```
 //! use accel_sdk::optim::{Optimizer, OptimizerConfig};
-//! use tch::Tensor;
+//! use tch::{Kind, Tensor};
 //! let w = Tensor::from_slice(&[1.0f32, -2.0]).set_requires_grad(true);
 //! let mut opt = Optimizer::new(OptimizerConfig::sgd(0.1), vec![("w".into(), w.shallow_clone())]);
 //! (&w * &w).sum(Kind::Float).backward(); // grad = 2w
@@ -375,7 +375,12 @@ impl Optimizer {
             for (_, p) in &mut g.params {
                 let mut grad = p.grad();
                 if grad.defined() {
-                    let _ = grad.detach_().zero_();
+                    // As torch's zero_grad(set_to_none=False); the gradient
+                    // keeps its memory (a strategy's bucket view stays one).
+                    if grad.requires_grad() {
+                        let _ = grad.detach_();
+                    }
+                    let _ = tch::no_grad(|| grad.zero_());
                 }
             }
         }

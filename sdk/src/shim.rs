@@ -19,6 +19,7 @@ extern "C" {
     ) -> *mut c_char;
     fn accel_autocast_exit(device: c_int, prev_enabled: bool, prev_dtype: c_int) -> *mut c_char;
     fn accel_autocast_enabled(device: c_int) -> bool;
+    fn accel_set_grad(param: *mut C_tensor, grad: *const C_tensor) -> *mut c_char;
     fn accel_amp_unscale(
         grads: *const *mut C_tensor,
         n: usize,
@@ -176,6 +177,24 @@ impl Drop for AutocastGuard {
             eprintln!("accel-sdk: leaving autocast failed: {e}");
         }
     }
+}
+
+/// Makes `grad` the `.grad` of `param` (an undefined tensor clears it). A
+/// gradient that views a strategy's flat buffer is accumulated into in
+/// place by later backward passes, so the strategy can all-reduce the
+/// buffer without copying (PyTorch DDP's `gradient_as_bucket_view`).
+///
+/// ```
+/// use tch::{Kind, Tensor};
+/// let p = Tensor::zeros([2], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+/// let bucket = Tensor::zeros([4], (Kind::Float, tch::Device::Cpu));
+/// accel_sdk::shim::set_grad(&p, &bucket.narrow(0, 1, 2)).unwrap();
+/// (&p * 3.0).sum(Kind::Float).backward();
+/// assert_eq!(Vec::<f32>::try_from(&bucket).unwrap(), vec![0.0, 3.0, 3.0, 0.0]);
+/// ```
+pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<(), ShimError> {
+    // SAFETY: live tensors; the shim assigns the parameter's grad slot.
+    check(unsafe { accel_set_grad(ptr(param), ptr(grad)) })
 }
 
 /// GradScaler's unscale (`_amp_foreach_non_finite_check_and_unscale_`):

@@ -215,6 +215,20 @@ pub struct NamedTensorMut<'a> {
     pub tensor: TensorMut<'a>,
 }
 
+impl<'a> NamedTensorMut<'a> {
+    /// Handles over named tensors, e.g. a model's `(name, parameter)` list,
+    /// ready for [`crate::DistributedStrategy::prepare_model`].
+    pub fn all(named: &'a mut [(String, Tensor)]) -> Vec<NamedTensorMut<'a>> {
+        named
+            .iter_mut()
+            .map(|(n, t)| NamedTensorMut {
+                name: n.as_str().into(),
+                tensor: TensorMut::new(t),
+            })
+            .collect()
+    }
+}
+
 /// A named, shared borrow of a tensor (e.g. an entry of a state dict to load).
 #[repr(C)]
 #[derive(StableAbi)]

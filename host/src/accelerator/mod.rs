@@ -25,8 +25,10 @@
 //! ```
 
 mod data;
+mod tracking;
 
 pub use data::{shard_indices, DataLoader, ShardedLoader, Sharding};
+pub use tracking::{IntoLogEntry, LOG_WITH_ENV};
 
 use crate::{
     comm::{mpi::started_by_mpirun, CommError, Communicator, SingleProcess},
@@ -116,6 +118,7 @@ pub struct AcceleratorBuilder {
     even_batches: Option<bool>,
     strategy_settings: Option<Value>,
     precision_settings: Option<Value>,
+    tracking: tracking::TrackingOptions,
 }
 
 impl AcceleratorBuilder {
@@ -288,6 +291,8 @@ pub struct Accelerator {
     /// holds whether inf/NaN was found.
     unscaled: Option<bool>,
     step_was_skipped: bool,
+    /// Experiment trackers (`log_with`, `init_trackers`, `log`).
+    tracking: tracking::Tracking,
 }
 
 fn env_u32(name: &str) -> Result<Option<u32>, AccelError> {
@@ -347,6 +352,13 @@ impl Accelerator {
         } else {
             Device::Cuda(local_rank as usize)
         };
+        if device == Device::Cpu && local_world > 1 && std::env::var_os("OMP_NUM_THREADS").is_none()
+        {
+            // Ranks sharing a machine share its cores, as Accelerate's
+            // num_cpu_threads_per_process and torchrun's OMP_NUM_THREADS do.
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+            tch::set_num_threads((cores / local_world).max(1) as i32);
+        }
         let comm: Arc<dyn Communicator> = if world == 1 {
             Arc::new(SingleProcess)
         } else if device == Device::Cpu {
@@ -355,7 +367,7 @@ impl Accelerator {
                     "{world} CPU ranks talk through MPI, but this process was not started by mpirun: use `accel launch --launcher mpi` (the default for CPU jobs)"
                 )));
             }
-            let mpi = crate::comm::mpi::Mpi::init()?;
+            let mpi = crate::comm::mpi::Mpi::shared()?;
             if mpi.world_size() != world || mpi.rank() != rank {
                 return Err(AccelError::Usage(format!(
                     "MPI says rank {} of {}, the launcher said rank {rank} of {world}",
@@ -363,7 +375,7 @@ impl Accelerator {
                     mpi.world_size()
                 )));
             }
-            Arc::new(mpi)
+            mpi
         } else {
             let (Some(addr), Some(port)) = (env("MASTER_ADDR"), env("MASTER_PORT")) else {
                 return Err(AccelError::Usage(
@@ -428,6 +440,7 @@ impl Accelerator {
             None => env_u32("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")?.unwrap_or(1),
         }
         .max(1);
+        let tracking = tracking::Tracking::new(b.tracking, plugins, &config, &env, rank == 0);
         Ok(Self {
             rank,
             world,
@@ -450,6 +463,7 @@ impl Accelerator {
             even_batches: b.even_batches.unwrap_or(true),
             unscaled: None,
             step_was_skipped: false,
+            tracking,
         })
     }
 
@@ -580,13 +594,7 @@ impl Accelerator {
         }
         let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut handles: Vec<NamedTensorMut<'_>> = named
-            .iter_mut()
-            .map(|(n, t)| NamedTensorMut {
-                name: n.as_str().into(),
-                tensor: TensorMut::new(t),
-            })
-            .collect();
+        let mut handles = NamedTensorMut::all(&mut named);
         self.strategy
             .prepare_model(handles.as_mut_slice().into())
             .into_result()?;

@@ -13,7 +13,7 @@ use mpi::{
     traits::{Communicator as _, CommunicatorCollectives, Root},
     Threading,
 };
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use tch::{Kind, Tensor};
 
 /// Whether this process was started by an MPI process manager.
@@ -24,6 +24,9 @@ pub fn started_by_mpirun(get: &dyn Fn(&str) -> Option<String>) -> bool {
 /// The world communicator.
 pub struct Mpi {
     world: Mutex<SimpleCommunicator>,
+    /// The receive buffer of `all_reduce`, kept between calls (the largest
+    /// size seen, i.e. one DDP bucket) so no call faults in fresh pages.
+    scratch: Mutex<Option<Tensor>>,
     rank: u32,
     size: u32,
 }
@@ -43,9 +46,24 @@ extern "C" fn finalize_at_exit() {
     }
 }
 
+/// The process's one world communicator, made on first use.
+static SHARED: std::sync::OnceLock<Arc<Mpi>> = std::sync::OnceLock::new();
+static INIT: Mutex<()> = Mutex::new(());
+
 impl Mpi {
-    /// Initialises MPI (once) and returns the world communicator.
-    pub fn init() -> Result<Mpi, CommError> {
+    /// The world communicator, initialising MPI on first use; every later
+    /// call (a second Accelerator in the same process) shares it.
+    pub fn shared() -> Result<Arc<Mpi>, CommError> {
+        let _once = INIT.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = SHARED.get() {
+            return Ok(Arc::clone(m));
+        }
+        let m = Arc::new(Self::init()?);
+        Ok(Arc::clone(SHARED.get_or_init(|| m)))
+    }
+
+    /// Initialises MPI and returns the world communicator.
+    fn init() -> Result<Mpi, CommError> {
         let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized)
             .ok_or_else(|| CommError::new("init", "MPI was already initialised"))?;
         if threading < Threading::Serialized {
@@ -66,6 +84,7 @@ impl Mpi {
             rank: world.rank() as u32,
             size: world.size() as u32,
             world: Mutex::new(world),
+            scratch: Mutex::new(None),
         })
     }
 
@@ -141,20 +160,38 @@ impl Communicator for Mpi {
     }
 
     fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
-        let work = work_buffer("all_reduce", tensor)?;
-        let send = work.copy();
-        with_slices!("all_reduce", &send, &work, |s, r| self
+        // Sent straight from the tensor's memory when it is a contiguous CPU
+        // tensor of an MPI kind, received into the kept scratch buffer, and
+        // written back (averaged on the way) in one pass.
+        let send = work_buffer("all_reduce", tensor)?;
+        let n = send.numel() as i64;
+        let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let fits = scratch
+            .as_ref()
+            .is_some_and(|s| s.kind() == send.kind() && s.numel() as i64 >= n);
+        if !fits {
+            *scratch = Some(Tensor::empty([n], (send.kind(), tch::Device::Cpu)));
+        }
+        let recv = scratch
+            .as_ref()
+            .map(|s| s.narrow(0, 0, n))
+            .expect("scratch was just made");
+        with_slices!("all_reduce", &send, &recv, |s, r| self
             .with_world(|w| w.all_reduce_into(&*s, r, system_op(op))));
-        let work = if op == ReduceOp::Avg {
-            if work.is_floating_point() {
-                work / f64::from(self.size)
-            } else {
-                work.floor_divide_scalar(i64::from(self.size))
+        let mut out = send.view([-1]);
+        let size = i64::from(self.size);
+        tch::no_grad(|| match op {
+            ReduceOp::Avg if recv.is_floating_point() => {
+                let _ = recv.div_scalar_out(&out, size as f64);
             }
-        } else {
-            work
-        };
-        write_back(tensor, &work);
+            ReduceOp::Avg => {
+                let _ = recv.floor_divide_scalar_out(&out, size);
+            }
+            _ => {
+                out.copy_(&recv);
+            }
+        });
+        write_back(tensor, &send);
         Ok(())
     }
 

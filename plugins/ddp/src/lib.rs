@@ -3,10 +3,13 @@
 //!
 //! * `prepare_model`: every parameter is broadcast from rank 0, so all
 //!   ranks start identical.
-//! * `post_backward(sync)`: gradients are flattened into buckets of at most
+//! * `post_backward(sync)`: gradients are grouped into buckets of at most
 //!   `bucket_cap_mb` (default 25, PyTorch's), in reverse parameter order as
 //!   PyTorch's reducer fills them, all-reduced and averaged; nothing is
 //!   communicated when `sync` is false (accumulation micro-steps: no_sync).
+//!   Each bucket is one persistent flat buffer and, after the first sync,
+//!   the gradients are views into it (PyTorch's `gradient_as_bucket_view`):
+//!   backward accumulates into the bucket and the all-reduce needs no copy.
 //! * `optimizer_step`: a plain step (every rank holds the same gradients).
 //! * `clip_grad_norm`: the local norm (gradients are identical everywhere).
 //! * `state_dict`: the full model on rank 0.
@@ -33,6 +36,9 @@ struct Ddp {
     params: ParamSet,
     /// Indices into `params`, one list per bucket.
     buckets: Vec<Vec<usize>>,
+    /// One flat buffer per bucket, made at the first sync; the gradients
+    /// then become views into it.
+    buffers: Vec<Tensor>,
     peak: u64,
 }
 
@@ -62,6 +68,7 @@ fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError>
         bucket_bytes: (mb * 1024.0 * 1024.0) as u64,
         params: ParamSet::default(),
         buckets: Vec::new(),
+        buffers: Vec::new(),
         peak: 0,
     }))
 }
@@ -98,7 +105,22 @@ fn plan_buckets(sizes: &[u64], cap: u64) -> Vec<Vec<usize>> {
     buckets
 }
 
+/// Whether `grad` is the `numel` elements of `buffer` at `offset`, shaped
+/// like `param` (so backward already accumulated into the bucket).
+fn views(grad: &Tensor, buffer: &Tensor, offset: i64, param: &Tensor) -> bool {
+    let elt = buffer.kind().elt_size_in_bytes() as i64;
+    grad.kind() == buffer.kind()
+        && grad.is_contiguous()
+        && grad.size() == param.size()
+        && grad.data_ptr() as i64 == buffer.data_ptr() as i64 + offset * elt
+}
+
 impl Ddp {
+    /// Averages one bucket's gradients across ranks. The gradients live in
+    /// the bucket's flat buffer as views (PyTorch's
+    /// `gradient_as_bucket_view`), so the all-reduce works on them in place;
+    /// gradients that are not views yet (first step, or a `zero_grad` that
+    /// freed them) are copied in once and turned into views.
     fn sync_bucket(&mut self, bucket: usize) -> Result<(), PluginError> {
         let mut grads = Vec::with_capacity(self.buckets[bucket].len());
         for &i in &self.buckets[bucket] {
@@ -110,23 +132,38 @@ impl Ddp {
                     format!("parameter `{name}` received no gradient; DDP needs every parameter to take part in the loss"),
                 ));
             }
-            grads.push(g);
+            grads.push((i, g));
         }
-        let flat: Vec<Tensor> = grads.iter().map(|g| g.reshape([-1])).collect();
-        let mut buffer = Tensor::cat(&flat, 0);
-        self.peak = self.peak.max(bytes(&buffer));
-        self.ctx
-            .all_reduce(TensorMut::new(&mut buffer), ReduceOp::Avg)
-            .into_result()?;
+        if self.buffers.len() <= bucket {
+            let first = &grads[0].1;
+            let total: i64 = grads.iter().map(|(_, g)| g.numel() as i64).sum();
+            self.buffers
+                .push(Tensor::zeros([total], (first.kind(), first.device())));
+        }
+        let buffer = &mut self.buffers[bucket];
         let mut offset = 0;
+        let mut placed = Vec::new();
         accel_sdk::tch::no_grad(|| {
-            for g in grads.iter_mut() {
+            for (i, g) in &grads {
+                let p = &self.params.items[*i].1;
                 let n = g.numel() as i64;
-                let part = buffer.narrow(0, offset, n).reshape(g.size());
-                g.copy_(&part);
+                if !views(g, buffer, offset, p) {
+                    buffer.narrow(0, offset, n).copy_(&g.reshape([-1]));
+                    placed.push((*i, offset, n));
+                }
                 offset += n;
             }
         });
+        self.peak = self.peak.max(bytes(buffer));
+        self.ctx
+            .all_reduce(TensorMut::new(buffer), ReduceOp::Avg)
+            .into_result()?;
+        for (i, offset, n) in placed {
+            let p = &self.params.items[i].1;
+            let view = buffer.narrow(0, offset, n).view(p.size().as_slice());
+            accel_sdk::shim::set_grad(p, &view)
+                .map_err(|e| PluginError::other(PLUGIN, e.to_string()))?;
+        }
         Ok(())
     }
 }

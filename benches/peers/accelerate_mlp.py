@@ -1,0 +1,66 @@
+"""accel's `mlp` in Python Accelerate, for side-by-side runs.
+
+torchrun --nproc_per_node 2 accelerate_mlp.py --data D --init I --hidden H \
+    --batch-size B --steps N --lr LR --loss-log FILE
+Same model, data order (Accelerate's batch sharding, no shuffle), plain SGD
+and per-step mean loss across ranks as `mlp --loss-log`; prints steps/s.
+"""
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader, TensorDataset
+
+p = argparse.ArgumentParser()
+p.add_argument("--data")
+p.add_argument("--init")
+p.add_argument("--hidden", type=int)
+p.add_argument("--batch-size", type=int)
+p.add_argument("--steps", type=int)
+p.add_argument("--lr", type=float)
+p.add_argument("--loss-log")
+a = p.parse_args()
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, d, h, o):
+        super().__init__()
+        self.l1, self.l2, self.l3 = torch.nn.Linear(d, h), torch.nn.Linear(h, h), torch.nn.Linear(h, o)
+
+    def forward(self, x):
+        return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
+
+
+acc = Accelerator()
+data = load_file(a.data)
+model = Mlp(data["x"].shape[1], a.hidden, data["y"].shape[1])
+model.load_state_dict(load_file(a.init))
+opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+loader = DataLoader(TensorDataset(data["x"], data["y"]), batch_size=a.batch_size, shuffle=False)
+model, opt, loader = acc.prepare(model, opt, loader)
+
+log = open(a.loss_log, "w") if acc.is_main_process and a.loss_log else None
+step, first, last = 0, None, None
+start = time.perf_counter()
+while step < a.steps:
+    for x, y in loader:
+        loss = F.mse_loss(model(x), y)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        mean = acc.reduce(loss.detach(), "mean").item()
+        first = mean if first is None else first
+        last = mean
+        if log:
+            log.write(json.dumps({"step": step, "loss": mean}) + "\n")
+        if step == a.steps:
+            break
+secs = time.perf_counter() - start
+if log:
+    log.close()
+acc.print(f"accelerate: {step} steps, loss {first:.6f} -> {last:.6f}, {step / secs:.1f} steps/s")
