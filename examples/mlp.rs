@@ -162,6 +162,60 @@ fn value_name<T: ValueEnum>(v: &T) -> String {
         .map_or_else(String::new, |p| p.get_name().to_owned())
 }
 
+/// Optimizer steps whose losses are averaged across ranks in one
+/// all-reduce (instead of one round trip per step); the log lines and
+/// tracker values are the same, written up to this many steps later.
+const REPORT_EVERY: usize = 20;
+
+/// An optimizer step waiting for its loss to be averaged across ranks.
+struct Pending {
+    step: u64,
+    lr: f64,
+    grad_norm: Option<f64>,
+    skipped: bool,
+    /// This rank's mean loss over the step's micro-batches.
+    loss: Tensor,
+}
+
+/// Where finished steps go: the loss log, the trackers, the summary line.
+struct Report {
+    log: Option<BufWriter<File>>,
+    first: Option<f64>,
+    last: f64,
+}
+
+impl Report {
+    /// Averages the pending losses across ranks (one all-reduce) and writes
+    /// one record per step.
+    fn flush(&mut self, acc: &mut Accelerator, pending: &mut Vec<Pending>) -> Result<()> {
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let local: Vec<Tensor> = pending.iter().map(|p| p.loss.shallow_clone()).collect();
+        let means = Vec::<f64>::try_from(
+            &acc.reduce(&Tensor::stack(&local, 0), Reduction::Mean)?
+                .to_kind(Kind::Double),
+        )?;
+        for (p, loss) in pending.drain(..).zip(means) {
+            self.first.get_or_insert(loss);
+            self.last = loss;
+            if let Some(log) = self.log.as_mut() {
+                let mut record = serde_json::json!({ "step": p.step, "loss": loss, "lr": p.lr });
+                if let Some(norm) = p.grad_norm {
+                    record["grad_norm"] = norm.into();
+                }
+                if p.skipped {
+                    record["skipped"] = true.into();
+                }
+                writeln!(log, "{record}")?;
+            }
+            // Queued for the tracker thread (main process only).
+            acc.log([("loss", loss), ("lr", p.lr)], Some(p.step))?;
+        }
+        Ok(())
+    }
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let mut builder = Accelerator::builder().gradient_accumulation_steps(args.grad_accum);
@@ -235,7 +289,7 @@ fn main() -> Result<()> {
             x.size()[0]
         );
     }
-    let mut log = match (&args.loss_log, acc.is_main_process()) {
+    let log = match (&args.loss_log, acc.is_main_process()) {
         (Some(p), true) => Some(BufWriter::new(
             File::create(p).with_context(|| format!("creating {}", p.display()))?,
         )),
@@ -270,8 +324,12 @@ fn main() -> Result<()> {
     let started = std::time::Instant::now();
     let mut step = 0u64;
     let mut window: Vec<Tensor> = Vec::new();
-    let mut first = None;
-    let mut last;
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut report = Report {
+        log,
+        first: None,
+        last: f64::NAN,
+    };
     'training: loop {
         for (xb, yb) in loader.iter() {
             let lr_used = opt.lr();
@@ -294,30 +352,24 @@ fn main() -> Result<()> {
                 continue;
             }
             step += 1;
-            let mean = Tensor::stack(&window, 0).mean(Kind::Float);
+            pending.push(Pending {
+                step,
+                lr: lr_used,
+                grad_norm: norm,
+                skipped: acc.optimizer_step_was_skipped(),
+                loss: Tensor::stack(&window, 0).mean(Kind::Float),
+            });
             window.clear();
-            let loss = acc.reduce(&mean, Reduction::Mean)?.double_value(&[]);
-            first.get_or_insert(loss);
-            last = loss;
-            if let Some(log) = log.as_mut() {
-                let mut record = serde_json::json!({ "step": step, "loss": loss, "lr": lr_used });
-                if let Some(norm) = norm {
-                    record["grad_norm"] = norm.into();
-                }
-                if acc.optimizer_step_was_skipped() {
-                    record["skipped"] = true.into();
-                }
-                writeln!(log, "{record}")?;
+            if pending.len() == REPORT_EVERY || step == args.steps {
+                report.flush(&mut acc, &mut pending)?;
             }
-            // Queued for the tracker thread (main process only).
-            acc.log([("loss", loss), ("lr", lr_used)], Some(step))?;
             if step == args.steps {
                 break 'training;
             }
         }
     }
     let secs = started.elapsed().as_secs_f64();
-    if let Some(mut log) = log {
+    if let Some(mut log) = report.log.take() {
         log.flush()?;
     }
     acc.end_training()?;
@@ -330,8 +382,9 @@ fn main() -> Result<()> {
         }
     }
     acc.print(format!(
-        "mlp: {step} steps, loss {:.6} -> {last:.6}, {:.1} steps/s",
-        first.unwrap_or(f64::NAN),
+        "mlp: {step} steps, loss {:.6} -> {:.6}, {:.1} steps/s",
+        report.first.unwrap_or(f64::NAN),
+        report.last,
         step as f64 / secs
     ));
     acc.wait_for_everyone()?;
