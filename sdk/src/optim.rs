@@ -369,14 +369,28 @@ impl Optimizer {
         self.step_was_skipped = skipped;
     }
 
-    /// Sets every gradient to zero.
+    /// Frees every gradient (torch's `zero_grad()`, `set_to_none=True`):
+    /// the next backward writes fresh gradients instead of adding to zeroed
+    /// ones, which saves two passes over them.
     pub fn zero_grad(&mut self) {
+        let none = Tensor::new();
+        for g in &self.groups {
+            for (_, p) in &g.params {
+                if p.grad().defined() {
+                    // Cannot fail for a leaf parameter and an undefined grad.
+                    let _ = shim::set_grad(p, &none);
+                }
+            }
+        }
+    }
+
+    /// Sets every gradient to zero in place, keeping its memory
+    /// (`zero_grad(set_to_none=False)`).
+    pub fn zero_grad_in_place(&mut self) {
         for g in &mut self.groups {
             for (_, p) in &mut g.params {
                 let mut grad = p.grad();
                 if grad.defined() {
-                    // As torch's zero_grad(set_to_none=False); the gradient
-                    // keeps its memory (a strategy's bucket view stays one).
                     if grad.requires_grad() {
                         let _ = grad.detach_();
                     }
@@ -415,7 +429,10 @@ impl Optimizer {
             if !grad.defined() {
                 continue;
             }
-            let st = self.state.entry(name.clone()).or_default();
+            if !self.state.contains_key(name.as_str()) {
+                self.state.insert(name.clone(), ParamState::default());
+            }
+            let st = self.state.get_mut(name.as_str()).expect("inserted above");
             let mut buf = st.momentum_buffer.take().unwrap_or_default();
             shim::sgd_step_(p, &grad, &mut buf, &update)?;
             st.step += 1;
@@ -442,7 +459,10 @@ impl Optimizer {
         name: &str,
         p: &Tensor,
     ) -> &'s mut ParamState {
-        let st = state.entry(name.to_owned()).or_default();
+        if !state.contains_key(name) {
+            state.insert(name.to_owned(), ParamState::default());
+        }
+        let st = state.get_mut(name).expect("inserted above");
         for slot in [&mut st.exp_avg, &mut st.exp_avg_sq, &mut st.max_exp_avg_sq] {
             if slot.is_none() {
                 *slot = Some(p.zeros_like());
