@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the benchmarks behind BENCHMARKS.md on this machine (release builds):
-#   1. criterion: accel's per-step overhead vs a raw tch loop, one process;
+#   1. accel's per-step overhead vs a raw tch loop, one process (criterion,
+#      and paired alternating blocks, which cancel a shared VM's drift);
 #   2. DDP step with vs without gradient sync, and DDP's bucketed all-reduce
 #      vs one raw MPI all-reduce (2 ranks);
 #   3. mlp under `accel launch` vs the same MLP under Python Accelerate
@@ -17,6 +18,10 @@ rel=target/release
 
 echo "== criterion: per-step overhead (one process)"
 cargo bench -q -p accel-benches --bench overhead -- --noplot 2>&1 | grep -E "^step_|time:" | tee "$out/overhead.txt"
+
+echo "== per-step overhead, paired blocks (one process)"
+$rel/overhead_paired 128 32 40 | tee "$out/overhead_paired.jsonl"
+$rel/overhead_paired 1024 256 20 | tee -a "$out/overhead_paired.jsonl"
 
 echo "== DDP (2 ranks)"
 for hb in "128 32 2000" "1024 256 100"; do
