@@ -10,13 +10,16 @@
 //! The model is `Linear(D,H)-ReLU-Linear(H,H)-ReLU-Linear(H,O)` with
 //! parameters `l1.weight l1.bias l2.weight l2.bias l3.weight l3.bias`.
 
-use accel::accelerator::{AccelError, Accelerator, DataLoader, Reduction};
+use accel::accelerator::{
+    AccelError, Accelerator, Checkpointable, DataLoader, Reduction, SaveOptions, TrainingObjects,
+};
 use accel_sdk::{
     optim::OptimizerConfig,
     schedule::{LrScheduler, Schedule},
 };
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
+use std::sync::{Arc, Mutex};
 use std::{
     fs::File,
     io::{BufWriter, Write},
@@ -113,9 +116,41 @@ struct Args {
     /// Default: `ACCELERATE_LOG_WITH`, else the config's `accel.trackers`.
     #[arg(long = "log-with")]
     log_with: Vec<String>,
-    /// Where the trackers write (default `.`).
+    /// Where the trackers and checkpoints write (default `.`).
     #[arg(long = "project-dir")]
     project_dir: Option<PathBuf>,
+    /// Save a checkpoint every N optimizer steps, to
+    /// `<project-dir>/checkpoints/checkpoint_<n>`.
+    #[arg(long = "checkpoint-every")]
+    checkpoint_every: Option<u64>,
+    /// Keep only the newest N checkpoints.
+    #[arg(long = "total-limit")]
+    total_limit: Option<usize>,
+    /// Load the newest checkpoint in the project dir and continue to --steps.
+    #[arg(long)]
+    resume: bool,
+    /// Stop after this many steps in total, as if the job were cut off
+    /// there (the schedule still spans --steps).
+    #[arg(long = "stop-at")]
+    stop_at: Option<u64>,
+}
+
+/// The training loop's own progress, saved with every checkpoint
+/// (`register_for_checkpointing`).
+struct Progress {
+    step: u64,
+}
+
+impl Checkpointable for Progress {
+    fn state_dict(&self) -> serde_json::Value {
+        serde_json::json!({ "step": self.step })
+    }
+    fn load_state_dict(&mut self, state: &serde_json::Value) -> Result<(), String> {
+        self.step = state["step"]
+            .as_u64()
+            .ok_or_else(|| format!("`step` is not a count: {state}"))?;
+        Ok(())
+    }
 }
 
 /// Deterministic data, the same on every rank: x ~ N(0, 1) and a fixed
@@ -230,6 +265,12 @@ fn main() -> Result<()> {
         builder = builder.plugin_dir(d);
     }
     builder = builder.log_with(&args.log_with);
+    if args.checkpoint_every.is_some() || args.resume {
+        builder = builder.automatic_checkpoint_naming(true);
+    }
+    if let Some(n) = args.total_limit {
+        builder = builder.total_limit(n);
+    }
     if let Some(dir) = &args.project_dir {
         builder = builder.project_dir(dir);
     }
@@ -321,8 +362,31 @@ fn main() -> Result<()> {
         args.batch_size
     ));
 
+    let progress = Arc::new(Mutex::new(Progress { step: 0 }));
+    acc.register_for_checkpointing(progress.clone());
+    if args.resume {
+        let from = acc.load_state(
+            None,
+            TrainingObjects::new()
+                .optimizer(&mut opt)
+                .scheduler(&mut scheduler),
+        )?;
+        acc.print(format!(
+            "mlp: resumed from {} at step {}",
+            from.display(),
+            progress
+                .lock()
+                .map_err(|_| anyhow::anyhow!("poisoned"))?
+                .step
+        ));
+    }
     let started = std::time::Instant::now();
-    let mut step = 0u64;
+    let mut step = progress
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .step;
+    let resumed_at = step;
+    let stop = args.stop_at.map_or(args.steps, |s| s.min(args.steps));
     let mut window: Vec<Tensor> = Vec::new();
     let mut pending: Vec<Pending> = Vec::new();
     let mut report = Report {
@@ -330,7 +394,7 @@ fn main() -> Result<()> {
         first: None,
         last: f64::NAN,
     };
-    'training: loop {
+    'training: while step < stop {
         for (xb, yb) in loader.iter() {
             let lr_used = opt.lr();
             let (synced, loss, norm) = acc.accumulate(|acc| -> Result<_, AccelError> {
@@ -360,15 +424,30 @@ fn main() -> Result<()> {
                 loss: Tensor::stack(&window, 0).mean(Kind::Float),
             });
             window.clear();
-            if pending.len() == REPORT_EVERY || step == args.steps {
+            if pending.len() == REPORT_EVERY || step == stop {
                 report.flush(&mut acc, &mut pending)?;
             }
-            if step == args.steps {
+            if args
+                .checkpoint_every
+                .is_some_and(|n| n > 0 && step % n == 0)
+            {
+                progress
+                    .lock()
+                    .map_err(|_| anyhow::anyhow!("poisoned"))?
+                    .step = step;
+                let objects = TrainingObjects::new()
+                    .optimizer(&mut opt)
+                    .scheduler(&mut scheduler);
+                let dir = acc.save_state(None, objects, SaveOptions::default())?;
+                acc.print(format!("mlp: step {step}: checkpoint {}", dir.display()));
+            }
+            if step >= stop {
                 break 'training;
             }
         }
     }
     let secs = started.elapsed().as_secs_f64();
+    let step = step - resumed_at;
     if let Some(mut log) = report.log.take() {
         log.flush()?;
     }

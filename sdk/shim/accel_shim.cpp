@@ -92,6 +92,31 @@ char* accel_set_grad(at::Tensor* param, const at::Tensor* grad) {
   return guarded([&] { param->mutable_grad() = *grad; });
 }
 
+// The default generator of `device` (0 CPU, 1 CUDA device `index`).
+at::Generator default_generator(int device, int index) {
+  return device == 1 ? at::globalContext().defaultGenerator(at::Device(at::kCUDA, index))
+                     : at::detail::getDefaultCPUGenerator();
+}
+
+// Copies the state of a default generator into `out` (a uint8 tensor), as
+// torch.get_rng_state / torch.cuda.get_rng_state.
+char* accel_rng_get_state(int device, int index, at::Tensor* out) {
+  return guarded([&] {
+    auto gen = default_generator(device, index);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    *out = gen.get_state();
+  });
+}
+
+// Restores a state `accel_rng_get_state` returned.
+char* accel_rng_set_state(int device, int index, const at::Tensor* state) {
+  return guarded([&] {
+    auto gen = default_generator(device, index);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(*state);
+  });
+}
+
 // GradScaler's unscale: multiplies every gradient by `inv_scale` and sets
 // `found_inf` to 1 when any holds inf or NaN.
 char* accel_amp_unscale(at::Tensor* const* grads, size_t n, at::Tensor* found_inf,

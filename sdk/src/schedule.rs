@@ -123,9 +123,15 @@ impl LrScheduler {
         self.base_lrs.iter().map(|b| b * f).collect()
     }
 
-    /// Resumes at `steps` (for checkpoints).
+    /// Resumes at `steps` and sets the optimizer's rates.
     pub fn set_steps(&mut self, steps: u64, optimizer: &mut Optimizer) {
         self.steps = steps;
         self.apply(optimizer);
+    }
+
+    /// Resumes at `steps` without touching an optimizer (a checkpoint
+    /// restores the optimizer's rates with its state).
+    pub fn restore_steps(&mut self, steps: u64) {
+        self.steps = steps;
     }
 }

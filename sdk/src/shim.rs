@@ -20,6 +20,8 @@ extern "C" {
     fn accel_autocast_exit(device: c_int, prev_enabled: bool, prev_dtype: c_int) -> *mut c_char;
     fn accel_autocast_enabled(device: c_int) -> bool;
     fn accel_set_grad(param: *mut C_tensor, grad: *const C_tensor) -> *mut c_char;
+    fn accel_rng_get_state(device: c_int, index: c_int, out: *mut C_tensor) -> *mut c_char;
+    fn accel_rng_set_state(device: c_int, index: c_int, state: *const C_tensor) -> *mut c_char;
     fn accel_amp_unscale(
         grads: *const *mut C_tensor,
         n: usize,
@@ -195,6 +197,39 @@ impl Drop for AutocastGuard {
 pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<(), ShimError> {
     // SAFETY: live tensors; the shim assigns the parameter's grad slot.
     check(unsafe { accel_set_grad(ptr(param), ptr(grad)) })
+}
+
+/// The state of libtorch's default random generator of `device` (the CPU
+/// one, or CUDA device `i`'s), as `torch.get_rng_state()`.
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// let state = accel_sdk::shim::rng_state(Device::Cpu).unwrap();
+/// let a = Tensor::rand([3], (Kind::Float, Device::Cpu));
+/// accel_sdk::shim::set_rng_state(Device::Cpu, &state).unwrap();
+/// let b = Tensor::rand([3], (Kind::Float, Device::Cpu));
+/// assert!(a.equal(&b));
+/// ```
+pub fn rng_state(device: Device) -> Result<Tensor, ShimError> {
+    let (code, index) = generator_of(device);
+    let out = Tensor::new();
+    // SAFETY: `out` is a tch tensor slot the shim assigns.
+    check(unsafe { accel_rng_get_state(code, index, ptr(&out)) })?;
+    Ok(out)
+}
+
+/// Restores [`rng_state`]'s output into `device`'s default generator.
+pub fn set_rng_state(device: Device, state: &Tensor) -> Result<(), ShimError> {
+    let (code, index) = generator_of(device);
+    // SAFETY: a live tensor for the duration of the call.
+    check(unsafe { accel_rng_set_state(code, index, ptr(state)) })
+}
+
+fn generator_of(device: Device) -> (c_int, c_int) {
+    match device {
+        Device::Cuda(i) => (1, i as c_int),
+        _ => (0, 0),
+    }
 }
 
 /// GradScaler's unscale (`_amp_foreach_non_finite_check_and_unscale_`):

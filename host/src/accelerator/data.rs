@@ -189,6 +189,16 @@ fn deal(
     out
 }
 
+/// Where a prepared data loader is: what a checkpoint keeps so a resumed
+/// run skips the batches already seen.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoaderPosition {
+    /// Epochs started before the current one.
+    pub epoch: u64,
+    /// Batches of the current epoch already handed out.
+    pub batches: usize,
+}
+
 /// A data loader prepared for this rank.
 #[derive(Debug)]
 pub struct ShardedLoader {
@@ -197,6 +207,7 @@ pub struct ShardedLoader {
     batches: Vec<Vec<usize>>,
     remainder: i64,
     state: Arc<Mutex<GradientState>>,
+    position: Arc<Mutex<LoaderPosition>>,
 }
 
 impl ShardedLoader {
@@ -219,7 +230,18 @@ impl ShardedLoader {
             batches,
             remainder,
             state,
+            position: Arc::default(),
         }
+    }
+
+    /// The shared position, kept by the Accelerator for checkpoints.
+    pub(crate) fn position_handle(&self) -> Arc<Mutex<LoaderPosition>> {
+        Arc::clone(&self.position)
+    }
+
+    /// Where the loader is now.
+    pub fn position(&self) -> LoaderPosition {
+        *self.position.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Batches this rank gets per epoch.
@@ -237,25 +259,43 @@ impl ShardedLoader {
         &self.batches
     }
 
-    /// One epoch of `(x, y)` batches. The last one marks the end of the
-    /// data loader for gradient accumulation and `gather_for_metrics`.
+    /// One epoch of `(x, y)` batches — the rest of the current epoch when
+    /// a checkpoint restored a position inside it. The last one marks the
+    /// end of the data loader for gradient accumulation and
+    /// `gather_for_metrics`.
     pub fn iter(&self) -> impl Iterator<Item = (Tensor, Tensor)> + '_ {
         {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             st.end_of_dataloader = false;
             st.remainder = self.remainder;
         }
+        let start = {
+            let mut pos = self.position.lock().unwrap_or_else(|p| p.into_inner());
+            if pos.batches >= self.batches.len() {
+                pos.epoch += u64::from(pos.batches > 0 || self.batches.is_empty());
+                pos.batches = 0;
+            }
+            pos.batches
+        };
         let last = self.batches.len().saturating_sub(1);
-        self.batches.iter().enumerate().map(move |(i, b)| {
-            if i == last {
-                self.state
+        self.batches
+            .iter()
+            .enumerate()
+            .skip(start)
+            .map(move |(i, b)| {
+                if i == last {
+                    self.state
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .end_of_dataloader = true;
+                }
+                self.position
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .end_of_dataloader = true;
-            }
-            let idx = Tensor::from_slice(&b.iter().map(|&v| v as i64).collect::<Vec<_>>())
-                .to_device(self.x.device());
-            (self.x.index_select(0, &idx), self.y.index_select(0, &idx))
-        })
+                    .batches = i + 1;
+                let idx = Tensor::from_slice(&b.iter().map(|&v| v as i64).collect::<Vec<_>>())
+                    .to_device(self.x.device());
+                (self.x.index_select(0, &idx), self.y.index_select(0, &idx))
+            })
     }
 }

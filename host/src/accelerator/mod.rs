@@ -24,10 +24,12 @@
 //! # Ok(()) }
 //! ```
 
+mod checkpoint;
 mod data;
 mod tracking;
 
-pub use data::{shard_indices, DataLoader, ShardedLoader, Sharding};
+pub use checkpoint::{parse_size, Checkpointable, Registered, SaveOptions, TrainingObjects};
+pub use data::{shard_indices, DataLoader, LoaderPosition, ShardedLoader, Sharding};
 pub use tracking::{IntoLogEntry, LOG_WITH_ENV};
 
 use crate::{
@@ -77,6 +79,9 @@ pub enum AccelError {
     /// The optimizer refused a setting or a step.
     #[error("{0}")]
     Optim(#[from] OptimError),
+    /// libtorch refused a call of the C++ shim.
+    #[error("{0}")]
+    Torch(#[from] accel_sdk::shim::ShimError),
     /// The API was used in a way it does not support.
     #[error("{0}")]
     Usage(String),
@@ -119,6 +124,7 @@ pub struct AcceleratorBuilder {
     strategy_settings: Option<Value>,
     precision_settings: Option<Value>,
     tracking: tracking::TrackingOptions,
+    checkpoint: checkpoint::CheckpointOptions,
 }
 
 impl AcceleratorBuilder {
@@ -167,6 +173,20 @@ impl AcceleratorBuilder {
     /// (e.g. `{"bucket_cap_mb": 50}` for DDP).
     pub fn strategy_settings(mut self, settings: Value) -> Self {
         self.strategy_settings = Some(settings);
+        self
+    }
+
+    /// `save_state(None)` writes `<project_dir>/checkpoints/checkpoint_<n>`
+    /// and `load_state(None)` loads the newest (Accelerate's
+    /// `automatic_checkpoint_naming`).
+    pub fn automatic_checkpoint_naming(mut self, on: bool) -> Self {
+        self.checkpoint.automatic_naming = on;
+        self
+    }
+
+    /// Keeps only the newest `n` automatic checkpoints.
+    pub fn total_limit(mut self, n: usize) -> Self {
+        self.checkpoint.total_limit = Some(n.max(1));
         self
     }
 
@@ -264,9 +284,15 @@ impl AcceleratedScheduler {
         &self.inner
     }
 
-    /// The wrapped schedule, mutably (for checkpoints).
+    /// The wrapped schedule, mutably.
     pub fn scheduler_mut(&mut self) -> &mut LrScheduler {
         &mut self.inner
+    }
+
+    /// Resumes the schedule at `steps` (checkpoints; the optimizer's
+    /// learning rates come back with the optimizer's own state).
+    pub fn restore_steps(&mut self, steps: u64) {
+        self.inner.restore_steps(steps);
     }
 }
 
@@ -293,6 +319,12 @@ pub struct Accelerator {
     step_was_skipped: bool,
     /// Experiment trackers (`log_with`, `init_trackers`, `log`).
     tracking: tracking::Tracking,
+    /// Optimizer steps taken (sync steps, skipped ones included).
+    optimizer_steps: u64,
+    /// Checkpoint naming, the iteration and registered objects.
+    checkpoints: checkpoint::Checkpoints,
+    /// The position of every prepared data loader, for checkpoints.
+    loaders: Mutex<Vec<Arc<Mutex<LoaderPosition>>>>,
 }
 
 fn env_u32(name: &str) -> Result<Option<u32>, AccelError> {
@@ -464,6 +496,9 @@ impl Accelerator {
             unscaled: None,
             step_was_skipped: false,
             tracking,
+            optimizer_steps: 0,
+            checkpoints: checkpoint::Checkpoints::new(b.checkpoint),
+            loaders: Mutex::new(Vec::new()),
         })
     }
 
@@ -693,7 +728,27 @@ impl Accelerator {
             split_batches: self.split_batches,
             even_batches: self.even_batches,
         };
-        ShardedLoader::new(loader, sharding, Arc::clone(&self.state))
+        let loader = ShardedLoader::new(loader, sharding, Arc::clone(&self.state));
+        self.loaders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(loader.position_handle());
+        loader
+    }
+
+    fn loader_positions_handles(&self) -> Vec<Arc<Mutex<LoaderPosition>>> {
+        self.loaders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Where every prepared data loader is, in preparation order.
+    pub fn loader_positions(&self) -> Vec<LoaderPosition> {
+        self.loader_positions_handles()
+            .iter()
+            .map(|h| *h.lock().unwrap_or_else(|p| p.into_inner()))
+            .collect()
     }
 
     /// Marks one micro-step of gradient accumulation and runs `f` in it:
@@ -780,6 +835,7 @@ impl Accelerator {
         }
         let found_inf = self.unscale_once()?;
         self.unscaled = None;
+        self.optimizer_steps += 1;
         if !found_inf {
             let mut step = StepWith(optimizer);
             self.strategy

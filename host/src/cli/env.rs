@@ -55,6 +55,39 @@ fn platform() -> String {
         .unwrap_or_else(|| format!("{} {}", std::env::consts::OS, std::env::consts::ARCH))
 }
 
+/// The rows a plugin library adds through its optional
+/// `accel_plugin_env_report` export (accel-xla: the PJRT platform and
+/// devices), given the settings its strategy would get.
+fn plugin_report(path: &std::path::Path, settings: &str) -> Vec<(String, String)> {
+    type Write = unsafe extern "C" fn(*mut std::ffi::c_void, *const u8, usize, *const u8, usize);
+    type Report = unsafe extern "C" fn(*const u8, usize, Write, *mut std::ffi::c_void);
+    unsafe extern "C" fn push(
+        rows: *mut std::ffi::c_void,
+        k: *const u8,
+        kl: usize,
+        v: *const u8,
+        vl: usize,
+    ) {
+        // SAFETY: `rows` is the Vec below; `k`/`v` are `kl`/`vl` bytes.
+        let text = |p, l| String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(p, l) });
+        let rows = unsafe { &mut *rows.cast::<Vec<(String, String)>>() };
+        rows.push((text(k, kl).into_owned(), text(v, vl).into_owned()));
+    }
+    let mut rows: Vec<(String, String)> = Vec::new();
+    // SAFETY: the file loaded as a plugin already; the export, when there,
+    // has this signature. Plugin libraries are never unloaded.
+    unsafe {
+        if let Ok(lib) = libloading::Library::new(path) {
+            if let Ok(report) = lib.get::<Report>(b"accel_plugin_env_report\0") {
+                let out = (&mut rows as *mut Vec<(String, String)>).cast();
+                report(settings.as_ptr(), settings.len(), push, out);
+            }
+            std::mem::forget(lib);
+        }
+    }
+    rows
+}
+
 /// Runs `accel env`.
 pub fn run(plugin_dirs: &[PathBuf], out: &mut dyn Write) -> anyhow::Result<i32> {
     let row = |out: &mut dyn Write, k: &str, v: &str| writeln!(out, "- {k:<22} {v}");
@@ -83,6 +116,12 @@ pub fn run(plugin_dirs: &[PathBuf], out: &mut dyn Write) -> anyhow::Result<i32> 
     let search: Vec<String> = dirs.iter().map(|d| d.path.display().to_string()).collect();
     row(out, "plugin search path:", &search.join(":"))?;
     let set = PluginSet::discover(&dirs);
+    let opts = LoadOptions::with_extra_distributed_types(
+        &crate::plugins::config_check::claimed_distributed_types(&set),
+    );
+    let default_config = default_config_file_from_env()
+        .filter(|p| p.exists())
+        .and_then(|p| load_file(&p, &opts).ok());
     for p in set.plugins() {
         let provides: Vec<String> = p
             .provides
@@ -100,6 +139,15 @@ pub fn run(plugin_dirs: &[PathBuf], out: &mut dyn Write) -> anyhow::Result<i32> 
                 p.location()
             ),
         )?;
+        if let Some(path) = p.path() {
+            let settings = default_config.as_ref().map_or_else(
+                || "{}".to_owned(),
+                |c| crate::plugins::config_check::strategy_settings(&c.config, &p.name).to_string(),
+            );
+            for (k, v) in plugin_report(path, &settings) {
+                row(out, &k, &v)?;
+            }
+        }
     }
     for e in set.rejected() {
         row(out, "rejected plugin:", &e.to_string())?;
@@ -114,9 +162,6 @@ pub fn run(plugin_dirs: &[PathBuf], out: &mut dyn Write) -> anyhow::Result<i32> 
         )?,
         Some(path) => {
             row(out, "default config:", &path.display().to_string())?;
-            let opts = LoadOptions::with_extra_distributed_types(
-                &crate::plugins::config_check::claimed_distributed_types(&set),
-            );
             match load_file(&path, &opts) {
                 Ok(loaded) => {
                     for line in to_yaml(&loaded.config).lines() {

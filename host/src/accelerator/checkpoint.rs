@@ -1,0 +1,664 @@
+//! Checkpoints: [`Accelerator::save_state`] / [`Accelerator::load_state`]
+//! (exact resume) and [`Accelerator::save_model`] (Hugging Face-style
+//! sharded safetensors).
+//!
+//! A checkpoint directory holds:
+//!
+//! | file | what | written by |
+//! | --- | --- | --- |
+//! | `model.safetensors` | the model's FULL state dict (through the strategy) | rank 0 |
+//! | `model_rank<r>.safetensors` | rank `r`'s shard, for strategies that save SHARDED state | every rank |
+//! | `optimizer.safetensors` + `optimizer.json` (`optimizer_1…` for more) | optimizer state tensors; hyper-parameters, groups and step counts | rank 0 (FULL) or every rank as `optimizer_rank<r>…` (SHARDED) |
+//! | `scheduler.json` (`scheduler_1.json`, …) | scheduler steps | rank 0 |
+//! | `precision.json` | the precision policy's state (fp16: GradScaler's scale and growth tracker) | rank 0 |
+//! | `random_states_<r>.safetensors` | rank `r`'s libtorch CPU (and CUDA) generator states | every rank |
+//! | `data_loaders.json` | every prepared data loader's epoch and batches consumed | rank 0 |
+//! | `custom_checkpoint_<i>.json` | objects given to [`Accelerator::register_for_checkpointing`] | rank 0 |
+//! | `accel_state.json` | accel version, world size, strategy, state dict kind, optimizer steps, iteration | rank 0 |
+//!
+//! **Safe by construction**: everything is written into a hidden sibling
+//! directory (`.<name>.partial`), then renamed into place by rank 0 once
+//! every rank has written, so a crash mid-save leaves the previous
+//! checkpoints intact and no half-written `checkpoint_N`; the next save or
+//! load removes leftover `.partial` directories. An existing target is
+//! refused unless [`SaveOptions::overwrite`]. All ranks must see the same
+//! filesystem (as with Accelerate).
+//!
+//! **Project configuration** (Accelerate's `ProjectConfiguration`): with
+//! automatic checkpoint naming, `save_state(None)` writes
+//! `<project_dir>/checkpoints/checkpoint_<iteration>` and counts the
+//! iteration up; `total_limit` keeps only the newest N; `load_state(None)`
+//! loads the newest one and — unlike Accelerate (its issues 1601 and 3306) —
+//! sets the iteration to one past it, so the next save does not overwrite.
+//!
+//! **Resharding**: a FULL checkpoint (DDP, and FSDP/ZeRO saving FULL) loads
+//! under any strategy and world size (random states are restored for the
+//! ranks that have one); a SHARDED one needs the same strategy and world
+//! size, and anything else is refused with both sides named.
+
+use super::{AccelError, AcceleratedScheduler, Accelerator};
+use accel_sdk::{
+    optim::Optimizer,
+    tensor::{NamedTensorRef, TensorRef},
+    StateDictKind,
+};
+use serde_json::{json, Value};
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+};
+use tch::{Device, Tensor};
+
+/// Something with state of its own to checkpoint (a step counter, a data
+/// sampler, an EMA of the weights, ...).
+pub trait Checkpointable: Send {
+    /// The state, as JSON.
+    fn state_dict(&self) -> Value;
+    /// Restores [`Checkpointable::state_dict`]'s output.
+    fn load_state_dict(&mut self, state: &Value) -> Result<(), String>;
+}
+
+/// A registered object, shared between the program and the Accelerator.
+pub type Registered = Arc<Mutex<dyn Checkpointable>>;
+
+/// The optimizers and schedulers a checkpoint covers (the Accelerator does
+/// not own them).
+#[derive(Default)]
+pub struct TrainingObjects<'a> {
+    optimizers: Vec<&'a mut Optimizer>,
+    schedulers: Vec<&'a mut AcceleratedScheduler>,
+}
+
+impl<'a> TrainingObjects<'a> {
+    /// Nothing yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Adds an optimizer (saved as `optimizer`, `optimizer_1`, ...).
+    pub fn optimizer(mut self, opt: &'a mut Optimizer) -> Self {
+        self.optimizers.push(opt);
+        self
+    }
+    /// Adds a scheduler (saved as `scheduler.json`, `scheduler_1.json`, ...).
+    pub fn scheduler(mut self, sched: &'a mut AcceleratedScheduler) -> Self {
+        self.schedulers.push(sched);
+        self
+    }
+}
+
+/// How `save_state` treats an existing target.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SaveOptions {
+    /// Replace an existing checkpoint directory.
+    pub overwrite: bool,
+}
+
+/// Checkpoint settings from the builder.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct CheckpointOptions {
+    pub automatic_naming: bool,
+    pub total_limit: Option<usize>,
+}
+
+/// The Accelerator's checkpoint bookkeeping.
+pub(crate) struct Checkpoints {
+    pub options: CheckpointOptions,
+    /// The next automatic checkpoint's number.
+    pub iteration: u64,
+    pub registered: Vec<Registered>,
+}
+
+impl Checkpoints {
+    pub fn new(options: CheckpointOptions) -> Self {
+        Self {
+            options,
+            iteration: 0,
+            registered: Vec::new(),
+        }
+    }
+}
+
+fn io_err(what: &str, path: &Path, e: impl std::fmt::Display) -> AccelError {
+    AccelError::Usage(format!("checkpoint: {what} {}: {e}", path.display()))
+}
+
+fn write_json(path: &Path, v: &Value) -> Result<(), AccelError> {
+    let text = serde_json::to_string_pretty(v).expect("JSON values serialise");
+    fs::write(path, text).map_err(|e| io_err("writing", path, e))
+}
+
+fn read_json(path: &Path) -> Result<Value, AccelError> {
+    let text = fs::read_to_string(path).map_err(|e| io_err("reading", path, e))?;
+    serde_json::from_str(&text).map_err(|e| io_err("parsing", path, e))
+}
+
+fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), AccelError> {
+    let contiguous: Vec<(String, Tensor)> = tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.to_device(Device::Cpu).contiguous()))
+        .collect();
+    Tensor::write_safetensors(&contiguous, path).map_err(|e| io_err("writing", path, e))
+}
+
+fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>, AccelError> {
+    Tensor::read_safetensors(path).map_err(|e| io_err("reading", path, e))
+}
+
+/// `name`, `name_1`, `name_2`, ... for the i-th object of a kind.
+fn nth(name: &str, i: usize) -> String {
+    if i == 0 {
+        name.to_owned()
+    } else {
+        format!("{name}_{i}")
+    }
+}
+
+/// The hidden directory a checkpoint is written into before it is renamed.
+fn partial_of(target: &Path) -> PathBuf {
+    let name = target
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "checkpoint".into());
+    target.with_file_name(format!(".{name}.partial"))
+}
+
+/// Removes `.*.partial` directories a crashed save left in `dir`.
+fn remove_partials(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') && name.ends_with(".partial") {
+            if let Err(err) = fs::remove_dir_all(e.path()) {
+                tracing::warn!("checkpoint: could not remove {}: {err}", e.path().display());
+            }
+        }
+    }
+}
+
+/// `checkpoint_<n>` directories in `dir`, by number.
+fn numbered_checkpoints(dir: &Path) -> Vec<(u64, PathBuf)> {
+    let mut out: Vec<(u64, PathBuf)> = fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let n = name.strip_prefix("checkpoint_")?.parse().ok()?;
+            e.path().is_dir().then(|| (n, e.path()))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// A test-only pause point: with `ACCEL_TEST_PAUSE_IN_SAVE=<dir name>`, a
+/// save into that directory stops (forever) after writing the model, so a
+/// test can kill the process mid-save.
+fn test_pause_point(target: &Path) {
+    if let Ok(name) = std::env::var("ACCEL_TEST_PAUSE_IN_SAVE") {
+        if target
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy() == name)
+        {
+            eprintln!("accel: test pause in save of {}", target.display());
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+            }
+        }
+    }
+}
+
+/// Parses `max_shard_size` as Hugging Face does: bytes, or a number with
+/// `KB`/`MB`/`GB` (powers of 10) or `KiB`/`MiB`/`GiB` (powers of 2).
+pub fn parse_size(text: &str) -> Result<u64, AccelError> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let factor: u64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "KIB" => 1 << 10,
+        "MIB" => 1 << 20,
+        "GIB" => 1 << 30,
+        _ => 0,
+    };
+    match num.parse::<f64>() {
+        Ok(n) if factor > 0 && n > 0.0 => Ok((n * factor as f64) as u64),
+        _ => Err(AccelError::Usage(format!(
+            "max_shard_size {text:?}: expected bytes or a size like \"5GB\", \"500MB\", \"2GiB\""
+        ))),
+    }
+}
+
+impl Accelerator {
+    /// Registers an object whose state `save_state` saves and `load_state`
+    /// restores (`custom_checkpoint_<i>.json`, in registration order).
+    pub fn register_for_checkpointing(&mut self, object: Registered) {
+        self.checkpoints.registered.push(object);
+    }
+
+    /// The next automatic checkpoint's number.
+    pub fn checkpoint_iteration(&self) -> u64 {
+        self.checkpoints.iteration
+    }
+
+    /// Optimizer steps taken (skipped fp16 steps included), restored by
+    /// `load_state`.
+    pub fn optimizer_steps(&self) -> u64 {
+        self.optimizer_steps
+    }
+
+    fn checkpoints_dir(&self) -> PathBuf {
+        self.project_dir().join("checkpoints")
+    }
+
+    fn state_kind(&self) -> StateDictKind {
+        let sharded = self
+            .config
+            .config
+            .fsdp_config
+            .as_ref()
+            .and_then(|f| f.get("fsdp_state_dict_type"))
+            .and_then(|v| v.as_str())
+            .is_some_and(|v| v.eq_ignore_ascii_case("SHARDED_STATE_DICT"));
+        if sharded {
+            StateDictKind::Sharded
+        } else {
+            StateDictKind::Full
+        }
+    }
+
+    /// Saves everything needed to resume exactly (see the module docs) into
+    /// `dir`, or — with automatic naming — into
+    /// `<project_dir>/checkpoints/checkpoint_<iteration>`. Returns the directory.
+    pub fn save_state(
+        &mut self,
+        dir: Option<&Path>,
+        objects: TrainingObjects<'_>,
+        options: SaveOptions,
+    ) -> Result<PathBuf, AccelError> {
+        let target = match dir {
+            Some(d) => d.to_path_buf(),
+            None if self.checkpoints.options.automatic_naming => self
+                .checkpoints_dir()
+                .join(format!("checkpoint_{}", self.checkpoints.iteration)),
+            None => {
+                return Err(AccelError::Usage(
+                    "save_state needs a directory, or automatic checkpoint naming (builder: automatic_checkpoint_naming(true))".into(),
+                ))
+            }
+        };
+        if target.exists() && !options.overwrite {
+            return Err(AccelError::Usage(format!(
+                "checkpoint {} exists; pass SaveOptions {{ overwrite: true }} to replace it",
+                target.display()
+            )));
+        }
+        let parent = target
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."));
+        let partial = partial_of(&target);
+        if self.is_main_process() {
+            fs::create_dir_all(&parent).map_err(|e| io_err("creating", &parent, e))?;
+            remove_partials(&parent);
+            fs::create_dir_all(&partial).map_err(|e| io_err("creating", &partial, e))?;
+        }
+        self.wait_for_everyone()?;
+        self.write_state(&partial, objects)?;
+        test_pause_point(&target);
+        self.wait_for_everyone()?;
+        if self.is_main_process() {
+            if target.exists() {
+                fs::remove_dir_all(&target).map_err(|e| io_err("replacing", &target, e))?;
+            }
+            fs::rename(&partial, &target).map_err(|e| io_err("renaming into", &target, e))?;
+            if dir.is_none() {
+                if let Some(limit) = self.checkpoints.options.total_limit {
+                    let all = numbered_checkpoints(&parent);
+                    for (_, old) in all.iter().take(all.len().saturating_sub(limit)) {
+                        fs::remove_dir_all(old).map_err(|e| io_err("removing", old, e))?;
+                    }
+                }
+            }
+        }
+        self.wait_for_everyone()?;
+        if dir.is_none() {
+            self.checkpoints.iteration += 1;
+        }
+        Ok(target)
+    }
+
+    fn write_state(&mut self, out: &Path, objects: TrainingObjects<'_>) -> Result<(), AccelError> {
+        let rank = self.process_index();
+        let main = self.is_main_process();
+        let kind = self.state_kind();
+        let model = self.strategy.state_dict(kind).into_result()?;
+        let model: Vec<(String, Tensor)> = model
+            .into_iter()
+            .map(|t| (t.name.to_string(), t.tensor.into_tensor()))
+            .collect();
+        match kind {
+            StateDictKind::Full if main => write_tensors(&out.join("model.safetensors"), &model)?,
+            StateDictKind::Full => {}
+            StateDictKind::Sharded => {
+                write_tensors(&out.join(format!("model_rank{rank}.safetensors")), &model)?
+            }
+        }
+        for (i, opt) in objects.optimizers.iter().enumerate() {
+            let (tensors, meta) = opt.state_dict();
+            let stem = match kind {
+                StateDictKind::Full if !main => continue,
+                StateDictKind::Full => nth("optimizer", i),
+                StateDictKind::Sharded => format!("{}_rank{rank}", nth("optimizer", i)),
+            };
+            write_tensors(&out.join(format!("{stem}.safetensors")), &tensors)?;
+            write_json(&out.join(format!("{stem}.json")), &meta)?;
+        }
+        let mut rng = vec![("cpu".to_owned(), accel_sdk::shim::rng_state(Device::Cpu)?)];
+        if let Device::Cuda(i) = self.device() {
+            rng.push((
+                format!("cuda_{i}"),
+                accel_sdk::shim::rng_state(self.device())?,
+            ));
+        }
+        write_tensors(&out.join(format!("random_states_{rank}.safetensors")), &rng)?;
+        if !main {
+            return Ok(());
+        }
+        for (i, s) in objects.schedulers.iter().enumerate() {
+            let v = json!({ "steps": s.scheduler().steps() });
+            write_json(&out.join(format!("{}.json", nth("scheduler", i))), &v)?;
+        }
+        let precision: Value = serde_json::from_str(&self.precision.state_json().into_result()?)
+            .map_err(|e| AccelError::Usage(format!("precision policy state is not JSON: {e}")))?;
+        write_json(&out.join("precision.json"), &precision)?;
+        let loaders: Vec<Value> = self
+            .loader_positions()
+            .iter()
+            .map(|p| json!({ "epoch": p.epoch, "batches": p.batches }))
+            .collect();
+        write_json(&out.join("data_loaders.json"), &json!(loaders))?;
+        for (i, obj) in self.checkpoints.registered.iter().enumerate() {
+            let state = obj.lock().unwrap_or_else(|p| p.into_inner()).state_dict();
+            write_json(&out.join(format!("custom_checkpoint_{i}.json")), &state)?;
+        }
+        let meta = json!({
+            "accel_version": env!("CARGO_PKG_VERSION"),
+            "world_size": self.num_processes(),
+            "strategy": self.strategy_name(),
+            "distributed_type": self.distributed_type(),
+            "mixed_precision": self.mixed_precision(),
+            "state_dict_kind": if kind == StateDictKind::Full { "FULL" } else { "SHARDED" },
+            "optimizer_steps": self.optimizer_steps,
+            "iteration": self.checkpoints.iteration,
+            "optimizers": objects.optimizers.len(),
+            "schedulers": objects.schedulers.len(),
+        });
+        write_json(&out.join("accel_state.json"), &meta)
+    }
+
+    /// Restores what [`Accelerator::save_state`] saved: from `dir`, or —
+    /// with automatic naming — from the newest `checkpoint_<n>` in
+    /// `<project_dir>/checkpoints` (the iteration then continues at n + 1).
+    /// Returns the directory loaded.
+    pub fn load_state(
+        &mut self,
+        dir: Option<&Path>,
+        objects: TrainingObjects<'_>,
+    ) -> Result<PathBuf, AccelError> {
+        let (source, number) = match dir {
+            Some(d) => (d.to_path_buf(), None),
+            None => {
+                let root = self.checkpoints_dir();
+                if self.is_main_process() {
+                    remove_partials(&root);
+                }
+                let (n, path) = numbered_checkpoints(&root).pop().ok_or_else(|| {
+                    AccelError::Usage(format!(
+                        "load_state: no checkpoint_<n> directory in {}",
+                        root.display()
+                    ))
+                })?;
+                (path, Some(n))
+            }
+        };
+        let meta = read_json(&source.join("accel_state.json"))?;
+        let kind = match meta["state_dict_kind"].as_str() {
+            Some("SHARDED") => StateDictKind::Sharded,
+            _ => StateDictKind::Full,
+        };
+        let saved_world = meta["world_size"].as_u64().unwrap_or(0);
+        let saved_strategy = meta["strategy"].as_str().unwrap_or_default();
+        if kind == StateDictKind::Sharded
+            && (saved_world != u64::from(self.num_processes())
+                || saved_strategy != self.strategy_name())
+        {
+            return Err(AccelError::Usage(format!(
+                "checkpoint {} holds SHARDED state of {saved_world} rank(s) under {saved_strategy}; this run is {} rank(s) under {}: load it with the same world size and strategy, or save FULL state",
+                source.display(),
+                self.num_processes(),
+                self.strategy_name()
+            )));
+        }
+        let expected = meta["optimizers"].as_u64().unwrap_or(0) as usize;
+        if expected != objects.optimizers.len() {
+            return Err(AccelError::Usage(format!(
+                "checkpoint {} has {expected} optimizer(s), {} given to load_state",
+                source.display(),
+                objects.optimizers.len()
+            )));
+        }
+        let rank = self.process_index();
+        let model_file = match kind {
+            StateDictKind::Full => source.join("model.safetensors"),
+            StateDictKind::Sharded => source.join(format!("model_rank{rank}.safetensors")),
+        };
+        let model = read_tensors(&model_file)?;
+        let refs: Vec<NamedTensorRef<'_>> = model
+            .iter()
+            .map(|(n, t)| NamedTensorRef {
+                name: n.as_str().into(),
+                tensor: TensorRef::new(t),
+            })
+            .collect();
+        self.strategy
+            .load_state_dict(kind, refs.as_slice().into())
+            .into_result()?;
+        for (i, opt) in objects.optimizers.into_iter().enumerate() {
+            let stem = match kind {
+                StateDictKind::Full => nth("optimizer", i),
+                StateDictKind::Sharded => format!("{}_rank{rank}", nth("optimizer", i)),
+            };
+            let tensors = read_tensors(&source.join(format!("{stem}.safetensors")))?;
+            let meta = read_json(&source.join(format!("{stem}.json")))?;
+            opt.load_state_dict(&tensors, &meta)
+                .map_err(|e| AccelError::Usage(format!("{}: {e}", source.display())))?;
+        }
+        for (i, s) in objects.schedulers.into_iter().enumerate() {
+            let v = read_json(&source.join(format!("{}.json", nth("scheduler", i))))?;
+            let steps = v["steps"].as_u64().ok_or_else(|| {
+                AccelError::Usage(format!("{}: scheduler steps missing", source.display()))
+            })?;
+            s.restore_steps(steps);
+        }
+        let precision = read_json(&source.join("precision.json"))?;
+        self.precision
+            .load_state_json(precision.to_string().as_str().into())
+            .into_result()?;
+        let rng_file = source.join(format!("random_states_{rank}.safetensors"));
+        if rng_file.exists() {
+            for (name, state) in read_tensors(&rng_file)? {
+                let device = match name.strip_prefix("cuda_") {
+                    Some(i) => Device::Cuda(i.parse().unwrap_or(0)),
+                    None => Device::Cpu,
+                };
+                if device == Device::Cpu || device == self.device() {
+                    accel_sdk::shim::set_rng_state(device, &state)?;
+                }
+            }
+        } else {
+            tracing::warn!(
+                "checkpoint {}: no random states for rank {rank} (saved with {saved_world} ranks)",
+                source.display()
+            );
+        }
+        let loaders = read_json(&source.join("data_loaders.json"))?;
+        let positions = self.loader_positions_handles();
+        for (saved, handle) in loaders.as_array().into_iter().flatten().zip(positions) {
+            let mut p = handle.lock().unwrap_or_else(|p| p.into_inner());
+            p.epoch = saved["epoch"].as_u64().unwrap_or(0);
+            p.batches = saved["batches"].as_u64().unwrap_or(0) as usize;
+        }
+        for (i, obj) in self.checkpoints.registered.iter().enumerate() {
+            let state = read_json(&source.join(format!("custom_checkpoint_{i}.json")))?;
+            obj.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .load_state_dict(&state)
+                .map_err(|e| {
+                    AccelError::Usage(format!(
+                        "custom_checkpoint_{i} in {}: {e}",
+                        source.display()
+                    ))
+                })?;
+        }
+        self.optimizer_steps = meta["optimizer_steps"].as_u64().unwrap_or(0);
+        if let Some(n) = number {
+            self.checkpoints.iteration = n + 1;
+        }
+        self.wait_for_everyone()?;
+        Ok(source)
+    }
+
+    /// Writes the model's FULL state dict as Hugging Face does: one
+    /// `model.safetensors` when it fits in `max_shard_size` (e.g. `"5GB"`),
+    /// else `model-0000k-of-0000n.safetensors` and
+    /// `model.safetensors.index.json` mapping every tensor to its shard.
+    /// Files of an earlier `save_model` in `dir` are replaced; each file is
+    /// written under a temporary name and renamed. Returns the files written
+    /// (on the main process; other ranks return none).
+    pub fn save_model(
+        &mut self,
+        dir: &Path,
+        max_shard_size: &str,
+    ) -> Result<Vec<PathBuf>, AccelError> {
+        let max = parse_size(max_shard_size)?;
+        let state = self
+            .strategy
+            .state_dict(StateDictKind::Full)
+            .into_result()?;
+        if !self.is_main_process() {
+            self.wait_for_everyone()?;
+            return Ok(Vec::new());
+        }
+        let tensors: Vec<(String, Tensor)> = state
+            .into_iter()
+            .map(|t| (t.name.to_string(), t.tensor.into_tensor()))
+            .collect();
+        let size = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        let mut shards: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];
+        let mut filled = 0;
+        for (name, t) in tensors {
+            let s = size(&t);
+            if filled + s > max && !shards.last().is_some_and(Vec::is_empty) {
+                shards.push(Vec::new());
+                filled = 0;
+            }
+            filled += s;
+            shards
+                .last_mut()
+                .expect("one shard at least")
+                .push((name, t));
+        }
+        fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
+        // Earlier save_model output would mix with this one.
+        for e in fs::read_dir(dir)
+            .map_err(|e| io_err("reading", dir, e))?
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let old = name == "model.safetensors"
+                || name == "model.safetensors.index.json"
+                || (name.starts_with("model-") && name.ends_with(".safetensors"));
+            if old {
+                fs::remove_file(e.path()).map_err(|err| io_err("removing", &e.path(), err))?;
+            }
+        }
+        let n = shards.len();
+        let mut written = Vec::new();
+        let mut weight_map = serde_json::Map::new();
+        let mut total = 0;
+        for (k, shard) in shards.iter().enumerate() {
+            let file = if n == 1 {
+                "model.safetensors".to_owned()
+            } else {
+                format!("model-{:05}-of-{n:05}.safetensors", k + 1)
+            };
+            for (name, t) in shard {
+                weight_map.insert(name.clone(), json!(file));
+                total += size(t);
+            }
+            let tmp = dir.join(format!(".{file}.tmp"));
+            write_tensors(&tmp, shard)?;
+            let path = dir.join(&file);
+            fs::rename(&tmp, &path).map_err(|e| io_err("renaming into", &path, e))?;
+            written.push(path);
+        }
+        if n > 1 {
+            let index = json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+            let path = dir.join("model.safetensors.index.json");
+            let tmp = dir.join(".model.safetensors.index.json.tmp");
+            write_json(&tmp, &index)?;
+            fs::rename(&tmp, &path).map_err(|e| io_err("renaming into", &path, e))?;
+            written.push(path);
+        }
+        self.wait_for_everyone()?;
+        Ok(written)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_as_hugging_face_reads_them() {
+        assert_eq!(parse_size("5GB").unwrap(), 5_000_000_000);
+        assert_eq!(parse_size("500MB").unwrap(), 500_000_000);
+        assert_eq!(parse_size("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_size("1000").unwrap(), 1000);
+        assert!(parse_size("5 parsecs").is_err());
+        assert!(parse_size("0MB").is_err());
+    }
+
+    #[test]
+    fn partial_dirs_are_hidden_siblings() {
+        assert_eq!(
+            partial_of(Path::new("/p/checkpoints/checkpoint_3")),
+            PathBuf::from("/p/checkpoints/.checkpoint_3.partial")
+        );
+    }
+
+    #[test]
+    fn numbered_checkpoints_sort_by_number() {
+        let dir = tempfile::tempdir().unwrap();
+        for n in [10, 2, 1] {
+            fs::create_dir(dir.path().join(format!("checkpoint_{n}"))).unwrap();
+        }
+        fs::create_dir(dir.path().join(".checkpoint_11.partial")).unwrap();
+        let found: Vec<u64> = numbered_checkpoints(dir.path())
+            .iter()
+            .map(|(n, _)| *n)
+            .collect();
+        assert_eq!(found, vec![1, 2, 10]);
+        remove_partials(dir.path());
+        assert!(!dir.path().join(".checkpoint_11.partial").exists());
+    }
+}
