@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job: set up, build, show the plugin system at work, then train
-# the `mlp` example with DDP on 2 CPU processes under `accel launch`.
+# the `mlp` example with DDP on 2 CPU processes under `accel launch`
+# (bf16, trackers, checkpoints).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
@@ -26,10 +27,17 @@ echo "== $runs/quickstart/metrics.csv (last lines)"
 tail -n 4 "$runs/quickstart/metrics.csv"
 
 echo
-echo "== accel launch --cpu --num_processes 2 mlp (DDP over MPI)"
+echo "== accel launch --cpu --num_processes 2 mlp (DDP over MPI, bf16 autocast, cosine schedule,"
+echo "   TensorBoard + JSONL trackers, a checkpoint every 100 steps)"
+rm -rf "$runs/mlp"
 target/debug/accel launch --cpu --num_processes 2 target/debug/mlp \
-  --steps 200 --optimizer adamw --lr 0.01 \
+  --steps 200 --optimizer adamw --lr 0.01 --mixed-precision bf16 \
+  --scheduler cosine --warmup 10 --max-grad-norm 1.0 \
+  --log-with tensorboard --log-with jsonl --project-dir "$runs/mlp" \
+  --checkpoint-every 100 --total-limit 2 \
   --loss-log "$runs/mlp_loss.jsonl" --save "$runs/mlp.safetensors"
 echo
 echo "outputs: loss log $runs/mlp_loss.jsonl (last: $(tail -n 1 "$runs/mlp_loss.jsonl")),"
-echo "         weights $runs/mlp.safetensors, tracker files $runs/quickstart/"
+echo "         weights $runs/mlp.safetensors, checkpoints $runs/mlp/checkpoints/,"
+echo "         TensorBoard events $runs/mlp/mlp/ (tensorboard --logdir $runs/mlp),"
+echo "         tracker files $runs/quickstart/"
