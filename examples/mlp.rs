@@ -133,6 +133,12 @@ struct Args {
     /// there (the schedule still spans --steps).
     #[arg(long = "stop-at")]
     stop_at: Option<u64>,
+    /// At the end, every rank prints one line `mlp-memory {json}`: the
+    /// strategy's memory stats taken just after the last synced backward
+    /// (`param_bytes`, `grad_bytes`, `optimizer_bytes`, `peak_bytes`) and
+    /// `optimizer_state_bytes`, the optimizer's state as it holds it.
+    #[arg(long = "print-memory")]
+    print_memory: bool,
 }
 
 /// The training loop's own progress, saved with every checkpoint
@@ -355,9 +361,10 @@ fn main() -> Result<()> {
         serde_json::json!({}),
     )?;
     acc.print(format!(
-        "mlp: {} process(es), strategy {}, {} batches of {} per process per epoch",
+        "mlp: {} process(es), strategy {}, precision {}, {} batches of {} per process per epoch",
         acc.num_processes(),
         acc.strategy_name(),
+        acc.precision_name(),
         loader.len(),
         args.batch_size
     ));
@@ -380,6 +387,7 @@ fn main() -> Result<()> {
                 .step
         ));
     }
+    let mut memory = None;
     let started = std::time::Instant::now();
     let mut step = progress
         .lock()
@@ -402,6 +410,9 @@ fn main() -> Result<()> {
                 let loss = out.to_kind(Kind::Float).mse_loss(&yb, tch::Reduction::Mean);
                 acc.backward(&loss)?;
                 let synced = acc.sync_gradients();
+                if args.print_memory && synced {
+                    memory = Some(acc.memory_stats()?);
+                }
                 let norm = match args.max_grad_norm {
                     Some(max) if synced => Some(acc.clip_grad_norm(max, 2.0)?),
                     _ => None,
@@ -452,6 +463,19 @@ fn main() -> Result<()> {
         log.flush()?;
     }
     acc.end_training()?;
+    if let Some(m) = memory {
+        println!(
+            "mlp-memory {}",
+            serde_json::json!({
+                "rank": acc.process_index(),
+                "param_bytes": m.param_bytes,
+                "grad_bytes": m.grad_bytes,
+                "optimizer_bytes": m.optimizer_bytes,
+                "peak_bytes": m.peak_bytes,
+                "optimizer_state_bytes": opt.state_bytes(),
+            })
+        );
+    }
     if let Some(path) = &args.save {
         let name = path.to_string_lossy();
         if name.contains("{rank}") {

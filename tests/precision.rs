@@ -446,3 +446,46 @@ fn scheduler_steps_like_accelerated_scheduler() {
         assert!((got - want).abs() < 1e-12, "{lrs:?} vs {expected:?}");
     }
 }
+
+#[test]
+fn a_third_party_precision_plugin_replaces_the_built_in_fp16() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = dir.path().join("plugins");
+    std::fs::create_dir(&plugins).unwrap();
+    accel_integration_tests::build_plugin_into(
+        "accel-test-faulty",
+        &[],
+        &plugins.join("libaccel_test_faulty.so"),
+    );
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let common = ["--steps", "10", "--optimizer", "adamw", "--lr", "0.01"];
+    let out = run_ok(Command::new(mlp()).args(common).args([
+        "--mixed-precision",
+        "fp16",
+        "--plugin-dir",
+        plugins.to_str().unwrap(),
+        "--save",
+        &p("plugin.safetensors"),
+    ]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("precision fixed-scale (accel-test-faulty)"),
+        "{text}"
+    );
+    // Its fixed scale of 8 is undone exactly before the step and it does no
+    // autocast: the run equals full precision bit for bit, so the plugin
+    // (not the built-in GradScaler) scaled and unscaled every step.
+    run_ok(Command::new(mlp()).args(common).args([
+        "--mixed-precision",
+        "no",
+        "--save",
+        &p("no.safetensors"),
+    ]));
+    let diff = max_abs_diff(
+        &read_weights(&dir.path().join("plugin.safetensors")),
+        &read_weights(&dir.path().join("no.safetensors")),
+    );
+    assert_eq!(diff, 0.0);
+    let out = run_ok(Command::new(mlp()).args(["--steps", "1", "--mixed-precision", "fp16"]));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("precision fp16 (accel)"));
+}

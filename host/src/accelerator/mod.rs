@@ -307,6 +307,7 @@ pub struct Accelerator {
     strategy: StrategyBox,
     strategy_name: String,
     precision: PrecisionBox,
+    precision_name: String,
     prepared: Option<Prepared>,
     state: Arc<Mutex<GradientState>>,
     accumulation_steps: u32,
@@ -459,14 +460,17 @@ impl Accelerator {
             .as_ref()
             .map_or("no", |m| m.as_str())
             .to_owned();
-        let precision = plugins
-            .select(PluginKind::Precision, &mp, None)?
-            .new_precision(
-                ctx.into_box(),
-                &b.precision_settings
-                    .unwrap_or_else(|| serde_json::json!({}))
-                    .to_string(),
-            )?;
+        let precision_choice = plugins.select(PluginKind::Precision, &mp, None)?;
+        let precision_name = format!(
+            "{} ({})",
+            precision_choice.component.name, precision_choice.plugin.name
+        );
+        let precision = precision_choice.new_precision(
+            ctx.into_box(),
+            &b.precision_settings
+                .unwrap_or_else(|| serde_json::json!({}))
+                .to_string(),
+        )?;
         let accumulation_steps = match b.gradient_accumulation_steps {
             Some(n) => n,
             None => env_u32("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")?.unwrap_or(1),
@@ -483,6 +487,7 @@ impl Accelerator {
             strategy,
             strategy_name,
             precision,
+            precision_name,
             prepared: None,
             state: Arc::new(Mutex::new(GradientState {
                 sync_gradients: true,
@@ -545,6 +550,16 @@ impl Accelerator {
     /// The strategy in use, `component (plugin)`.
     pub fn strategy_name(&self) -> &str {
         &self.strategy_name
+    }
+    /// What the strategy says this rank holds now: bytes of parameters,
+    /// gradients and optimizer state, and the peak during a step (for
+    /// tests and benchmarks; how exact each figure is depends on the plugin).
+    pub fn memory_stats(&self) -> Result<accel_sdk::MemoryStats, AccelError> {
+        Ok(self.strategy.memory_stats().into_result()?)
+    }
+    /// The precision policy in use, `component (plugin)`.
+    pub fn precision_name(&self) -> &str {
+        &self.precision_name
     }
     /// The resolved configuration, with the source of every value.
     pub fn config(&self) -> &ResolvedConfig {
