@@ -2,7 +2,17 @@
 //! (`Linear(D,H)-ReLU-Linear(H,H)-ReLU-Linear(H,O)`), fixed random batches,
 //! and the raw tch training step the Accelerator is measured against.
 
+use accel::accelerator::{AccelError, Accelerator};
+use accel_sdk::optim::{Optimizer, OptimizerConfig as AccelOptimizer};
 use tch::{nn, nn::Module, nn::OptimizerConfig, Device, Kind, Tensor};
+
+/// The `i`-th command-line argument as an integer, or `default`.
+pub fn arg(i: usize, default: i64) -> i64 {
+    std::env::args()
+        .nth(i)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(default)
+}
 
 /// Input width of the benchmark data.
 pub const D: i64 = 16;
@@ -61,5 +71,56 @@ impl RawLoop {
         self.opt.zero_grad();
         loss.backward();
         self.opt.step();
+    }
+}
+
+/// The same step through a one-process Accelerator: accumulate, autocast,
+/// backward through the strategy, accel's SGD, zero_grad.
+pub struct AccelLoop {
+    acc: Accelerator,
+    _vs: nn::VarStore,
+    model: nn::Sequential,
+    opt: Optimizer,
+    x: Tensor,
+    y: Tensor,
+}
+
+impl AccelLoop {
+    /// Hidden width `h`, batch `b`.
+    pub fn new(h: i64, b: i64) -> Result<Self, AccelError> {
+        let mut acc = Accelerator::new()?;
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let model = mlp(&vs, h);
+        acc.prepare_model(&mut vs)?;
+        let opt = acc.prepare_optimizer(AccelOptimizer::sgd(1e-3))?;
+        let (x, y) = batch(b);
+        Ok(Self {
+            acc,
+            _vs: vs,
+            model,
+            opt,
+            x,
+            y,
+        })
+    }
+
+    /// One step.
+    pub fn step(&mut self) -> Result<(), AccelError> {
+        let Self {
+            acc,
+            model,
+            opt,
+            x,
+            y,
+            ..
+        } = self;
+        acc.accumulate(|acc| {
+            let out = acc.autocast(|| model.forward(x))?;
+            let loss = out.mse_loss(y, tch::Reduction::Mean);
+            acc.backward(&loss)?;
+            acc.step(opt)?;
+            acc.zero_grad(opt);
+            Ok(())
+        })
     }
 }

@@ -85,6 +85,16 @@ impl ParamSet {
             .collect()
     }
 
+    /// The FULL state dict of a strategy whose ranks all hold the same
+    /// parameters (DDP, XLA): copies on rank 0, nothing elsewhere.
+    pub fn replicated_state_dict(&self, ctx: &HostContextBox) -> RVec<NamedOwnedTensor> {
+        if ctx.rank() == 0 {
+            self.copies()
+        } else {
+            RVec::new()
+        }
+    }
+
     /// Loads `tensors` into the parameters in place: every parameter must be
     /// there with its shape, and nothing else may be.
     pub fn load(

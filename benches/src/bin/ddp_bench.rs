@@ -15,19 +15,12 @@ use accel::{
     context::ProcessContext,
     plugins::{default_search_path, PluginSet},
 };
-use accel_benches::{batch, mlp};
+use accel_benches::{arg, batch, mlp};
 use accel_sdk::{optim::OptimizerConfig, tensor::NamedTensorMut, DeviceSpec, PluginKind};
 use mpi::{collective::SystemOperation, topology::SimpleCommunicator, traits::*};
 use serde_json::json;
 use std::time::Instant;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
-
-fn arg(i: usize, default: i64) -> i64 {
-    std::env::args()
-        .nth(i)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(default)
-}
 
 /// Seconds per training step, with (`sync`) or without gradient sync.
 fn step_time(h: i64, b: i64, steps: i64, sync: bool) -> Result<f64, AccelError> {

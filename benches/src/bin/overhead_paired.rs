@@ -5,38 +5,15 @@
 //!
 //! `overhead_paired [H] [B] [ROUNDS]` prints one JSON line.
 
-use accel::accelerator::{AccelError, Accelerator};
-use accel_benches::{batch, mlp, RawLoop};
-use accel_sdk::optim::OptimizerConfig;
+use accel::accelerator::AccelError;
+use accel_benches::{arg, AccelLoop, RawLoop};
 use std::time::Instant;
-use tch::{nn, nn::Module, Device};
 
 fn main() -> Result<(), AccelError> {
-    let arg = |i: usize, d: i64| {
-        std::env::args()
-            .nth(i)
-            .and_then(|a| a.parse().ok())
-            .unwrap_or(d)
-    };
     let (h, b, rounds) = (arg(1, 128), arg(2, 32), arg(3, 40));
     tch::set_num_threads(1);
     let mut raw = RawLoop::new(h, b);
-    let mut acc = Accelerator::new()?;
-    let mut vs = nn::VarStore::new(Device::Cpu);
-    let model = mlp(&vs, h);
-    acc.prepare_model(&mut vs)?;
-    let mut opt = acc.prepare_optimizer(OptimizerConfig::sgd(1e-3))?;
-    let (x, y) = batch(b);
-    let mut accel_step = |acc: &mut Accelerator| -> Result<(), AccelError> {
-        acc.accumulate(|acc| {
-            let out = acc.autocast(|| model.forward(&x))?;
-            let loss = out.mse_loss(&y, tch::Reduction::Mean);
-            acc.backward(&loss)?;
-            acc.step(&mut opt)?;
-            acc.zero_grad(&mut opt);
-            Ok(())
-        })
-    };
+    let mut accel = AccelLoop::new(h, b)?;
     // About 50 ms of work per block.
     let per_block = (50_000 / (h * h * b / 2048).max(1)).clamp(5, 500);
     let mut ratios = Vec::new();
@@ -49,7 +26,7 @@ fn main() -> Result<(), AccelError> {
         let r = t.elapsed().as_secs_f64();
         let t = Instant::now();
         for _ in 0..per_block {
-            accel_step(&mut acc)?;
+            accel.step()?;
         }
         let a = t.elapsed().as_secs_f64();
         if round >= 2 {

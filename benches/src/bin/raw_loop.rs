@@ -3,16 +3,10 @@
 //!
 //! `raw_loop [H] [B] [STEPS]`
 
-use accel_benches::RawLoop;
+use accel_benches::{arg, RawLoop};
 use std::time::Instant;
 
 fn main() {
-    let arg = |i: usize, d: i64| {
-        std::env::args()
-            .nth(i)
-            .and_then(|a| a.parse().ok())
-            .unwrap_or(d)
-    };
     let (h, b, steps) = (arg(1, 128), arg(2, 32), arg(3, 500));
     tch::set_num_threads(1);
     let mut raw = RawLoop::new(h, b);

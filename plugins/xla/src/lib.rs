@@ -497,10 +497,7 @@ impl DistributedStrategy for Xla {
     }
 
     fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
-        if self.ctx.rank() != 0 {
-            return ROk(RVec::new());
-        }
-        ROk(self.params.copies())
+        ROk(self.params.replicated_state_dict(&self.ctx))
     }
 
     fn load_state_dict(
