@@ -452,9 +452,9 @@ fn a_third_party_precision_plugin_replaces_the_built_in_fp16() {
     let dir = tempfile::tempdir().unwrap();
     let plugins = dir.path().join("plugins");
     std::fs::create_dir(&plugins).unwrap();
-    accel_integration_tests::build_plugin_into(
+    accel_integration_tests::build_plugin_variant_into(
         "accel-test-faulty",
-        &[],
+        &[("ACCEL_TEST_FAULTY_FP16", "1")],
         &plugins.join("libaccel_test_faulty.so"),
     );
     let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();

@@ -86,7 +86,12 @@ pub fn build_plugin_variant_into(package: &str, env: &[(&str, &str)], dest: &Pat
 
 /// The plugins accel ships, linked beside every test binary as an install
 /// would put them.
-const SHIPPED_PLUGINS: &[&str] = &["accel-ddp", "accel-tensorboard", "accel-wandb"];
+const SHIPPED_PLUGINS: &[&str] = &[
+    "accel-ddp",
+    "accel-zero",
+    "accel-tensorboard",
+    "accel-wandb",
+];
 
 /// Builds binary `bin` of `package` and returns the path of a link to it in
 /// a directory of its own (`target/test-bins/<test binary>/`), beside the

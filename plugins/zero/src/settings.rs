@@ -1,0 +1,369 @@
+//! The ZeRO settings: the `deepspeed_config` section of the Accelerate
+//! config, and the DeepSpeed JSON file it may name.
+
+use accel_sdk::{serde_json::Value, PluginError};
+use std::path::Path;
+
+use crate::PLUGIN;
+
+/// What the plugin runs with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// ZeRO stage: 0, 1 or 2.
+    pub stage: u8,
+    /// Clip the global gradient 2-norm to this before every step (0: off).
+    pub gradient_clipping: f64,
+    /// Well-formed requests this plugin does not implement yet (stage 3,
+    /// offload, MoE, NVMe...), one message each naming the key and value.
+    /// `accel config validate` accepts them (the file is a valid Accelerate
+    /// config); creating the strategy refuses them.
+    pub unsupported: Vec<String>,
+}
+
+impl Settings {
+    /// An error for the first unsupported request, if any.
+    pub fn check_supported(&self) -> Result<(), PluginError> {
+        match self.unsupported.first() {
+            Some(m) => Err(err(m.clone())),
+            None => Ok(()),
+        }
+    }
+}
+
+/// DeepSpeed JSON keys (top level) this plugin refuses by name.
+const REFUSED_FILE_KEYS: &[(&str, &str)] = &[
+    ("moe", "mixture-of-experts is not supported"),
+    ("aio", "NVMe offload (async I/O) is not supported"),
+    ("pipeline", "pipeline parallelism is not supported"),
+    ("sparse_attention", "sparse attention is not supported"),
+];
+
+fn err(message: String) -> PluginError {
+    PluginError::config(PLUGIN, message)
+}
+
+/// A stage given as a number or a numeric string.
+fn stage_of(v: &Value, key: &str) -> Result<Option<u8>, PluginError> {
+    let n = match v {
+        Value::Null => return Ok(None),
+        Value::String(s) if s.eq_ignore_ascii_case("auto") => return Ok(None),
+        Value::Number(n) => n.as_u64(),
+        Value::String(s) => s.trim().parse().ok(),
+        _ => None,
+    };
+    match n {
+        Some(s) if s <= 3 => Ok(Some(s as u8)),
+        _ => Err(err(format!("{key} must be 0, 1, 2 or 3, got {v}"))),
+    }
+}
+
+fn number_of(v: &Value, key: &str) -> Result<Option<f64>, PluginError> {
+    match v {
+        Value::Null => Ok(None),
+        Value::String(s) if s.eq_ignore_ascii_case("auto") => Ok(None),
+        Value::Number(n) => match n.as_f64() {
+            Some(x) if x >= 0.0 => Ok(Some(x)),
+            _ => Err(err(format!("{key} must be a number >= 0, got {v}"))),
+        },
+        Value::String(s) => match s.trim().parse::<f64>() {
+            Ok(x) if x >= 0.0 => Ok(Some(x)),
+            _ => Err(err(format!("{key} must be a number >= 0, got {v}"))),
+        },
+        _ => Err(err(format!("{key} must be a number >= 0, got {v}"))),
+    }
+}
+
+/// Records an offload device other than `none` as unsupported.
+fn check_offload(v: &Value, key: &str, unsupported: &mut Vec<String>) {
+    match v {
+        Value::Null => {}
+        Value::String(s) if s.eq_ignore_ascii_case("none") => {}
+        other => unsupported.push(format!(
+            "{key}: {} is not supported yet by accel-zero (supported: none); \
+             offload to cpu or nvme is not implemented",
+            other
+                .as_str()
+                .map_or_else(|| other.to_string(), str::to_owned)
+        )),
+    }
+}
+
+/// Records stage 3 as unsupported.
+fn stage_supported(stage: u8, key: &str, unsupported: &mut Vec<String>) {
+    if stage == 3 {
+        unsupported.push(format!(
+            "{key}: 3 is not supported yet by accel-zero (supported stages: 0, 1, 2); \
+             ZeRO-3 parameter partitioning is not implemented"
+        ));
+    }
+}
+
+/// Settings from a DeepSpeed JSON file: `(stage, gradient_clipping,
+/// gradient_accumulation_steps)`, each when the file sets it.
+type FileValues = (Option<u8>, Option<f64>, Option<f64>);
+
+fn read_file(path: &Path, unsupported: &mut Vec<String>) -> Result<FileValues, PluginError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        err(format!(
+            "deepspeed_config.deepspeed_config_file: cannot read {}: {e}",
+            path.display()
+        ))
+    })?;
+    let json: Value = accel_sdk::serde_json::from_str(&text).map_err(|e| {
+        err(format!(
+            "deepspeed_config.deepspeed_config_file: {} is not JSON: {e}",
+            path.display()
+        ))
+    })?;
+    file_values(&json, &path.display().to_string(), unsupported)
+}
+
+/// Reads what applies from a DeepSpeed JSON config, refusing by name what
+/// this plugin does not do.
+pub fn file_values(
+    json: &Value,
+    file: &str,
+    unsupported: &mut Vec<String>,
+) -> Result<FileValues, PluginError> {
+    if !json.is_object() {
+        return Err(err(format!(
+            "{file}: a DeepSpeed config must be a JSON object"
+        )));
+    }
+    for (key, why) in REFUSED_FILE_KEYS {
+        if json.get(key).is_some() {
+            unsupported.push(format!("{file}: `{key}`: {why} by accel-zero"));
+        }
+    }
+    let zero = json.get("zero_optimization").unwrap_or(&Value::Null);
+    let stage = stage_of(
+        zero.get("stage").unwrap_or(&Value::Null),
+        &format!("{file}: zero_optimization.stage"),
+    )?;
+    if let Some(s) = stage {
+        stage_supported(s, &format!("{file}: zero_optimization.stage"), unsupported);
+    }
+    for part in ["offload_optimizer", "offload_param"] {
+        if let Some(o) = zero.get(part) {
+            check_offload(
+                o.get("device").unwrap_or(&Value::Null),
+                &format!("{file}: zero_optimization.{part}.device"),
+                unsupported,
+            );
+        }
+    }
+    let clip = number_of(
+        json.get("gradient_clipping").unwrap_or(&Value::Null),
+        &format!("{file}: gradient_clipping"),
+    )?;
+    let accum = number_of(
+        json.get("gradient_accumulation_steps")
+            .unwrap_or(&Value::Null),
+        &format!("{file}: gradient_accumulation_steps"),
+    )?;
+    Ok((stage, clip, accum))
+}
+
+/// Parses the strategy's settings string (`{"section": ..., "settings": ...}`).
+pub fn parse(settings: &str) -> Result<Settings, PluginError> {
+    let v: Value = accel_sdk::serde_json::from_str(settings)
+        .map_err(|e| err(format!("settings are not JSON: {e}")))?;
+    let section = v.get("section").cloned().unwrap_or(Value::Null);
+    from_section(&section)
+}
+
+/// The settings a `deepspeed_config` section describes.
+pub fn from_section(section: &Value) -> Result<Settings, PluginError> {
+    let get = |k: &str| section.get(k).unwrap_or(&Value::Null);
+    let mut unsupported = Vec::new();
+    check_offload(
+        get("offload_optimizer_device"),
+        "deepspeed_config.offload_optimizer_device",
+        &mut unsupported,
+    );
+    check_offload(
+        get("offload_param_device"),
+        "deepspeed_config.offload_param_device",
+        &mut unsupported,
+    );
+    match get("deepspeed_moe_layer_cls_names") {
+        Value::Null => {}
+        Value::String(s) if s.is_empty() => {}
+        Value::Array(a) if a.is_empty() => {}
+        other => unsupported.push(format!(
+            "deepspeed_config.deepspeed_moe_layer_cls_names: {other}: mixture-of-experts is not supported by accel-zero"
+        )),
+    }
+    let stage = stage_of(get("zero_stage"), "deepspeed_config.zero_stage")?;
+    let clip = number_of(
+        get("gradient_clipping"),
+        "deepspeed_config.gradient_clipping",
+    )?;
+    let accum = number_of(
+        get("gradient_accumulation_steps"),
+        "deepspeed_config.gradient_accumulation_steps",
+    )?;
+    let (file_stage, file_clip, file_accum) = match get("deepspeed_config_file") {
+        Value::Null => (None, None, None),
+        Value::String(p) if p.is_empty() => (None, None, None),
+        Value::String(p) => read_file(Path::new(p), &mut unsupported)?,
+        other => {
+            return Err(err(format!(
+                "deepspeed_config.deepspeed_config_file must be a path, got {other}"
+            )))
+        }
+    };
+    // As Accelerate: a value set both in the accelerate config and in the
+    // DeepSpeed file must agree.
+    let agree = |key: &str, file_key: &str, a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if a != b => Err(err(format!(
+            "deepspeed_config.{key} is {a} but the deepspeed_config_file sets {file_key} to {b}; \
+             set it in one place (or to \"auto\" in the file)"
+        ))),
+        _ => Ok(()),
+    };
+    agree(
+        "zero_stage",
+        "zero_optimization.stage",
+        stage.map(f64::from),
+        file_stage.map(f64::from),
+    )?;
+    agree("gradient_clipping", "gradient_clipping", clip, file_clip)?;
+    agree(
+        "gradient_accumulation_steps",
+        "gradient_accumulation_steps",
+        accum,
+        file_accum,
+    )?;
+    // Accelerate's default for DEEPSPEED without a stage.
+    let stage = stage.or(file_stage).unwrap_or(2);
+    stage_supported(stage, "deepspeed_config.zero_stage", &mut unsupported);
+    Ok(Settings {
+        stage,
+        gradient_clipping: clip.or(file_clip).unwrap_or(0.0),
+        unsupported,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use accel_sdk::serde_json::json;
+
+    /// The error, or the first unsupported request (what `make` refuses).
+    fn msg(r: Result<Settings, PluginError>) -> String {
+        match r {
+            Err(e) => e.to_string(),
+            Ok(s) => s.check_supported().unwrap_err().to_string(),
+        }
+    }
+
+    #[test]
+    fn stage_and_clipping_are_read() {
+        let s = from_section(&json!({"zero_stage": 1, "gradient_clipping": 1.5})).unwrap();
+        assert_eq!(
+            s,
+            Settings {
+                stage: 1,
+                gradient_clipping: 1.5,
+                unsupported: Vec::new(),
+            }
+        );
+        assert_eq!(from_section(&Value::Null).unwrap().stage, 2);
+        assert_eq!(from_section(&json!({"zero_stage": "0"})).unwrap().stage, 0);
+        assert!(parse(r#"{"section": {"zero_stage": 1}, "settings": {}}"#).is_ok());
+    }
+
+    #[test]
+    fn stage_3_and_offload_are_refused_by_name() {
+        // Well-formed (validation passes), refused when the strategy is made.
+        assert!(!from_section(&json!({"zero_stage": 3}))
+            .unwrap()
+            .unsupported
+            .is_empty());
+        let m = msg(from_section(&json!({"zero_stage": 3})));
+        assert!(
+            m.contains("deepspeed_config.zero_stage: 3") && m.contains("0, 1, 2"),
+            "{m}"
+        );
+        let m = msg(from_section(
+            &json!({"zero_stage": 2, "offload_optimizer_device": "cpu"}),
+        ));
+        assert!(
+            m.contains("offload_optimizer_device: cpu") && m.contains("none"),
+            "{m}"
+        );
+        let m = msg(from_section(&json!({"offload_param_device": "NVMe"})));
+        assert!(m.contains("offload_param_device: NVMe"), "{m}");
+        assert!(from_section(&json!({"offload_param_device": "None"})).is_ok());
+        let m = msg(from_section(
+            &json!({"deepspeed_moe_layer_cls_names": "Block"}),
+        ));
+        assert!(m.contains("deepspeed_moe_layer_cls_names"), "{m}");
+        assert!(from_section(&json!({"zero_stage": 7})).is_err());
+    }
+
+    #[test]
+    fn the_deepspeed_file_is_honoured_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ds.json");
+        let section = |extra: Value| {
+            let mut s = json!({"deepspeed_config_file": file.to_str().unwrap()});
+            for (k, v) in extra.as_object().unwrap() {
+                s[k] = v.clone();
+            }
+            s
+        };
+        std::fs::write(
+            &file,
+            r#"{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}},
+                "gradient_clipping": 2.0, "train_micro_batch_size_per_gpu": "auto"}"#,
+        )
+        .unwrap();
+        let s = from_section(&section(json!({}))).unwrap();
+        assert_eq!((s.stage, s.gradient_clipping), (1, 2.0));
+        assert_eq!(
+            from_section(&section(json!({"zero_stage": 1})))
+                .unwrap()
+                .stage,
+            1
+        );
+        let m = msg(from_section(&section(json!({"zero_stage": 2}))));
+        assert!(
+            m.contains("zero_stage is 2") && m.contains("zero_optimization.stage to 1"),
+            "{m}"
+        );
+
+        std::fs::write(&file, r#"{"zero_optimization": {"stage": "auto"}}"#).unwrap();
+        assert_eq!(
+            from_section(&section(json!({"zero_stage": 0})))
+                .unwrap()
+                .stage,
+            0
+        );
+
+        std::fs::write(
+            &file,
+            r#"{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}"#,
+        )
+        .unwrap();
+        let m = msg(from_section(&section(json!({}))));
+        assert!(
+            m.contains("zero_optimization.offload_optimizer.device: nvme"),
+            "{m}"
+        );
+
+        std::fs::write(&file, r#"{"zero_optimization": {"stage": 3}}"#).unwrap();
+        assert!(msg(from_section(&section(json!({})))).contains("zero_optimization.stage: 3"));
+
+        std::fs::write(&file, r#"{"moe": {"enabled": true}}"#).unwrap();
+        assert!(msg(from_section(&section(json!({})))).contains("`moe`"));
+        std::fs::write(&file, r#"{"aio": {"block_size": 1048576}}"#).unwrap();
+        assert!(msg(from_section(&section(json!({})))).contains("`aio`"));
+
+        let m = msg(from_section(
+            &json!({"deepspeed_config_file": "/no/such/ds.json"}),
+        ));
+        assert!(m.contains("/no/such/ds.json"), "{m}");
+    }
+}

@@ -1,0 +1,327 @@
+//! The ZeRO plugin (`distributed_type: DEEPSPEED`, stages 0-2) against DDP:
+//! same weights after K AdamW steps, the same clipped norms, the memory it
+//! saves per rank, and clear refusals of what it does not do.
+
+use accel_integration_tests::{
+    accel_bin, describe, launch_mlp, loss_records, max_abs_diff, mlp, read_weights, run_ok,
+};
+use serde_json::Value;
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+
+/// A DEEPSPEED config file with `deepspeed_config` lines `extra`.
+fn zero_config(dir: &Path, name: &str, ranks: u32, extra: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(
+        &path,
+        format!(
+            "distributed_type: DEEPSPEED\nnum_processes: {ranks}\nuse_cpu: true\ndeepspeed_config:\n{extra}"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn launch_with_config(config: &Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new(accel_bin());
+    cmd.args(["launch", "-q", "--config_file"])
+        .arg(config)
+        .arg(mlp())
+        .args(args);
+    cmd
+}
+
+fn zero_mlp(config: &Path, args: &[&str]) -> Output {
+    run_ok(&mut launch_with_config(config, args))
+}
+
+const TRAIN: &[&str] = &[
+    "--steps",
+    "8",
+    "--optimizer",
+    "adamw",
+    "--lr",
+    "0.01",
+    "--hidden",
+    "24",
+];
+
+/// `TRAIN` followed by `extra`.
+fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    TRAIN.iter().chain(extra).copied().collect()
+}
+
+#[test]
+fn every_stage_reaches_ddps_weights_on_2_and_4_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    for ranks in [2u32, 4] {
+        let ddp = dir.path().join(format!("ddp{ranks}.safetensors"));
+        let out = launch_mlp(ranks, &with(&["--save", ddp.to_str().unwrap()]));
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("strategy ddp"),
+            "{}",
+            describe(&out)
+        );
+        let want = read_weights(&ddp);
+        for stage in 0..=2 {
+            let config = zero_config(
+                dir.path(),
+                &format!("z{stage}n{ranks}.yaml"),
+                ranks,
+                &format!("  zero_stage: {stage}\n"),
+            );
+            let saved = dir.path().join(format!("z{stage}n{ranks}.safetensors"));
+            let out = zero_mlp(&config, &with(&["--save", saved.to_str().unwrap()]));
+            assert!(
+                String::from_utf8_lossy(&out.stdout).contains("strategy zero (accel-zero)"),
+                "{}",
+                describe(&out)
+            );
+            let diff = max_abs_diff(&want, &read_weights(&saved));
+            assert!(
+                diff <= 1e-5,
+                "stage {stage} on {ranks} ranks differs from DDP by {diff}"
+            );
+        }
+    }
+}
+
+#[test]
+fn clipping_and_accumulation_through_zero_match_ddp() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = ["--max-grad-norm", "0.5", "--grad-accum", "2"];
+    let ddp_log = dir.path().join("ddp.jsonl");
+    let ddp_w = dir.path().join("ddp.safetensors");
+    let mut args = with(&extra);
+    args.extend([
+        "--loss-log",
+        ddp_log.to_str().unwrap(),
+        "--save",
+        ddp_w.to_str().unwrap(),
+    ]);
+    launch_mlp(2, &args);
+    let ddp_norms: Vec<f64> = loss_records(&ddp_log)
+        .iter()
+        .map(|r| r["grad_norm"].as_f64().unwrap())
+        .collect();
+    assert_eq!(ddp_norms.len(), 8);
+    for stage in 1..=2 {
+        let config = zero_config(
+            dir.path(),
+            &format!("z{stage}.yaml"),
+            2,
+            &format!("  zero_stage: {stage}\n"),
+        );
+        let log = dir.path().join(format!("z{stage}.jsonl"));
+        let w = dir.path().join(format!("z{stage}.safetensors"));
+        let mut args = with(&extra);
+        args.extend([
+            "--loss-log",
+            log.to_str().unwrap(),
+            "--save",
+            w.to_str().unwrap(),
+        ]);
+        zero_mlp(&config, &args);
+        let norms: Vec<f64> = loss_records(&log)
+            .iter()
+            .map(|r| r["grad_norm"].as_f64().unwrap())
+            .collect();
+        assert_eq!(norms.len(), ddp_norms.len());
+        for (a, b) in norms.iter().zip(&ddp_norms) {
+            // The clip actually bites (norms above 0.5) and agrees with DDP's.
+            assert!(*b > 0.5, "{ddp_norms:?}");
+            assert!(
+                (a - b).abs() <= 1e-6 * b,
+                "stage {stage}: {norms:?} vs DDP {ddp_norms:?}"
+            );
+        }
+        let diff = max_abs_diff(&read_weights(&ddp_w), &read_weights(&w));
+        assert!(
+            diff <= 1e-5,
+            "stage {stage} with clipping differs by {diff}"
+        );
+    }
+    // `deepspeed_config.gradient_clipping` clips before every step, as
+    // `clip_grad_norm(0.5)` does in the loop.
+    let config = zero_config(
+        dir.path(),
+        "clip.yaml",
+        2,
+        "  zero_stage: 2\n  gradient_clipping: 0.5\n",
+    );
+    let w = dir.path().join("clip.safetensors");
+    zero_mlp(
+        &config,
+        &with(&["--grad-accum", "2", "--save", w.to_str().unwrap()]),
+    );
+    let diff = max_abs_diff(&read_weights(&ddp_w), &read_weights(&w));
+    assert!(
+        diff <= 1e-5,
+        "gradient_clipping from the config differs by {diff}"
+    );
+}
+
+/// The `mlp-memory` line of every rank, by rank.
+fn memory_lines(out: &Output) -> Vec<Value> {
+    let mut lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix("mlp-memory "))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    lines.sort_by_key(|v| v["rank"].as_u64());
+    assert_eq!(lines.len(), 4, "{}", describe(out));
+    lines
+}
+
+#[test]
+fn four_ranks_hold_a_quarter_of_the_optimizer_state_and_from_stage_2_of_the_gradients() {
+    let dir = tempfile::tempdir().unwrap();
+    let ddp = memory_lines(&launch_mlp(4, &with(&["--print-memory"])));
+    let stage = |s: u32| {
+        let config = zero_config(
+            dir.path(),
+            &format!("z{s}.yaml"),
+            4,
+            &format!("  zero_stage: {s}\n"),
+        );
+        memory_lines(&zero_mlp(&config, &with(&["--print-memory"])))
+    };
+    let (z0, z1, z2) = (stage(0), stage(1), stage(2));
+    let n = |v: &Value, k: &str| v[k].as_u64().unwrap() as f64;
+    for r in 0..4 {
+        let (d, a, b, c) = (&ddp[r], &z0[r], &z1[r], &z2[r]);
+        let opt = n(d, "optimizer_state_bytes");
+        let grads = n(d, "grad_bytes");
+        assert!(opt > 0.0 && grads > 0.0, "{d}");
+        // Stage 0 is plain data parallel.
+        assert_eq!(n(a, "optimizer_state_bytes"), opt, "{a}");
+        assert_eq!(n(a, "grad_bytes"), grads, "{a}");
+        // From stage 1 on, each rank's optimizer state covers a quarter
+        // (its partition, padded to a multiple of 4 elements).
+        for z in [b, c] {
+            let ratio = n(z, "optimizer_state_bytes") / opt;
+            assert!(
+                (0.25..0.26).contains(&ratio),
+                "optimizer state ratio {ratio}: {z}"
+            );
+            // The plugin's own estimate counts the same partition.
+            assert!(
+                n(z, "optimizer_bytes") <= n(z, "optimizer_state_bytes"),
+                "{z}"
+            );
+        }
+        // Stage 1 keeps the full gradients; stage 2 only its quarter.
+        assert!(n(b, "grad_bytes") >= grads, "{b}");
+        let ratio = n(c, "grad_bytes") / grads;
+        assert!((0.25..0.26).contains(&ratio), "gradient ratio {ratio}: {c}");
+        assert!(n(c, "peak_bytes") >= n(c, "param_bytes"), "{c}");
+    }
+}
+
+fn refused(config: &Path, expect: &[&str]) {
+    let mut cmd = launch_with_config(config, &["--steps", "1"]);
+    let out = cmd
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .env(
+            "HF_HOME",
+            std::env::temp_dir().join("accel-tests-no-hf-home"),
+        )
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{}", describe(&out));
+    let text = describe(&out);
+    for e in expect {
+        assert!(text.contains(e), "no `{e}` in {text}");
+    }
+    assert!(!text.contains("panicked"), "{text}");
+}
+
+#[test]
+fn stage_3_offload_and_nvme_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    refused(
+        &zero_config(d, "z3.yaml", 2, "  zero_stage: 3\n"),
+        &["deepspeed_config.zero_stage: 3", "0, 1, 2"],
+    );
+    refused(
+        &zero_config(
+            d,
+            "off.yaml",
+            2,
+            "  zero_stage: 2\n  offload_optimizer_device: cpu\n",
+        ),
+        &["deepspeed_config.offload_optimizer_device: cpu", "none"],
+    );
+    let ds = d.join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}"#,
+    )
+    .unwrap();
+    refused(
+        &zero_config(
+            d,
+            "nvme.yaml",
+            2,
+            &format!("  deepspeed_config_file: {}\n", ds.display()),
+        ),
+        &["zero_optimization.offload_param.device: nvme"],
+    );
+    std::fs::write(&ds, r#"{"zero_optimization": {"stage": 1}}"#).unwrap();
+    refused(
+        &zero_config(
+            d,
+            "conflict.yaml",
+            2,
+            &format!(
+                "  zero_stage: 2\n  deepspeed_config_file: {}\n",
+                ds.display()
+            ),
+        ),
+        &["zero_stage is 2", "zero_optimization.stage to 1"],
+    );
+}
+
+#[test]
+fn a_deepspeed_file_picks_the_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = dir.path().join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}"#,
+    )
+    .unwrap();
+    let config = zero_config(
+        dir.path(),
+        "file.yaml",
+        2,
+        &format!("  deepspeed_config_file: {}\n", ds.display()),
+    );
+    let out = zero_mlp(&config, &with(&["--print-memory"]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("strategy zero (accel-zero)"),
+        "{}",
+        describe(&out)
+    );
+    let z2: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("mlp-memory "))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let ddp_out = launch_mlp(2, &with(&["--print-memory"]));
+    let ddp: Vec<Value> = String::from_utf8_lossy(&ddp_out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix("mlp-memory "))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // Stage 2 on 2 ranks: half the gradients.
+    let (a, b) = (
+        z2[0]["grad_bytes"].as_f64().unwrap(),
+        ddp[0]["grad_bytes"].as_f64().unwrap(),
+    );
+    assert!((0.5..0.51).contains(&(a / b)), "{z2:?} vs {ddp:?}");
+}
