@@ -147,3 +147,14 @@ impl ParamSet {
         }
     }
 }
+
+/// Whether `grad` is the `param`-shaped slice of the flat `buffer` starting
+/// at element `offset`: a gradient a strategy pointed into its buffer
+/// (`shim::set_grad`), into which backward then accumulates in place.
+pub fn grad_views_buffer(grad: &Tensor, buffer: &Tensor, offset: i64, param: &Tensor) -> bool {
+    let elt = buffer.kind().elt_size_in_bytes() as i64;
+    grad.kind() == buffer.kind()
+        && grad.is_contiguous()
+        && grad.size() == param.size()
+        && grad.data_ptr() as i64 == buffer.data_ptr() as i64 + offset * elt
+}

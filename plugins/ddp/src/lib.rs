@@ -105,16 +105,6 @@ fn plan_buckets(sizes: &[u64], cap: u64) -> Vec<Vec<usize>> {
     buckets
 }
 
-/// Whether `grad` is the `numel` elements of `buffer` at `offset`, shaped
-/// like `param` (so backward already accumulated into the bucket).
-fn views(grad: &Tensor, buffer: &Tensor, offset: i64, param: &Tensor) -> bool {
-    let elt = buffer.kind().elt_size_in_bytes() as i64;
-    grad.kind() == buffer.kind()
-        && grad.is_contiguous()
-        && grad.size() == param.size()
-        && grad.data_ptr() as i64 == buffer.data_ptr() as i64 + offset * elt
-}
-
 impl Ddp {
     /// Averages one bucket's gradients across ranks. The gradients live in
     /// the bucket's flat buffer as views (PyTorch's
@@ -147,7 +137,7 @@ impl Ddp {
             for (i, g) in &grads {
                 let p = &self.params.items[*i].1;
                 let n = g.numel() as i64;
-                if !views(g, buffer, offset, p) {
+                if !accel_sdk::params::grad_views_buffer(g, buffer, offset, p) {
                     buffer.narrow(0, offset, n).copy_(&g.reshape([-1]));
                     placed.push((*i, offset, n));
                 }

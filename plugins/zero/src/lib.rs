@@ -95,16 +95,6 @@ accel_sdk::inventory::submit! {
 
 accel_sdk::export_plugin!();
 
-/// Whether `grad` is the `n` elements of `buffer` at `offset`, shaped like
-/// `param` (backward then accumulates straight into the buffer).
-fn views(grad: &Tensor, buffer: &Tensor, offset: i64, param: &Tensor) -> bool {
-    let elt = buffer.kind().elt_size_in_bytes() as i64;
-    grad.kind() == buffer.kind()
-        && grad.is_contiguous()
-        && grad.size() == param.size()
-        && grad.data_ptr() as i64 == buffer.data_ptr() as i64 + offset * elt
-}
-
 /// Flat size padded to a multiple of `world`, and the chunk per rank.
 fn layout(total: i64, world: i64) -> (i64, i64) {
     let chunk = (total + world - 1) / world;
@@ -201,7 +191,7 @@ impl Zero {
             for (i, g) in grads.iter().enumerate() {
                 let p = &self.params.items[i].1;
                 let n = self.numels[i];
-                if !views(g, buffer, offset, p) {
+                if !accel_sdk::params::grad_views_buffer(g, buffer, offset, p) {
                     buffer.narrow(0, offset, n).copy_(&g.reshape([-1]));
                     placed.push((i, offset, n));
                 }
