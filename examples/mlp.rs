@@ -98,6 +98,19 @@ struct Args {
     /// Optimizer steps.
     #[arg(long, default_value_t = 100)]
     steps: u64,
+    /// Stop after this many passes over the data (and at --steps at most).
+    #[arg(long)]
+    epochs: Option<u64>,
+    /// A new order every epoch, Accelerate's seedable sampler seeded with
+    /// --data-seed.
+    #[arg(long)]
+    shuffle: bool,
+    /// The sampler's seed (Accelerate's `data_seed`); implies --shuffle.
+    #[arg(long = "data-seed")]
+    data_seed: Option<u64>,
+    /// Background threads loading batches (0: in the training thread).
+    #[arg(long = "num-workers", default_value_t = 0)]
+    num_workers: usize,
     /// Batch size per process.
     #[arg(long = "batch-size", default_value_t = 16)]
     batch_size: usize,
@@ -357,16 +370,17 @@ fn main() -> Result<()> {
         },
     };
     let mut scheduler = acc.prepare_scheduler(LrScheduler::new(schedule, &mut opt));
-    let loader = acc.prepare_data_loader(DataLoader::new(
-        x.to_device(acc.device()),
-        y.to_device(acc.device()),
-        args.batch_size,
-    ));
+    let samples = x.size()[0];
+    let mut data = DataLoader::new(x, y, args.batch_size)?.num_workers(args.num_workers);
+    if args.shuffle || args.data_seed.is_some() {
+        data = data.shuffle(args.data_seed.unwrap_or(args.seed));
+    }
+    let loader = acc.prepare_data_loader(data)?;
     if loader.is_empty() {
         bail!(
             "no batch for rank {}: the data has {} samples",
             acc.process_index(),
-            x.size()[0]
+            samples
         );
     }
     let log = match (&args.loss_log, acc.is_main_process()) {
@@ -398,7 +412,7 @@ fn main() -> Result<()> {
         acc.num_processes(),
         acc.strategy_name(),
         acc.precision_name(),
-        loader.len(),
+        loader.len().unwrap_or(0),
         args.batch_size
     ));
 
@@ -435,8 +449,13 @@ fn main() -> Result<()> {
         first: None,
         last: f64::NAN,
     };
-    'training: while step < stop {
-        for (xb, yb) in loader.iter() {
+    let epochs_done = |loader: &accel::accelerator::ShardedLoader| {
+        let p = loader.position();
+        p.epoch + u64::from(p.finished)
+    };
+    'training: while step < stop && args.epochs.is_none_or(|e| epochs_done(&loader) < e) {
+        for batch in loader.iter()? {
+            let (xb, yb) = batch?.pair()?;
             let lr_used = opt.lr();
             let (synced, loss, norm) = acc.accumulate(|acc| -> Result<_, AccelError> {
                 let out = acc.forward(|scope| model.forward(scope, &xb))??;

@@ -7,6 +7,7 @@
 //! quickstart --plugin-dir target/debug --log-with csv --log-with jsonl --project-dir runs
 //! ```
 
+use accel::data::{DataError, DataLoader, Loaded, Sharding, TensorDataset};
 use accel::{
     context::ProcessContext,
     plugins::{default_search_path, PluginSet},
@@ -94,9 +95,23 @@ fn main() -> Result<()> {
 
     let x = Tensor::rand([256, 1], (Kind::Float, tch::Device::Cpu)) * 4.0 - 2.0;
     let y = &x * 3.0 - 2.0 + Tensor::randn([256, 1], (Kind::Float, tch::Device::Cpu)) * 0.05;
+    // A dataset and a loader: shuffled batches of 64, a new order each epoch
+    // (Accelerate's seedable sampler), loaded by a background worker.
+    let data = DataLoader::from_dataset(TensorDataset::pair(x, y)?, 64)
+        .shuffle(0)
+        .num_workers(1)
+        .shard(Sharding::single())?;
     let mut first_loss = None;
     let mut last_loss = f64::NAN;
-    for step in 0..args.steps {
+    let batches = (0u64..).flat_map(|epoch| {
+        let e: Box<dyn Iterator<Item = Result<Loaded, DataError>>> = match data.epoch(epoch, 0) {
+            Ok(e) => Box::new(e),
+            Err(e) => Box::new(std::iter::once(Err(e))),
+        };
+        e
+    });
+    for (step, loaded) in (0..args.steps).zip(batches) {
+        let (x, y) = loaded?.batch.pair()?;
         precision.forward_begin().into_result()?;
         let loss = model.forward(&x).mse_loss(&y, tch::Reduction::Mean);
         precision.forward_end().into_result()?;

@@ -20,6 +20,8 @@
 //! ```
 
 pub mod accelerator;
+/// The data pipeline (datasets, samplers, collation, workers): the `accel-data` crate.
+pub use accel_data as data;
 mod builtins;
 pub mod cli;
 pub mod comm;

@@ -4,6 +4,7 @@
 // the boundary, and returns NULL on success or a heap-allocated message
 // (freed with `accel_shim_free`).
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -158,6 +159,16 @@ char* accel_rng_set_state(int device, int index, const at::Tensor* state) {
     auto gen = default_generator(device, index);
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(*state);
+  });
+}
+
+// `torch.randperm(n, generator=g)` with `g` a fresh CPU generator seeded
+// with `seed` (`torch.Generator().manual_seed(seed)`): the order Accelerate's
+// SeedableRandomSampler draws, leaving the default generator alone.
+char* accel_randperm(int64_t n, uint64_t seed, at::Tensor* out) {
+  return guarded([&] {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    *out = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
   });
 }
 

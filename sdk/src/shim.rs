@@ -22,6 +22,7 @@ extern "C" {
     fn accel_set_grad(param: *mut C_tensor, grad: *const C_tensor) -> *mut c_char;
     fn accel_rng_get_state(device: c_int, index: c_int, out: *mut C_tensor) -> *mut c_char;
     fn accel_rng_set_state(device: c_int, index: c_int, state: *const C_tensor) -> *mut c_char;
+    fn accel_randperm(n: i64, seed: u64, out: *mut C_tensor) -> *mut c_char;
     fn accel_amp_unscale(
         grads: *const *mut C_tensor,
         n: usize,
@@ -363,6 +364,25 @@ pub fn set_rng_state(device: Device, state: &Tensor) -> Result<(), ShimError> {
     let (code, index) = generator_of(device);
     // SAFETY: a live tensor for the duration of the call.
     check(unsafe { accel_rng_set_state(code, index, ptr(state)) })
+}
+
+/// `torch.randperm(n, generator=torch.Generator().manual_seed(seed))` on
+/// the CPU: a permutation of `0..n` drawn from a private generator, so the
+/// default one (and every other random draw of the program) is untouched.
+///
+/// ```
+/// let a = accel_sdk::shim::randperm(10, 42).unwrap();
+/// let b = accel_sdk::shim::randperm(10, 42).unwrap();
+/// assert!(a.equal(&b));
+/// let mut sorted = Vec::<i64>::try_from(&a).unwrap();
+/// sorted.sort();
+/// assert_eq!(sorted, (0..10).collect::<Vec<i64>>());
+/// ```
+pub fn randperm(n: usize, seed: u64) -> Result<Tensor, ShimError> {
+    let out = Tensor::new();
+    // SAFETY: `out` is a tch tensor slot the shim assigns.
+    check(unsafe { accel_randperm(n as i64, seed, ptr(&out)) })?;
+    Ok(out)
 }
 
 fn generator_of(device: Device) -> (c_int, c_int) {

@@ -398,9 +398,9 @@ impl Accelerator {
             .map_err(|e| AccelError::Usage(format!("precision policy state is not JSON: {e}")))?;
         write_json(&out.join("precision.json"), &precision)?;
         let loaders: Vec<Value> = self
-            .loader_positions()
+            .loader_records()
             .iter()
-            .map(|p| json!({ "epoch": p.epoch, "batches": p.batches }))
+            .map(|r| r.lock().unwrap_or_else(|p| p.into_inner()).to_json())
             .collect();
         write_json(&out.join("data_loaders.json"), &json!(loaders))?;
         for (i, obj) in self.checkpoints.registered.iter().enumerate() {
@@ -531,11 +531,22 @@ impl Accelerator {
             );
         }
         let loaders = read_json(&source.join("data_loaders.json"))?;
-        let positions = self.loader_positions_handles();
-        for (saved, handle) in loaders.as_array().into_iter().flatten().zip(positions) {
-            let mut p = handle.lock().unwrap_or_else(|p| p.into_inner());
-            p.epoch = saved["epoch"].as_u64().unwrap_or(0);
-            p.batches = saved["batches"].as_u64().unwrap_or(0) as usize;
+        let records = self.loader_records();
+        for (i, (saved, handle)) in loaders
+            .as_array()
+            .into_iter()
+            .flatten()
+            .zip(records)
+            .enumerate()
+        {
+            let what = format!(
+                "data loader {i} in {}",
+                source.join("data_loaders.json").display()
+            );
+            let mut record = handle.lock().unwrap_or_else(|p| p.into_inner());
+            let mut restored = record.clone();
+            restored.restore(saved, &what)?;
+            *record = restored;
         }
         for (i, obj) in self.checkpoints.registered.iter().enumerate() {
             let state = read_json(&source.join(format!("custom_checkpoint_{i}.json")))?;

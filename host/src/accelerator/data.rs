@@ -1,301 +1,594 @@
-//! Data loading with Accelerate's sharding.
+//! Data loaders prepared for this process.
 //!
-//! A [`DataLoader`] batches the rows of `x` and `y` in order; prepared by the
-//! Accelerator it becomes a [`ShardedLoader`] that hands rank `r` of `n`
-//! exactly the batches Accelerate's `BatchSamplerShard` would:
+//! [`Accelerator::prepare_data_loader`](super::Accelerator::prepare_data_loader)
+//! turns an [`accel_data::DataLoader`] into a [`ShardedLoader`], as
+//! Accelerate's `prepare` does:
 //!
-//! * without `split_batches`, batches `r, r + n, r + 2n, ...`; with
-//!   `even_batches` (the default) the last round is completed by wrapping
-//!   around to the first samples, so every rank gets as many batches;
-//! * with `split_batches`, every batch (of the loader's batch size) is cut
-//!   into `n` equal parts and rank `r` gets part `r`.
+//! * map-style data: every rank samples the same order (Accelerate's
+//!   seedable sampler) and keeps its batches (`BatchSamplerShard`);
+//! * iterable data: every rank reads the stream and keeps its slice of each
+//!   round (`IterableDatasetShard`), or, with `dispatch_batches` (the
+//!   default for streams, as in Accelerate), rank 0 reads and sends every
+//!   rank its part (`DataLoaderDispatcher`).
 //!
-//! The last batch marks the end of the data loader (so an accumulation step
-//! is forced to sync) and `gather_for_metrics` drops the samples the
-//! wrap-around duplicated.
+//! The loader tells the gradient state where it is (the last batch forces
+//! a sync; `gather_for_metrics` drops the samples repeated to even out the
+//! ranks) and keeps its position (epoch, batches consumed) for checkpoints.
 
-use super::GradientState;
+use super::{AccelError, GradientState};
+use crate::comm::Communicator;
+pub use accel_data::{shard_indices, DataLoader, Sharding};
+use accel_data::{Batch, Epoch, Loaded, Shard};
+use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
-use tch::Tensor;
-
-/// Rows of `x` and `y` in batches, in order.
-#[derive(Debug)]
-pub struct DataLoader {
-    pub(crate) x: Tensor,
-    pub(crate) y: Tensor,
-    pub(crate) batch_size: usize,
-    pub(crate) drop_last: bool,
-}
-
-impl DataLoader {
-    /// Batches of `batch_size` rows of `x` and `y` (same number of rows).
-    pub fn new(x: Tensor, y: Tensor, batch_size: usize) -> Self {
-        Self {
-            x,
-            y,
-            batch_size: batch_size.max(1),
-            drop_last: false,
-        }
-    }
-
-    /// Drops the last, incomplete batch.
-    pub fn drop_last(mut self, drop: bool) -> Self {
-        self.drop_last = drop;
-        self
-    }
-
-    /// Number of samples.
-    pub fn len(&self) -> usize {
-        self.x.size().first().copied().unwrap_or(0) as usize
-    }
-
-    /// Whether there are no samples.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-/// How batches are divided among ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sharding {
-    /// Ranks.
-    pub num_processes: usize,
-    /// This rank.
-    pub process_index: usize,
-    /// Cut each batch into `num_processes` parts instead of dealing batches.
-    pub split_batches: bool,
-    /// Wrap around so every rank gets as many batches.
-    pub even_batches: bool,
-}
-
-/// The sample indices of every batch rank `process_index` gets, exactly as
-/// Accelerate's `BatchSamplerShard` over a sequential `BatchSampler`.
-///
-/// ```
-/// use accel::accelerator::{shard_indices, Sharding};
-/// let s = |r| Sharding { num_processes: 2, process_index: r, split_batches: false, even_batches: true };
-/// assert_eq!(shard_indices(21, 3, false, s(0)), vec![vec![0, 1, 2], vec![6, 7, 8], vec![12, 13, 14], vec![18, 19, 20]]);
-/// assert_eq!(shard_indices(21, 3, false, s(1)), vec![vec![3, 4, 5], vec![9, 10, 11], vec![15, 16, 17], vec![0, 1, 2]]);
-/// ```
-pub fn shard_indices(n: usize, batch_size: usize, drop_last: bool, s: Sharding) -> Vec<Vec<usize>> {
-    let batches: Vec<Vec<usize>> = (0..n)
-        .collect::<Vec<_>>()
-        .chunks(batch_size)
-        .filter(|b| !drop_last || b.len() == batch_size)
-        .map(<[usize]>::to_vec)
-        .collect();
-    if s.split_batches {
-        split(&batches, batch_size, drop_last, s)
-    } else {
-        deal(&batches, batch_size, drop_last, s)
-    }
-}
-
-/// `BatchSamplerShard._iter_with_split`.
-fn split(
-    batches: &[Vec<usize>],
-    batch_size: usize,
-    drop_last: bool,
-    s: Sharding,
-) -> Vec<Vec<usize>> {
-    let len = batch_size / s.num_processes;
-    let part = |b: &[usize]| -> Vec<usize> {
-        let start = (len * s.process_index).min(b.len());
-        let end = (len * (s.process_index + 1)).min(b.len());
-        b[start..end].to_vec()
-    };
-    let mut out: Vec<Vec<usize>> = batches
-        .iter()
-        .filter(|b| b.len() == batch_size)
-        .map(|b| part(b))
-        .collect();
-    let (Some(initial), Some(last)) = (batches.first(), batches.last()) else {
-        return out;
-    };
-    if !drop_last && last.len() < batch_size {
-        if !s.even_batches {
-            if last.len() > len * s.process_index {
-                out.push(part(last));
-            }
-        } else {
-            let mut initial = initial.clone();
-            while initial.len() < batch_size {
-                initial.extend_from_within(..);
-            }
-            let mut batch = last.clone();
-            batch.extend(initial);
-            out.push(part(&batch));
-        }
-    }
-    out
-}
-
-/// `BatchSamplerShard._iter_with_no_split`.
-fn deal(
-    batches: &[Vec<usize>],
-    batch_size: usize,
-    drop_last: bool,
-    s: Sharding,
-) -> Vec<Vec<usize>> {
-    let n = s.num_processes;
-    let mut out = Vec::new();
-    let mut initial: Vec<usize> = Vec::new();
-    let mut to_yield: Vec<usize> = Vec::new();
-    let mut idx = 0usize;
-    let mut batch: Vec<usize> = Vec::new();
-    for (i, b) in batches.iter().enumerate() {
-        idx = i;
-        batch = b.clone();
-        if !drop_last && i < n {
-            initial.extend_from_slice(b);
-        }
-        if i % n == s.process_index {
-            to_yield = b.clone();
-        }
-        if i % n == n - 1 && b.len() == batch_size {
-            out.push(std::mem::take(&mut to_yield));
-        }
-    }
-    if drop_last || initial.is_empty() {
-        return out;
-    }
-    if !s.even_batches {
-        if !to_yield.is_empty() {
-            out.push(to_yield);
-        }
-        return out;
-    }
-    if to_yield.len() == batch_size {
-        out.push(to_yield);
-    }
-    while initial.len() < n * batch_size {
-        initial.extend_from_within(..);
-    }
-    if batch.len() == batch_size {
-        batch.clear();
-        idx += 1;
-    }
-    let mut cycle = 0;
-    while !idx.is_multiple_of(n) || !batch.is_empty() {
-        let end = cycle + batch_size - batch.len();
-        batch.extend_from_slice(&initial[cycle..end]);
-        if idx % n == s.process_index {
-            out.push(batch.clone());
-        }
-        cycle = end;
-        batch.clear();
-        idx += 1;
-    }
-    out
-}
+use tch::{Device, Kind, Tensor};
 
 /// Where a prepared data loader is: what a checkpoint keeps so a resumed
-/// run skips the batches already seen.
+/// run sees exactly the batches the uninterrupted run would have.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LoaderPosition {
-    /// Epochs started before the current one.
+    /// The epoch being read (or just finished).
     pub epoch: u64,
-    /// Batches of the current epoch already handed out.
+    /// Batches of that epoch already handed out.
     pub batches: usize,
+    /// Whether that epoch is over (the next `iter` starts the next one).
+    pub finished: bool,
 }
 
-/// A data loader prepared for this rank.
-#[derive(Debug)]
+/// What a checkpoint records of a loader: its position, and what the
+/// position means (the order's seed and how batches were divided), so a
+/// resume with another layout is refused instead of silently wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LoaderRecord {
+    pub(crate) position: LoaderPosition,
+    seed: Option<u64>,
+    num_processes: usize,
+    batch_size: usize,
+    split_batches: bool,
+    dispatch_batches: bool,
+}
+
+impl LoaderRecord {
+    pub(crate) fn to_json(&self) -> Value {
+        json!({
+            "epoch": self.position.epoch,
+            "batches": self.position.batches,
+            "finished": self.position.finished,
+            "seed": self.seed,
+            "num_processes": self.num_processes,
+            "batch_size": self.batch_size,
+            "split_batches": self.split_batches,
+            "dispatch_batches": self.dispatch_batches,
+        })
+    }
+
+    /// Takes the position saved in `saved`, after checking it was saved
+    /// with this loader's layout; `what` names the loader in errors.
+    pub(crate) fn restore(&mut self, saved: &Value, what: &str) -> Result<(), AccelError> {
+        let mismatch = |key: &str, was: &Value, now: Value| {
+            AccelError::Usage(format!(
+                "{what}: the checkpoint was saved with {key} = {was}, this run has {now}; \
+                 its position (epoch {}, batch {}) counts batches of that layout, so resuming \
+                 from it would silently feed other samples. Resume with the same {key}, or \
+                 start the data over (skip load_state, or call set_epoch on the loader)",
+                saved["epoch"], saved["batches"]
+            ))
+        };
+        let checks = [
+            ("num_processes", json!(self.num_processes)),
+            ("batch_size", json!(self.batch_size)),
+            ("split_batches", json!(self.split_batches)),
+            ("dispatch_batches", json!(self.dispatch_batches)),
+            ("seed", json!(self.seed)),
+        ];
+        for (key, now) in checks {
+            if let Some(was) = saved.get(key) {
+                if *was != now {
+                    return Err(mismatch(key, was, now));
+                }
+            }
+        }
+        self.position = LoaderPosition {
+            epoch: saved["epoch"].as_u64().unwrap_or(0),
+            batches: saved["batches"].as_u64().unwrap_or(0) as usize,
+            finished: saved["finished"].as_bool().unwrap_or(false),
+        };
+        Ok(())
+    }
+}
+
+/// Rank 0 reads, every rank gets its part (Accelerate's
+/// `DataLoaderDispatcher`).
+struct Dispatch {
+    comm: Arc<dyn Communicator>,
+    device: Device,
+    split_batches: bool,
+    drop_last: bool,
+}
+
+enum Feed {
+    /// Every rank reads its own shard.
+    Local,
+    /// Rank 0 reads the whole loader and sends the parts.
+    Dispatch(Dispatch),
+}
+
+/// A data loader prepared for this rank. [`ShardedLoader::iter`] gives one
+/// epoch of batches (the rest of the current epoch after a resume or a
+/// `break`); the next call starts the next epoch, with a new order when the
+/// loader shuffles.
 pub struct ShardedLoader {
-    x: Tensor,
-    y: Tensor,
-    batches: Vec<Vec<usize>>,
-    remainder: i64,
+    shard: Shard,
+    feed: Feed,
+    rank: usize,
+    world: usize,
     state: Arc<Mutex<GradientState>>,
-    position: Arc<Mutex<LoaderPosition>>,
+    record: Arc<Mutex<LoaderRecord>>,
+    device: Device,
+    non_blocking: bool,
+}
+
+impl std::fmt::Debug for ShardedLoader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedLoader")
+            .field("shard", &self.shard)
+            .field("position", &self.position())
+            .finish()
+    }
+}
+
+/// How data loaders are prepared: Accelerate's `DataLoaderConfiguration`
+/// (its `use_seedable_sampler` and `data_seed` are the loader's
+/// [`DataLoader::shuffle`]; its `use_stateful_dataloader` is always on: the
+/// position goes into every checkpoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataLoaderConfiguration {
+    /// Cut every batch among the ranks instead of dealing whole batches.
+    pub split_batches: bool,
+    /// Repeat the first samples so every rank gets as many batches.
+    pub even_batches: bool,
+    /// Rank 0 reads and sends every rank its part (`None`: on for iterable
+    /// datasets, off for map-style ones, as Accelerate).
+    pub dispatch_batches: Option<bool>,
+    /// Copy batches to the device asynchronously (with pinned memory).
+    pub non_blocking: bool,
+}
+
+impl Default for DataLoaderConfiguration {
+    fn default() -> Self {
+        Self {
+            split_batches: false,
+            even_batches: true,
+            dispatch_batches: None,
+            non_blocking: false,
+        }
+    }
+}
+
+/// How the Accelerator prepares one loader.
+pub(crate) struct Prepare {
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+    pub(crate) config: DataLoaderConfiguration,
+    pub(crate) device: Device,
 }
 
 impl ShardedLoader {
-    pub(crate) fn new(loader: DataLoader, s: Sharding, state: Arc<Mutex<GradientState>>) -> Self {
-        let n = loader.len();
-        let batches = shard_indices(n, loader.batch_size, loader.drop_last, s);
-        let total_batch = if s.split_batches {
-            loader.batch_size
-        } else {
-            loader.batch_size * s.num_processes
+    pub(crate) fn new(
+        loader: DataLoader,
+        p: &Prepare,
+        comm: &Arc<dyn Communicator>,
+        state: Arc<Mutex<GradientState>>,
+    ) -> Result<Self, AccelError> {
+        let c = p.config;
+        let dispatch = c.dispatch_batches.unwrap_or(loader.is_iterable());
+        let sharding = Sharding {
+            num_processes: p.world,
+            process_index: p.rank,
+            split_batches: c.split_batches,
+            even_batches: c.even_batches,
         };
-        let remainder = if loader.drop_last {
-            -1
-        } else {
-            (n % total_batch) as i64
-        };
-        Self {
-            x: loader.x,
-            y: loader.y,
-            batches,
-            remainder,
-            state,
-            position: Arc::default(),
+        if dispatch && c.split_batches {
+            accel_data::check_split_batches(loader.batch_size(), p.world)?;
         }
+        let drop_last = loader.drops_last();
+        let batch_size = loader.batch_size();
+        // Dispatching: rank 0 reads the whole loader, unsharded.
+        let shard = loader.shard(if dispatch {
+            Sharding::single()
+        } else {
+            sharding
+        })?;
+        let record = LoaderRecord {
+            position: LoaderPosition::default(),
+            seed: shard.seed(),
+            num_processes: p.world,
+            batch_size,
+            split_batches: c.split_batches,
+            dispatch_batches: dispatch,
+        };
+        Ok(Self {
+            shard,
+            feed: if dispatch {
+                Feed::Dispatch(Dispatch {
+                    comm: Arc::clone(comm),
+                    device: p.device,
+                    split_batches: c.split_batches,
+                    drop_last,
+                })
+            } else {
+                Feed::Local
+            },
+            rank: p.rank,
+            world: p.world,
+            state,
+            record: Arc::new(Mutex::new(record)),
+            device: p.device,
+            non_blocking: c.non_blocking,
+        })
     }
 
-    /// The shared position, kept by the Accelerator for checkpoints.
-    pub(crate) fn position_handle(&self) -> Arc<Mutex<LoaderPosition>> {
-        Arc::clone(&self.position)
+    /// The shared record, kept by the Accelerator for checkpoints.
+    pub(crate) fn record_handle(&self) -> Arc<Mutex<LoaderRecord>> {
+        Arc::clone(&self.record)
+    }
+
+    fn lock_record(&self) -> std::sync::MutexGuard<'_, LoaderRecord> {
+        self.record.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Where the loader is now.
     pub fn position(&self) -> LoaderPosition {
-        *self.position.lock().unwrap_or_else(|p| p.into_inner())
+        self.lock_record().position
     }
 
-    /// Batches this rank gets per epoch.
-    pub fn len(&self) -> usize {
-        self.batches.len()
+    /// Starts epoch `epoch` from its first batch at the next [`iter`]
+    /// (Accelerate's `set_epoch`: the shuffled order of that epoch).
+    ///
+    /// [`iter`]: ShardedLoader::iter
+    pub fn set_epoch(&self, epoch: u64) {
+        self.lock_record().position = LoaderPosition {
+            epoch,
+            batches: 0,
+            finished: false,
+        };
     }
 
-    /// Whether this rank gets no batch.
+    /// Skips the first `k` batches of the current epoch at the next
+    /// [`iter`](ShardedLoader::iter) (Accelerate's `skip_first_batches`).
+    pub fn skip_first_batches(&self, k: usize) {
+        let mut r = self.lock_record();
+        if r.position.finished {
+            r.position = LoaderPosition {
+                epoch: r.position.epoch + 1,
+                batches: 0,
+                finished: false,
+            };
+        }
+        r.position.batches = k;
+    }
+
+    /// Batches this rank gets per epoch (`None` for a stream, whose length
+    /// only its end tells).
+    pub fn len(&self) -> Option<usize> {
+        match self.feed {
+            Feed::Local => self.shard.batches_per_epoch(),
+            Feed::Dispatch(_) => None,
+        }
+    }
+
+    /// Whether this rank gets no batch per epoch.
     pub fn is_empty(&self) -> bool {
-        self.batches.is_empty()
+        self.len() == Some(0)
     }
 
-    /// The sample indices of this rank's batches.
-    pub fn indices(&self) -> &[Vec<usize>] {
-        &self.batches
+    /// The dataset indices of this rank's batches in `epoch` (map-style
+    /// data read by every rank; `None` otherwise).
+    pub fn indices(&self, epoch: u64) -> Result<Option<Vec<Vec<usize>>>, AccelError> {
+        match self.feed {
+            Feed::Local => Ok(self.shard.indices(epoch)?),
+            Feed::Dispatch(_) => Ok(None),
+        }
     }
 
-    /// One epoch of `(x, y)` batches — the rest of the current epoch when
-    /// a checkpoint restored a position inside it. The last one marks the
-    /// end of the data loader for gradient accumulation and
-    /// `gather_for_metrics`.
-    pub fn iter(&self) -> impl Iterator<Item = (Tensor, Tensor)> + '_ {
+    /// One epoch of batches: the rest of the current epoch when it is not
+    /// over (a checkpoint restored a position inside it, or the loop broke
+    /// off), else the next epoch. The last batch marks the end of the data
+    /// loader for gradient accumulation and `gather_for_metrics`. An error
+    /// (a dataset, a worker, a collective) ends the epoch.
+    pub fn iter(&self) -> Result<Batches<'_>, AccelError> {
+        let (epoch, skip) = {
+            let mut r = self.lock_record();
+            if r.position.finished {
+                r.position = LoaderPosition {
+                    epoch: r.position.epoch + 1,
+                    batches: 0,
+                    finished: false,
+                };
+            }
+            (r.position.epoch, r.position.batches)
+        };
         {
             let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
             st.end_of_dataloader = false;
-            st.remainder = self.remainder;
+            st.remainder = match self.feed {
+                // Known at the last batch (Accelerate's dispatcher).
+                Feed::Dispatch(_) => -1,
+                Feed::Local => self.shard.remainder().unwrap_or(-1),
+            };
         }
-        let start = {
-            let mut pos = self.position.lock().unwrap_or_else(|p| p.into_inner());
-            if pos.batches >= self.batches.len() {
-                pos.epoch += u64::from(pos.batches > 0 || self.batches.is_empty());
-                pos.batches = 0;
-            }
-            pos.batches
+        let source = match &self.feed {
+            Feed::Local => Source::Local(self.shard.epoch(epoch, skip)?),
+            Feed::Dispatch(d) => Source::Dispatch(Box::new(DispatchEpoch {
+                d,
+                base: if self.rank == 0 {
+                    Some(self.shard.epoch(epoch, 0)?)
+                } else {
+                    None
+                },
+                rank: self.rank,
+                world: self.world,
+                stop_iteration: false,
+                next: None,
+                first_batch: None,
+                index: 0,
+                skip,
+                over: false,
+            })),
         };
-        let last = self.batches.len().saturating_sub(1);
-        self.batches
-            .iter()
-            .enumerate()
-            .skip(start)
-            .map(move |(i, b)| {
-                if i == last {
-                    self.state
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .end_of_dataloader = true;
-                }
-                self.position
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .batches = i + 1;
-                let idx = Tensor::from_slice(&b.iter().map(|&v| v as i64).collect::<Vec<_>>())
-                    .to_device(self.x.device());
-                (self.x.index_select(0, &idx), self.y.index_select(0, &idx))
-            })
+        Ok(Batches {
+            loader: self,
+            source,
+            failed: false,
+        })
     }
+}
+
+enum Source<'a> {
+    Local(Epoch),
+    Dispatch(Box<DispatchEpoch<'a>>),
+}
+
+/// The batches of one epoch, on this process's device.
+pub struct Batches<'a> {
+    loader: &'a ShardedLoader,
+    source: Source<'a>,
+    failed: bool,
+}
+
+impl Iterator for Batches<'_> {
+    type Item = Result<Batch, AccelError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed {
+            return None;
+        }
+        let item = match &mut self.source {
+            Source::Local(e) => e.next().map(|r| r.map_err(AccelError::from)),
+            Source::Dispatch(d) => d.next(),
+        };
+        let mut record = self.loader.lock_record();
+        match item {
+            None => {
+                record.position.finished = true;
+                None
+            }
+            Some(Err(e)) => {
+                self.failed = true;
+                Some(Err(e))
+            }
+            Some(Ok(loaded)) => {
+                record.position.batches += 1;
+                if loaded.last {
+                    record.position.finished = true;
+                    let mut st = self.loader.state.lock().unwrap_or_else(|p| p.into_inner());
+                    st.end_of_dataloader = true;
+                    if let Some(r) = loaded.remainder {
+                        st.remainder = r;
+                    }
+                }
+                Some(Ok(loaded
+                    .batch
+                    .to_device(self.loader.device, self.loader.non_blocking)))
+            }
+        }
+    }
+}
+
+/// One epoch of `DataLoaderDispatcher.__iter__`, step for step.
+struct DispatchEpoch<'a> {
+    d: &'a Dispatch,
+    /// Rank 0: the whole loader.
+    base: Option<Epoch>,
+    rank: usize,
+    world: usize,
+    stop_iteration: bool,
+    /// The next global batch (rank 0) and whether it exists (every rank).
+    next: Option<(Option<Batch>, Option<Value>)>,
+    first_batch: Option<Batch>,
+    index: usize,
+    skip: usize,
+    over: bool,
+}
+
+impl DispatchEpoch<'_> {
+    /// Rank 0 reads the base batches of the next step (one with
+    /// `split_batches`, else `world`); every rank learns the batch's
+    /// structure (`None`: no batch) and whether the base loader is done.
+    fn fetch(&mut self) -> Result<(Option<Batch>, Option<Value>), AccelError> {
+        let mut batch = None;
+        let mut partial = Vec::new();
+        let mut info = json!({ "stop": self.stop_iteration });
+        if let Some(base) = &mut self.base {
+            let want = if self.d.split_batches { 1 } else { self.world };
+            let mut error = None;
+            for _ in 0..want {
+                match base.next() {
+                    Some(Ok(l)) => partial.push(l.batch),
+                    Some(Err(e)) => {
+                        error = Some(e.to_string());
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            info = if let Some(e) = error {
+                json!({ "error": e })
+            } else if partial.len() == want {
+                let b = Batch::cat(&partial)?;
+                let spec = spec_of(&b);
+                batch = Some(b);
+                json!({ "stop": false, "spec": spec })
+            } else {
+                json!({ "stop": true })
+            };
+        }
+        let info = self.broadcast_json(info)?;
+        if let Some(e) = info.get("error") {
+            return Err(AccelError::Usage(format!(
+                "dispatch_batches: rank 0 could not read the data: {}",
+                e.as_str().unwrap_or_default()
+            )));
+        }
+        self.stop_iteration = info["stop"].as_bool().unwrap_or(true);
+        if self.stop_iteration && !self.d.split_batches && !self.d.drop_last {
+            let mut again = json!({ "stop": true });
+            if self.rank == 0 && !partial.is_empty() {
+                let b = Batch::cat(&partial)?;
+                again = json!({ "stop": false, "spec": spec_of(&b) });
+                batch = Some(b);
+            }
+            let again = self.broadcast_json(again)?;
+            return Ok((batch, again.get("spec").cloned()));
+        }
+        Ok((batch, info.get("spec").cloned()))
+    }
+
+    fn broadcast_json(&self, value: Value) -> Result<Value, AccelError> {
+        let bytes = if self.rank == 0 {
+            value.to_string().into_bytes()
+        } else {
+            Vec::new()
+        };
+        let mut len = Tensor::from_slice(&[bytes.len() as i64]).to_device(self.d.device);
+        self.d.comm.broadcast(&mut len, 0)?;
+        let n = i64::try_from(&len.to_device(Device::Cpu))
+            .map_err(|e| AccelError::Usage(e.to_string()))?;
+        let mut data = if self.rank == 0 {
+            Tensor::from_slice(&bytes).to_device(self.d.device)
+        } else {
+            Tensor::zeros([n], (Kind::Uint8, self.d.device))
+        };
+        self.d.comm.broadcast(&mut data, 0)?;
+        let data = Vec::<u8>::try_from(&data.to_device(Device::Cpu))
+            .map_err(|e| AccelError::Usage(e.to_string()))?;
+        serde_json::from_slice(&data)
+            .map_err(|e| AccelError::Usage(format!("dispatch_batches: a garbled header: {e}")))
+    }
+
+    /// Every rank gets rank 0's `batch` (of structure `spec`).
+    fn broadcast_batch(&self, batch: Option<Batch>, spec: &Value) -> Result<Batch, AccelError> {
+        let mut out = Batch::new();
+        for entry in spec.as_array().into_iter().flatten() {
+            let key = entry["key"].as_str().unwrap_or_default();
+            let mut t = match &batch {
+                Some(b) => b.get(key)?.to_device(self.d.device).contiguous(),
+                None => {
+                    let shape: Vec<i64> = entry["shape"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(Value::as_i64)
+                        .collect();
+                    let kind = kind_from_name(entry["kind"].as_str().unwrap_or_default())?;
+                    Tensor::zeros(shape, (kind, self.d.device))
+                }
+            };
+            self.d.comm.broadcast(&mut t, 0)?;
+            out.insert(key, t);
+        }
+        Ok(out)
+    }
+
+    fn step(&mut self) -> Result<Option<Loaded>, AccelError> {
+        loop {
+            if self.over {
+                return Ok(None);
+            }
+            let (batch, spec) = match self.next.take() {
+                Some(n) => n,
+                None => self.fetch()?,
+            };
+            let Some(spec) = spec else {
+                // No step at all this epoch (fewer base batches than ranks
+                // with drop_last): an empty epoch.
+                self.over = true;
+                return Ok(None);
+            };
+            let batch = self.broadcast_batch(batch, &spec)?;
+            if !self.d.drop_last && self.first_batch.is_none() {
+                let n = self.world.min(batch.batch_size());
+                self.first_batch = Some(batch.narrow(0, n));
+            }
+            let observed = batch.batch_size();
+            let mut per_rank = observed / self.world;
+            let mut stop = self.stop_iteration;
+            if !stop {
+                let next = self.fetch()?;
+                if self.stop_iteration && next.1.is_none() {
+                    stop = true;
+                }
+                self.next = Some(next);
+            }
+            let mut batch = batch;
+            if !self.d.drop_last && stop && observed % self.world != 0 {
+                if let Some(first) = &self.first_batch {
+                    batch = Batch::cat(&[batch, first.shallow_clone()])?;
+                }
+                per_rank += 1;
+            }
+            let available = batch.batch_size();
+            let start = (self.rank * per_rank).min(available);
+            let end = ((self.rank + 1) * per_rank).min(available);
+            let mine = batch.narrow(start, end - start);
+            self.over = stop;
+            let index = self.index;
+            self.index += 1;
+            if index >= self.skip {
+                return Ok(Some(Loaded {
+                    batch: mine,
+                    last: stop,
+                    remainder: stop.then_some(observed as i64),
+                }));
+            }
+        }
+    }
+
+    fn next(&mut self) -> Option<Result<Loaded, AccelError>> {
+        self.step().transpose()
+    }
+}
+
+fn spec_of(batch: &Batch) -> Value {
+    Value::Array(
+        batch
+            .iter()
+            .map(|(k, t)| json!({ "key": k, "kind": format!("{:?}", t.kind()), "shape": t.size() }))
+            .collect(),
+    )
+}
+
+fn kind_from_name(name: &str) -> Result<Kind, AccelError> {
+    use Kind::*;
+    let kinds = [
+        Uint8, Int8, Int16, Int, Int64, Half, Float, Double, Bool, BFloat16,
+    ];
+    kinds
+        .into_iter()
+        .find(|k| format!("{k:?}") == name)
+        .ok_or_else(|| {
+            AccelError::Usage(format!(
+                "dispatch_batches: tensors of kind {name} cannot be dispatched"
+            ))
+        })
 }

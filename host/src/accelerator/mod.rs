@@ -11,8 +11,9 @@
 //! let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
 //! let x = tch::Tensor::randn([64, 4], (tch::Kind::Float, acc.device()));
 //! let y = x.sum_dim_intlist(1, true, tch::Kind::Float);
-//! let loader = acc.prepare_data_loader(DataLoader::new(x, y, 8));
-//! for (xb, yb) in loader.iter() {
+//! let loader = acc.prepare_data_loader(DataLoader::new(x, y, 8)?.shuffle(42))?;
+//! for batch in loader.iter()? {
+//!     let (xb, yb) = batch?.pair()?;
 //!     acc.accumulate(|acc| -> Result<(), accel::accelerator::AccelError> {
 //!         let loss = model.forward(&xb).mse_loss(&yb, tch::Reduction::Mean);
 //!         acc.backward(&loss)?;
@@ -30,7 +31,11 @@ mod tracking;
 mod units;
 
 pub use checkpoint::{parse_size, Checkpointable, Registered, SaveOptions, TrainingObjects};
-pub use data::{shard_indices, DataLoader, LoaderPosition, ShardedLoader, Sharding};
+use data::LoaderRecord;
+pub use data::{
+    shard_indices, Batches, DataLoader, DataLoaderConfiguration, LoaderPosition, ShardedLoader,
+    Sharding,
+};
 pub use tracking::{IntoLogEntry, LOG_WITH_ENV};
 pub use units::ForwardScope;
 use units::{lock, SharedStrategy, Units};
@@ -84,6 +89,9 @@ pub enum AccelError {
     /// libtorch refused a call of the C++ shim.
     #[error("{0}")]
     Torch(#[from] accel_sdk::shim::ShimError),
+    /// The data pipeline failed (a dataset, a collate function, a worker).
+    #[error("data: {0}")]
+    Data(#[from] accel_data::DataError),
     /// The API was used in a way it does not support.
     #[error("{0}")]
     Usage(String),
@@ -121,8 +129,7 @@ pub struct AcceleratorBuilder {
     settings: Vec<(String, Value)>,
     plugin_dirs: Vec<PathBuf>,
     gradient_accumulation_steps: Option<u32>,
-    split_batches: bool,
-    even_batches: Option<bool>,
+    dataloader: DataLoaderConfiguration,
     strategy_settings: Option<Value>,
     precision_settings: Option<Value>,
     tracking: tracking::TrackingOptions,
@@ -155,13 +162,33 @@ impl AcceleratorBuilder {
 
     /// Cut every batch among the ranks instead of dealing whole batches.
     pub fn split_batches(mut self, split: bool) -> Self {
-        self.split_batches = split;
+        self.dataloader.split_batches = split;
         self
     }
 
     /// Wrap around at the end of the data so every rank gets as many batches (default true).
     pub fn even_batches(mut self, even: bool) -> Self {
-        self.even_batches = Some(even);
+        self.dataloader.even_batches = even;
+        self
+    }
+
+    /// Rank 0 reads every batch and sends each rank its part (Accelerate's
+    /// `dispatch_batches`; default: on for iterable datasets, off otherwise).
+    pub fn dispatch_batches(mut self, dispatch: bool) -> Self {
+        self.dataloader.dispatch_batches = Some(dispatch);
+        self
+    }
+
+    /// Copies batches to the device asynchronously (Accelerate's
+    /// `non_blocking`; pair it with `pin_memory` on the loader).
+    pub fn non_blocking(mut self, non_blocking: bool) -> Self {
+        self.dataloader.non_blocking = non_blocking;
+        self
+    }
+
+    /// Every data loader option at once (Accelerate's `dataloader_config`).
+    pub fn dataloader_config(mut self, config: DataLoaderConfiguration) -> Self {
+        self.dataloader = config;
         self
     }
 
@@ -316,8 +343,7 @@ pub struct Accelerator {
     state: Arc<Mutex<GradientState>>,
     accumulation_steps: u32,
     micro_step: u32,
-    split_batches: bool,
-    even_batches: bool,
+    dataloader: DataLoaderConfiguration,
     /// This step's gradients were unscaled already (clipping does it first);
     /// holds whether inf/NaN was found.
     unscaled: Option<bool>,
@@ -329,7 +355,7 @@ pub struct Accelerator {
     /// Checkpoint naming, the iteration and registered objects.
     checkpoints: checkpoint::Checkpoints,
     /// The position of every prepared data loader, for checkpoints.
-    loaders: Mutex<Vec<Arc<Mutex<LoaderPosition>>>>,
+    loaders: Mutex<Vec<Arc<Mutex<LoaderRecord>>>>,
 }
 
 fn env_u32(name: &str) -> Result<Option<u32>, AccelError> {
@@ -520,8 +546,7 @@ impl Accelerator {
             })),
             accumulation_steps,
             micro_step: 0,
-            split_batches: b.split_batches,
-            even_batches: b.even_batches.unwrap_or(true),
+            dataloader: b.dataloader,
             unscaled: None,
             step_was_skipped: false,
             tracking,
@@ -596,6 +621,13 @@ impl Accelerator {
     /// Whether the current micro-step synchronises gradients and steps.
     pub fn sync_gradients(&self) -> bool {
         self.lock_state().sync_gradients
+    }
+
+    /// Where the training loop is (Accelerate's `gradient_state`): whether
+    /// this micro-step syncs, whether the data loader just ended, and how
+    /// many samples of its last round are real.
+    pub fn gradient_state(&self) -> GradientState {
+        self.lock_state().clone()
     }
 
     fn lock_state(&self) -> std::sync::MutexGuard<'_, GradientState> {
@@ -737,7 +769,11 @@ impl Accelerator {
         AcceleratedScheduler {
             inner: scheduler,
             state: Arc::clone(&self.state),
-            per_step: if self.split_batches { 1 } else { self.world },
+            per_step: if self.dataloader.split_batches {
+                1
+            } else {
+                self.world
+            },
         }
     }
 
@@ -798,23 +834,44 @@ impl Accelerator {
         self.step_was_skipped
     }
 
-    /// Shards a data loader for this process.
-    pub fn prepare_data_loader(&self, loader: DataLoader) -> ShardedLoader {
-        let sharding = Sharding {
-            num_processes: self.world as usize,
-            process_index: self.rank as usize,
-            split_batches: self.split_batches,
-            even_batches: self.even_batches,
+    /// Prepares a data loader for this process, as Accelerate's `prepare`:
+    /// this rank's shard of a map-style dataset (`BatchSamplerShard`), of a
+    /// stream (`IterableDatasetShard`), or its part of what rank 0 reads
+    /// (`dispatch_batches`). Refuses a batch size of 0, an empty dataset and
+    /// a `split_batches` batch size that the ranks cannot share evenly.
+    pub fn prepare_data_loader(&self, loader: DataLoader) -> Result<ShardedLoader, AccelError> {
+        self.prepare_data_loader_with(loader, self.dataloader)
+    }
+
+    /// [`Accelerator::prepare_data_loader`] with options of its own instead
+    /// of the Accelerator's (Accelerate's free `prepare_data_loader`).
+    pub fn prepare_data_loader_with(
+        &self,
+        loader: DataLoader,
+        config: DataLoaderConfiguration,
+    ) -> Result<ShardedLoader, AccelError> {
+        let prepare = data::Prepare {
+            rank: self.rank as usize,
+            world: self.world as usize,
+            config,
+            device: self.device,
         };
-        let loader = ShardedLoader::new(loader, sharding, Arc::clone(&self.state));
+        let loader = ShardedLoader::new(loader, &prepare, &self.comm, Arc::clone(&self.state))?;
         self.loaders
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push(loader.position_handle());
+            .push(loader.record_handle());
+        Ok(loader)
+    }
+
+    /// `loader` with its first `k` batches of the current epoch skipped at
+    /// its next iteration (Accelerate's `skip_first_batches`).
+    pub fn skip_first_batches<'a>(&self, loader: &'a ShardedLoader, k: usize) -> &'a ShardedLoader {
+        loader.skip_first_batches(k);
         loader
     }
 
-    fn loader_positions_handles(&self) -> Vec<Arc<Mutex<LoaderPosition>>> {
+    fn loader_records(&self) -> Vec<Arc<Mutex<LoaderRecord>>> {
         self.loaders
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -823,9 +880,9 @@ impl Accelerator {
 
     /// Where every prepared data loader is, in preparation order.
     pub fn loader_positions(&self) -> Vec<LoaderPosition> {
-        self.loader_positions_handles()
+        self.loader_records()
             .iter()
-            .map(|h| *h.lock().unwrap_or_else(|p| p.into_inner()))
+            .map(|h| h.lock().unwrap_or_else(|p| p.into_inner()).position)
             .collect()
     }
 
