@@ -141,3 +141,115 @@ fn loader_order_equals_python_accelerate_on_1_2_and_3_ranks() {
         }
     }
 }
+
+#[test]
+fn the_padding_collate_equals_pad_sequence_plus_the_mask() {
+    use accel::data::{Collate, Pad, Sample};
+    let sequences: Vec<Vec<i64>> = vec![vec![5, 1, 9], vec![], vec![4, 4, 4, 4, 4, 2], vec![8]];
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("pad.json");
+    std::fs::write(
+        &input,
+        serde_json::json!({ "pad_value": -3, "sequences": sequences }).to_string(),
+    )
+    .unwrap();
+    let out = run_ok(
+        Command::new(venv_bin("python"))
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("peers/pad_reference.py"))
+            .arg(&input),
+    );
+    let theirs: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let samples = sequences
+        .iter()
+        .map(|s| Sample::new().with("input_ids", tch::Tensor::from_slice(s)))
+        .collect();
+    let batch = Pad::new()
+        .pad_value("input_ids", -3.0)
+        .collate(&[0, 1, 2, 3], samples)
+        .unwrap();
+    let rows = |k: &str| Vec::<Vec<i64>>::try_from(&batch[k]).unwrap();
+    assert_eq!(serde_json::json!(rows("input_ids")), theirs["padded"]);
+    assert_eq!(serde_json::json!(rows("attention_mask")), theirs["attention_mask"]);
+}
+
+const SHUFFLED: [&str; 14] = [
+    "--steps",
+    "40",
+    "--optimizer",
+    "adamw",
+    "--lr",
+    "0.01",
+    "--shuffle",
+    "--data-seed",
+    "11",
+    "--samples",
+    "200",
+    "--num-workers",
+    "2",
+    "--grad-accum=1",
+];
+
+#[test]
+fn a_shuffled_run_resumed_mid_epoch_equals_the_uninterrupted_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let with = |extra: &[&str]| -> Vec<String> {
+        SHUFFLED
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let launch = |extra: &[&str]| {
+        let args = with(extra);
+        launch_mlp(2, &args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    // 200 samples, 16 per batch, 2 ranks: 7 batches per rank per epoch, so
+    // step 17 is in the middle of the third epoch.
+    launch(&["--loss-log", &p("straight.jsonl"), "--save", &p("straight.safetensors")]);
+    launch(&[
+        "--stop-at",
+        "17",
+        "--checkpoint-every",
+        "17",
+        "--project-dir",
+        &p("proj"),
+    ]);
+    let out = launch(&[
+        "--resume",
+        "--project-dir",
+        &p("proj"),
+        "--loss-log",
+        &p("resumed.jsonl"),
+        "--save",
+        &p("resumed.safetensors"),
+    ]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("at step 17"),
+        "{}",
+        describe(&out)
+    );
+    let straight = loss_log(Path::new(&p("straight.jsonl")));
+    let resumed = loss_log(Path::new(&p("resumed.jsonl")));
+    assert_eq!(resumed.len(), 23);
+    assert_eq!(&straight[17..], &resumed[..], "the losses after the resume");
+    assert!(
+        std::fs::read(p("straight.safetensors")).unwrap()
+            == std::fs::read(p("resumed.safetensors")).unwrap(),
+        "resumed weights differ from the uninterrupted run"
+    );
+    // The checkpoint names its loader layout; 3 ranks cannot take it up.
+    let out = Command::new(accel_bin())
+        .args(["launch", "-q", "--cpu", "--num_processes", "3"])
+        .arg(mlp())
+        .args(with(&["--resume", "--project-dir", &p("proj")]))
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .output()
+        .unwrap();
+    let text = describe(&out);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("num_processes = 2") && text.contains("this run has 3"),
+        "{text}"
+    );
+}

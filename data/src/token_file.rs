@@ -106,6 +106,8 @@ impl TokenFile {
         // SAFETY: the file is opened read-only; like every reader of a
         // mapped file we rely on nobody truncating it while training.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        // Windows are read in shuffled order: no readahead around each.
+        map.advise(memmap2::Advice::Random).map_err(io)?;
         Ok(Self {
             path,
             map,
