@@ -169,7 +169,10 @@ fn the_padding_collate_equals_pad_sequence_plus_the_mask() {
         .unwrap();
     let rows = |k: &str| Vec::<Vec<i64>>::try_from(&batch[k]).unwrap();
     assert_eq!(serde_json::json!(rows("input_ids")), theirs["padded"]);
-    assert_eq!(serde_json::json!(rows("attention_mask")), theirs["attention_mask"]);
+    assert_eq!(
+        serde_json::json!(rows("attention_mask")),
+        theirs["attention_mask"]
+    );
 }
 
 const SHUFFLED: [&str; 14] = [
@@ -206,7 +209,12 @@ fn a_shuffled_run_resumed_mid_epoch_equals_the_uninterrupted_one() {
     };
     // 200 samples, 16 per batch, 2 ranks: 7 batches per rank per epoch, so
     // step 17 is in the middle of the third epoch.
-    launch(&["--loss-log", &p("straight.jsonl"), "--save", &p("straight.safetensors")]);
+    launch(&[
+        "--loss-log",
+        &p("straight.jsonl"),
+        "--save",
+        &p("straight.safetensors"),
+    ]);
     launch(&[
         "--stop-at",
         "17",

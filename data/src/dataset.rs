@@ -89,12 +89,9 @@ impl Dataset for TensorDataset {
     }
 
     fn get(&self, index: usize) -> Result<Sample, DataError> {
-        if index >= self.len {
-            return Err(DataError::sample(
-                index,
-                format!("out of range for a dataset of {}", self.len),
-            ));
-        }
+        DataError::check_index(index, self.len, || {
+            format!("the dataset holds {} samples", self.len)
+        })?;
         let mut s = Sample::new();
         for (k, t) in &self.tensors {
             s.insert(k.clone(), t.select(0, index as i64));

@@ -48,6 +48,19 @@ pub enum DataError {
 }
 
 impl DataError {
+    /// `Ok` when `index < len`, else an error saying what `holder` holds
+    /// (e.g. "train.bin holds 12 windows").
+    pub fn check_index(
+        index: usize,
+        len: usize,
+        holder: impl FnOnce() -> String,
+    ) -> Result<(), Self> {
+        if index < len {
+            return Ok(());
+        }
+        Err(Self::sample(index, format!("out of range: {}", holder())))
+    }
+
     /// A [`DataError::Sample`] for sample `index`.
     pub fn sample(index: usize, message: impl std::fmt::Display) -> Self {
         Self::Sample {

@@ -90,16 +90,10 @@ impl Dataset for JsonLines {
     }
 
     fn get(&self, index: usize) -> Result<Sample, DataError> {
-        let &(start, end, line) = self.lines.get(index).ok_or_else(|| {
-            DataError::sample(
-                index,
-                format!(
-                    "out of range: {} holds {} records",
-                    self.path.display(),
-                    self.lines.len()
-                ),
-            )
+        DataError::check_index(index, self.lines.len(), || {
+            format!("{} holds {} records", self.path.display(), self.lines.len())
         })?;
+        let (start, end, line) = self.lines[index];
         let bytes = &self.map.as_deref().unwrap_or(&[])[start..end];
         let at = |message: String| DataError::Format {
             path: self.path.clone(),

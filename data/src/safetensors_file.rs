@@ -135,16 +135,9 @@ impl Dataset for SafetensorsDataset {
     }
 
     fn get(&self, index: usize) -> Result<Sample, DataError> {
-        if index >= self.len {
-            return Err(DataError::sample(
-                index,
-                format!(
-                    "out of range: {} holds {} rows",
-                    self.path.display(),
-                    self.len
-                ),
-            ));
-        }
+        DataError::check_index(index, self.len, || {
+            format!("{} holds {} rows", self.path.display(), self.len)
+        })?;
         let mut s = Sample::new();
         for c in &self.columns {
             let start = c.offset + index * c.row_bytes;

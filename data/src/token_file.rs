@@ -148,16 +148,9 @@ impl Dataset for TokenFile {
     }
 
     fn get(&self, index: usize) -> Result<Sample, DataError> {
-        if index >= self.len() {
-            return Err(DataError::sample(
-                index,
-                format!(
-                    "out of range: {} holds {} windows",
-                    self.path.display(),
-                    self.len()
-                ),
-            ));
-        }
+        DataError::check_index(index, self.len(), || {
+            format!("{} holds {} windows", self.path.display(), self.len())
+        })?;
         let start = index * self.block_size;
         let window: Vec<i64> = (start..start + self.block_size + 1)
             .map(|i| self.token(i))

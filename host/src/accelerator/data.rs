@@ -35,6 +35,19 @@ pub struct LoaderPosition {
     pub finished: bool,
 }
 
+impl LoaderPosition {
+    /// At the start of an iteration: a finished epoch gives way to the next.
+    fn advance_if_finished(&mut self) {
+        if self.finished {
+            *self = LoaderPosition {
+                epoch: self.epoch + 1,
+                batches: 0,
+                finished: false,
+            };
+        }
+    }
+}
+
 /// What a checkpoint records of a loader: its position, and what the
 /// position means (the order's seed and how batches were divided), so a
 /// resume with another layout is refused instead of silently wrong.
@@ -258,13 +271,7 @@ impl ShardedLoader {
     /// [`iter`](ShardedLoader::iter) (Accelerate's `skip_first_batches`).
     pub fn skip_first_batches(&self, k: usize) {
         let mut r = self.lock_record();
-        if r.position.finished {
-            r.position = LoaderPosition {
-                epoch: r.position.epoch + 1,
-                batches: 0,
-                finished: false,
-            };
-        }
+        r.position.advance_if_finished();
         r.position.batches = k;
     }
 
@@ -299,13 +306,7 @@ impl ShardedLoader {
     pub fn iter(&self) -> Result<Batches<'_>, AccelError> {
         let (epoch, skip) = {
             let mut r = self.lock_record();
-            if r.position.finished {
-                r.position = LoaderPosition {
-                    epoch: r.position.epoch + 1,
-                    batches: 0,
-                    finished: false,
-                };
-            }
+            r.position.advance_if_finished();
             (r.position.epoch, r.position.batches)
         };
         {
