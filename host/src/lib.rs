@@ -28,3 +28,21 @@ pub mod comm;
 pub mod context;
 pub mod launch;
 pub mod plugins;
+
+/// Sends accel's and the plugins' `tracing` events (warnings by default;
+/// `ACCEL_LOG` takes an env-filter such as `info` or `accel=debug`) to
+/// stderr. The `accel` binary calls it first thing, and so does every
+/// Accelerator a training program builds; a program that installed a
+/// subscriber of its own keeps it.
+pub fn init_logging() {
+    use std::io::IsTerminal;
+    let _already_set = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("ACCEL_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .without_time()
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+}

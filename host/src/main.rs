@@ -1,19 +1,10 @@
 //! The `accel` binary: see `accel --help`.
 
 use clap::Parser;
-use std::io::IsTerminal;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("ACCEL_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .without_time()
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    accel::init_logging();
     let cli = accel::cli::Cli::parse();
     // Not locked for the whole run: `accel launch` relays rank output from
     // other threads.

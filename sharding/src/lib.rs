@@ -47,6 +47,9 @@ use accel_sdk::{
     RunOverrides, StateDictKind, WrapUnit,
 };
 
+mod config_keys;
+pub use config_keys::{check_keys, report_warnings};
+
 /// Optimizer state slots per element assumed by the `optimizer_bytes`
 /// estimate (Adam/AdamW: `exp_avg` and `exp_avg_sq`; the optimizer itself
 /// lives in the host).

@@ -393,6 +393,7 @@ impl Accelerator {
     }
 
     fn from_builder(b: AcceleratorBuilder) -> Result<Self, AccelError> {
+        crate::init_logging();
         let plugins = PluginSet::discover(&default_search_path(&b.plugin_dirs));
         let claimed = claimed_distributed_types(&plugins);
         let env = |k: &str| std::env::var(k).ok();

@@ -28,7 +28,9 @@ pub(crate) const PLUGIN: &str = "accel-fsdp";
 /// implement pass here (so Accelerate's files validate) and are refused when
 /// the strategy is made.
 fn validate(settings: &str) -> Result<(), PluginError> {
-    settings::parse(settings).map(|_| ())
+    let s = settings::parse(settings)?;
+    accel_sharding::report_warnings(PLUGIN, None, &s.warnings);
+    Ok(())
 }
 
 /// The engine plan for the settings.
@@ -81,6 +83,7 @@ fn wrap_units(
 fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError> {
     let s = settings::parse(settings)?;
     s.check_supported()?;
+    accel_sharding::report_warnings(PLUGIN, Some(&ctx), &s.warnings);
     let policy = s.wrap.clone();
     Ok(accel_sdk::into_strategy(Sharded::new(
         ctx,

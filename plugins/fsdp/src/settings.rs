@@ -19,10 +19,10 @@
 //! | `fsdp_auto_wrap_policy` | `TRANSFORMER_BASED_WRAP`, `SIZE_BASED_WRAP`, `NO_WRAP` (any case) | `NO_WRAP` | [`Settings::wrap`] |
 //! | `fsdp_transformer_layer_cls_to_wrap` | a comma-separated string or a list of strings | — (required by `TRANSFORMER_BASED_WRAP`) | the path segments to wrap (see [`crate::wrap`]) |
 //! | `fsdp_min_num_params` | an integer `>= 0` (number or numeric string) | `100000000` | the threshold of `SIZE_BASED_WRAP` |
-//! | `fsdp_offload_params` | boolean | `false` | [`Settings::offload_params`] |
 //! | `fsdp_state_dict_type` | `FULL_STATE_DICT`, `SHARDED_STATE_DICT` (any case, or torch's numbers `1`, `3`); `LOCAL_STATE_DICT` is unsupported | `FULL_STATE_DICT` (FSDP1), `SHARDED_STATE_DICT` (FSDP2) | [`Settings::state_dict`] |
 //! | `fsdp_sync_module_states` | boolean | `true` | [`Settings::sync_module_states`] |
-//! | `fsdp_activation_checkpointing` | boolean; `true` is unsupported | `false` | — |
+//! | `fsdp_offload_params` (also `fsdp_cpu_offload`, as the transformers docs write it) | boolean | `false` | [`Settings::offload_params`] |
+//! | `fsdp_activation_checkpointing` | boolean; `true` is accepted with a warning (not implemented yet: the same results, more activation memory) | `false` | [`Settings::warnings`] |
 //! | `fsdp_ignored_modules` | `null` (or empty); anything else is unsupported | `null` | — |
 //!
 //! Accepted, checked, and recorded nowhere, because they do not change the
@@ -37,8 +37,10 @@
 //!
 //! As Accelerate's launcher (`utils/launch.py`), `fsdp_sync_module_states:
 //! false` is an error unless `fsdp_cpu_ram_efficient_loading` is `false`
-//! too (the latter defaults to `true` there). Any other `fsdp_*` key is
-//! recorded as unsupported, naming it.
+//! too (the latter defaults to `true` there). Any other `fsdp_*` key is a
+//! warning naming it (Accelerate grows keys faster than plugins follow),
+//! except a near miss of a known key (edit distance ≤ 2), which is an error
+//! with the suggestion: a misspelt key would silently change the run.
 //!
 //! Booleans are `true`/`false`, the integers `0`/`1`, or the strings
 //! Accelerate's `str_to_bool` takes (`y`, `yes`, `t`, `true`, `on`, `1`;
@@ -113,6 +115,9 @@ pub struct Settings {
     /// naming the key and value. `accel config validate` accepts them (the
     /// file is a valid Accelerate config); creating the strategy refuses them.
     pub unsupported: Vec<String>,
+    /// Keys accepted but not acted on, and keys accel-fsdp does not know:
+    /// shown to the user, never a refusal.
+    pub warnings: Vec<String>,
 }
 
 impl Settings {
@@ -150,6 +155,7 @@ const KNOWN_KEYS: &[&str] = &[
     "fsdp_cpu_ram_efficient_loading",
     "fsdp_ignored_modules",
     "fsdp_activation_checkpointing",
+    "fsdp_cpu_offload",
 ];
 
 /// `fsdp_min_num_params` when absent (Accelerate's `--fsdp_min_num_params` default, 1e8).
@@ -472,10 +478,21 @@ pub fn from_section(section: &Value) -> Result<Settings, PluginError> {
         },
     };
 
-    let offload_params = get("fsdp_offload_params")
-        .map(|v| bool_of(v, "fsdp_offload_params"))
-        .transpose()?
-        .unwrap_or(false);
+    // `fsdp_cpu_offload` is how the transformers docs write
+    // `fsdp_offload_params`; both set, they must agree.
+    let offload_of = |key: &str| get(key).map(|v| bool_of(v, key)).transpose();
+    let offload_params = match (
+        offload_of("fsdp_offload_params")?,
+        offload_of("fsdp_cpu_offload")?,
+    ) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(err(format!(
+                "fsdp_config.fsdp_offload_params is {a} but fsdp_config.fsdp_cpu_offload (the \
+                 same setting, as the transformers docs name it) is {b}: keep one"
+            )))
+        }
+        (a, b) => a.or(b).unwrap_or(false),
+    };
 
     // Accelerate: FULL_STATE_DICT for FSDP1, SHARDED_STATE_DICT for FSDP2.
     // (A LOCAL_STATE_DICT request is refused; `Sharded` only fills the field.)
@@ -529,23 +546,28 @@ pub fn from_section(section: &Value) -> Result<Settings, PluginError> {
             shown(v)
         )),
     }
+    let mut warnings = Vec::new();
     if let Some(v) = get("fsdp_activation_checkpointing") {
         if bool_of(v, "fsdp_activation_checkpointing")? {
-            unsupported.push(format!(
-                "fsdp_config.fsdp_activation_checkpointing: {}: activation checkpointing is \
-                 not implemented by accel-fsdp (supported: false)",
+            warnings.push(format!(
+                "fsdp_config.fsdp_activation_checkpointing: {}: activation checkpointing is not \
+                 implemented yet; training runs without it (the same results, more activation \
+                 memory)",
                 shown(v)
             ));
         }
     }
-    for (key, v) in map {
-        if key.starts_with("fsdp_") && !KNOWN_KEYS.contains(&key.as_str()) && !v.is_null() {
-            unsupported.push(format!(
-                "fsdp_config.{key}: {} is not a key accel-fsdp implements",
-                shown(v)
-            ));
-        }
-    }
+    let fsdp_keys: Map<String, Value> = map
+        .iter()
+        .filter(|(k, _)| k.starts_with("fsdp_"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    warnings.extend(accel_sharding::check_keys(
+        PLUGIN,
+        "fsdp_config",
+        &fsdp_keys,
+        KNOWN_KEYS,
+    )?);
 
     Ok(Settings {
         version,
@@ -555,6 +577,7 @@ pub fn from_section(section: &Value) -> Result<Settings, PluginError> {
         state_dict,
         sync_module_states,
         unsupported,
+        warnings,
     })
 }
 
@@ -587,6 +610,7 @@ mod tests {
             state_dict: StateDictType::Full,
             sync_module_states: true,
             unsupported: Vec::new(),
+            warnings: Vec::new(),
         };
         assert_eq!(ok(Value::Null), want);
         assert_eq!(ok(json!({})), want);
@@ -825,30 +849,40 @@ mod tests {
             assert!(m.contains(&format!("fsdp_config.{key}")), "{m}");
             assert!(from_section(&json!({ key: bad })).is_err(), "{key}");
         }
-        let m = msg(from_section(
-            &json!({"fsdp_activation_checkpointing": true}),
-        ));
-        assert!(
-            m.contains("activation checkpointing is not implemented by accel-fsdp"),
-            "{m}"
-        );
         let m = msg(from_section(&json!({"fsdp_ignored_modules": "embed.*"})));
         assert!(
             m.contains("fsdp_config.fsdp_ignored_modules: embed.*"),
             "{m}"
         );
+        // Unknown keys and activation checkpointing: warnings, never refusals.
+        let s = ok(json!({
+            "fsdp_activation_checkpointing": true,
+            "fsdp_mixed_precision_policy": "bf16",
+            "fsdp_shiny_new_knob": 1,
+        }));
+        assert_eq!(s.warnings.len(), 3, "{:?}", s.warnings);
+        assert!(s.warnings.iter().any(|w| w.contains("fsdp_shiny_new_knob")));
+        assert!(s
+            .warnings
+            .iter()
+            .any(|w| w.contains("activation checkpointing")));
+        // A near miss of a known key would silently change the run: an error.
+        let m = msg(from_section(&json!({"fsdp_offload_param": true})));
+        assert!(m.contains("did you mean `fsdp_offload_params`"), "{m}");
+        // The transformers docs' name for offloading.
+        assert!(ok(json!({"fsdp_cpu_offload": true})).offload_params);
+        assert!(!ok(json!({"fsdp_cpu_offload": false})).offload_params);
         let m = msg(from_section(
-            &json!({"fsdp_mixed_precision_policy": "bf16"}),
+            &json!({"fsdp_cpu_offload": true, "fsdp_offload_params": false}),
         ));
-        assert!(m.contains("fsdp_config.fsdp_mixed_precision_policy"), "{m}");
+        assert!(m.contains("keep one"), "{m}");
         // Several refusals are all recorded; the first one is reported.
         let s = from_section(&json!({
-            "fsdp_activation_checkpointing": true,
+            "fsdp_ignored_modules": "embed.*",
             "fsdp_state_dict_type": "LOCAL_STATE_DICT",
-            "fsdp_unknown": 1,
         }))
         .unwrap();
-        assert_eq!(s.unsupported.len(), 3, "{:?}", s.unsupported);
+        assert_eq!(s.unsupported.len(), 2, "{:?}", s.unsupported);
     }
 
     /// YAML (as `yaml-rust2` reads it) to JSON.

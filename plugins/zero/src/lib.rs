@@ -32,7 +32,9 @@ const PLUGIN: &str = "accel-zero";
 /// implement (NVMe, MoE...) pass here, so DeepSpeed files that ask for them
 /// validate; creating the strategy refuses them.
 fn validate(settings: &str) -> Result<(), PluginError> {
-    settings::parse(settings).map(|_| ())
+    let s = settings::parse(settings)?;
+    accel_sharding::report_warnings(PLUGIN, None, &s.warnings);
+    Ok(())
 }
 
 /// The engine plan for a ZeRO stage.
@@ -81,6 +83,7 @@ fn module_units(stage: u8, names: &[String]) -> Vec<(String, Vec<usize>)> {
 fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError> {
     let s = settings::parse(settings)?;
     s.check_supported()?;
+    accel_sharding::report_warnings(PLUGIN, Some(&ctx), &s.warnings);
     let stage = s.stage;
     Ok(accel_sdk::into_strategy(Sharded::new(
         ctx,

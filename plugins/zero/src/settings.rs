@@ -30,7 +30,29 @@ pub struct Settings {
     /// `accel config validate` accepts them (the file is a valid Accelerate
     /// config); creating the strategy refuses them.
     pub unsupported: Vec<String>,
+    /// Keys of `deepspeed_config` accel-zero does not know: shown, ignored.
+    pub warnings: Vec<String>,
 }
+
+/// The keys of Accelerate's `deepspeed_config` section (anything else is a
+/// warning, a near miss of one of these an error).
+const KNOWN_KEYS: &[&str] = &[
+    "deepspeed_config_file",
+    "deepspeed_exclusion_filter",
+    "deepspeed_hostfile",
+    "deepspeed_inclusion_filter",
+    "deepspeed_moe_layer_cls_names",
+    "deepspeed_multinode_launcher",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "offload_optimizer_device",
+    "offload_optimizer_nvme_path",
+    "offload_param_device",
+    "offload_param_nvme_path",
+    "zero3_init_flag",
+    "zero3_save_16bit_model",
+    "zero_stage",
+];
 
 impl Settings {
     /// An error for the first unsupported request, if any.
@@ -267,6 +289,12 @@ fn accumulation_of(v: Option<f64>, key: &str) -> Result<Option<u32>, PluginError
 pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, PluginError> {
     let get = |k: &str| section.get(k).unwrap_or(&Value::Null);
     let mut unsupported = Vec::new();
+    let warnings = match section {
+        Value::Object(map) => {
+            accel_sharding::check_keys(PLUGIN, "deepspeed_config", map, KNOWN_KEYS)?
+        }
+        _ => Vec::new(),
+    };
     let offload_optimizer = check_offload(
         get("offload_optimizer_device"),
         "deepspeed_config.offload_optimizer_device",
@@ -362,6 +390,7 @@ pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, 
             .unwrap_or(false),
         offload_param,
         unsupported,
+        warnings,
     })
 }
 
@@ -391,8 +420,17 @@ mod tests {
                 gradient_accumulation_steps: None,
                 mixed_precision: None,
                 unsupported: Vec::new(),
+                warnings: Vec::new(),
             }
         );
+        let s = from_section(&json!({"zero_stage": 1, "zero_new_knob": true}), "no").unwrap();
+        assert!(
+            s.warnings[0].contains("deepspeed_config.zero_new_knob"),
+            "{:?}",
+            s.warnings
+        );
+        let m = msg(from_section(&json!({"zero_stagee": 3}), "no"));
+        assert!(m.contains("did you mean `zero_stage`"), "{m}");
         assert_eq!(from_section(&Value::Null, "no").unwrap().stage, 2);
         assert_eq!(
             from_section(&json!({"zero_stage": "0"}), "no")
