@@ -56,10 +56,12 @@ impl ParamSet {
         .into()
     }
 
-    /// The parameters themselves, for `prepare_optimizer`.
+    /// The parameters that train (`requires_grad`), themselves, for
+    /// `prepare_optimizer`: frozen ones get no update and no optimizer state.
     pub fn shared(&self) -> RVec<NamedOwnedTensor> {
         self.items
             .iter()
+            .filter(|(_, t)| t.requires_grad())
             .map(|(n, t)| NamedOwnedTensor::new(n.clone(), t.shallow_clone()))
             .collect()
     }

@@ -298,6 +298,14 @@ impl Sharded {
         Ok(())
     }
 
+    /// The parameters of `idx` that train (`requires_grad`).
+    fn trainable(&self, idx: &[usize]) -> Vec<usize> {
+        idx.iter()
+            .copied()
+            .filter(|&i| self.params.items[i].1.requires_grad())
+            .collect()
+    }
+
     /// Adds `grad` to chunk `i`'s gradient (sets it when there is none).
     fn add_chunk_grad(&mut self, i: usize, grad: Tensor) -> Result<(), PluginError> {
         let chunk = &self.chunks[i];
@@ -315,7 +323,7 @@ impl Sharded {
     /// Reduce-scatters (averages) unit `u`'s gradients into its chunks'
     /// gradients and frees the whole gradients.
     fn reduce_scatter_unit(&mut self, u: usize) -> Result<(), PluginError> {
-        let idx = self.units[u].params.clone();
+        let idx = self.trainable(&self.units[u].params);
         if idx.is_empty() {
             return Ok(());
         }
@@ -375,25 +383,35 @@ impl Sharded {
     /// gradients then view; with a sharded optimizer the chunks take their
     /// part and the whole gradients are zeroed for the next accumulation.
     fn all_reduce_grads(&mut self) -> Result<(), PluginError> {
-        let mut grads = Vec::with_capacity(self.params.items.len());
-        for (name, p) in &self.params.items {
-            let g = p.grad();
-            if !g.defined() {
-                return Err(self.err(format!(
-                    "parameter `{name}` received no gradient; every parameter must take part in the loss"
-                )));
-            }
-            grads.push(g);
+        let all: Vec<usize> = (0..self.params.items.len()).collect();
+        let trainable = self.trainable(&all);
+        let unused: Vec<&str> = trainable
+            .iter()
+            .map(|&i| &self.params.items[i])
+            .filter(|(_, p)| !p.grad().defined())
+            .map(|(n, _)| n.as_str())
+            .collect();
+        if !unused.is_empty() {
+            return Err(self.err(format!(
+                "parameters that received no gradient in this step: {}; every trainable \
+                 parameter must take part in the loss (freeze the others: requires_grad false)",
+                unused.join(", ")
+            )));
         }
+        let grads: Vec<(usize, Tensor)> = trainable
+            .iter()
+            .map(|&i| (i, self.params.items[i].1.grad()))
+            .collect();
         if self.flat_grad.is_none() {
-            let total: i64 = self.numels.iter().sum();
+            let total: i64 = trainable.iter().map(|&i| self.numels[i]).sum();
             self.flat_grad = Some(Tensor::zeros([total], (self.kind(), self.compute_device())));
         }
         let mut buffer = self.flat_grad.take().expect("made above");
         let mut placed = Vec::new();
         let mut offset = 0;
         tch::no_grad(|| {
-            for (i, g) in grads.iter().enumerate() {
+            for (i, g) in &grads {
+                let i = *i;
                 let p = &self.params.items[i].1;
                 let n = self.numels[i];
                 if !grad_views_buffer(g, &buffer, offset, p) {
@@ -419,7 +437,7 @@ impl Sharded {
         self.note_peak(0);
         if self.plan.shard_optimizer {
             let mut offset = 0;
-            for i in 0..self.params.items.len() {
+            for i in trainable {
                 let n = self.numels[i];
                 let whole = buffer.narrow(0, offset, n);
                 let part = self.chunk_of(i, &whole);
@@ -596,7 +614,10 @@ impl Sharded {
             self.chunks = (0..names.len())
                 .map(|i| {
                     let p = self.params.items[i].1.shallow_clone();
-                    self.chunk_of(i, &p).set_requires_grad(true)
+                    // Frozen parameters stay frozen: sharded like the rest,
+                    // never given a gradient or optimizer state.
+                    let trains = p.requires_grad();
+                    self.chunk_of(i, &p).set_requires_grad(trains)
                 })
                 .collect();
         }
@@ -633,6 +654,7 @@ impl Sharded {
             .items
             .iter()
             .zip(&self.chunks)
+            .filter(|((_, p), _)| p.requires_grad())
             .map(|((n, _), c)| NamedOwnedTensor::new(n.clone(), c.shallow_clone()))
             .collect()
     }

@@ -33,6 +33,9 @@ const PLUGIN: &str = "accel-ddp";
 struct Ddp {
     ctx: HostContextBox,
     bucket_bytes: u64,
+    /// PyTorch DDP's `find_unused_parameters`: a trainable parameter that got
+    /// no gradient in a step counts as a zero gradient instead of an error.
+    find_unused: bool,
     params: ParamSet,
     /// Indices into `params`, one list per bucket.
     buckets: Vec<Vec<usize>>,
@@ -42,30 +45,53 @@ struct Ddp {
     peak: u64,
 }
 
-fn bucket_cap_mb(settings: &str) -> Result<f64, PluginError> {
+/// The plugin's settings (`accel.plugins.accel-ddp`).
+struct Settings {
+    bucket_cap_mb: f64,
+    find_unused_parameters: bool,
+}
+
+fn settings_of(settings: &str) -> Result<Settings, PluginError> {
     let v: Value = accel_sdk::serde_json::from_str(settings)
         .map_err(|e| PluginError::config(PLUGIN, format!("settings are not JSON: {e}")))?;
-    match v.pointer("/settings/bucket_cap_mb") {
-        None | Some(Value::Null) => Ok(25.0),
+    let bucket_cap_mb = match v.pointer("/settings/bucket_cap_mb") {
+        None | Some(Value::Null) => 25.0,
         Some(x) => match x.as_f64() {
-            Some(mb) if mb > 0.0 => Ok(mb),
-            _ => Err(PluginError::config(
+            Some(mb) if mb > 0.0 => mb,
+            _ => return Err(PluginError::config(
                 PLUGIN,
                 format!("accel.plugins.{PLUGIN}.bucket_cap_mb must be a positive number of megabytes, got {x}"),
             )),
         },
-    }
+    };
+    let find_unused_parameters = match v.pointer("/settings/find_unused_parameters") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(x) => {
+            return Err(PluginError::config(
+                PLUGIN,
+                format!(
+                    "accel.plugins.{PLUGIN}.find_unused_parameters must be true or false, got {x}"
+                ),
+            ))
+        }
+    };
+    Ok(Settings {
+        bucket_cap_mb,
+        find_unused_parameters,
+    })
 }
 
 fn validate(settings: &str) -> Result<(), PluginError> {
-    bucket_cap_mb(settings).map(|_| ())
+    settings_of(settings).map(|_| ())
 }
 
 fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError> {
-    let mb = bucket_cap_mb(settings)?;
+    let s = settings_of(settings)?;
     Ok(accel_sdk::into_strategy(Ddp {
         ctx,
-        bucket_bytes: (mb * 1024.0 * 1024.0) as u64,
+        bucket_bytes: (s.bucket_cap_mb * 1024.0 * 1024.0) as u64,
+        find_unused: s.find_unused_parameters,
         params: ParamSet::default(),
         buckets: Vec::new(),
         buffers: Vec::new(),
@@ -114,14 +140,11 @@ impl Ddp {
     fn sync_bucket(&mut self, bucket: usize) -> Result<(), PluginError> {
         let mut grads = Vec::with_capacity(self.buckets[bucket].len());
         for &i in &self.buckets[bucket] {
-            let (name, p) = &self.params.items[i];
+            let p = &self.params.items[i].1;
             let g = p.grad();
-            if !g.defined() {
-                return Err(PluginError::other(
-                    PLUGIN,
-                    format!("parameter `{name}` received no gradient; DDP needs every parameter to take part in the loss"),
-                ));
-            }
+            // Unused this step (find_unused_parameters): a zero gradient,
+            // averaged with the ranks that did use it.
+            let g = if g.defined() { g } else { p.zeros_like() };
             grads.push((i, g));
         }
         if self.buffers.len() <= bucket {
@@ -167,8 +190,18 @@ impl DistributedStrategy for Ddp {
         if let Err(e) = self.params.broadcast(&self.ctx, 0) {
             return RErr(e);
         }
-        let sizes: Vec<u64> = self.params.items.iter().map(|(_, t)| bytes(t)).collect();
-        self.buckets = plan_buckets(&sizes, self.bucket_bytes);
+        // Frozen parameters (requires_grad false) are never all-reduced.
+        let trainable: Vec<usize> = (0..self.params.items.len())
+            .filter(|&i| self.params.items[i].1.requires_grad())
+            .collect();
+        let sizes: Vec<u64> = trainable
+            .iter()
+            .map(|&i| bytes(&self.params.items[i].1))
+            .collect();
+        self.buckets = plan_buckets(&sizes, self.bucket_bytes)
+            .into_iter()
+            .map(|b| b.into_iter().map(|k| trainable[k]).collect())
+            .collect();
         ROk(self.params.single_unit())
     }
 
@@ -179,6 +212,28 @@ impl DistributedStrategy for Ddp {
     fn post_backward(&mut self, sync: bool) -> PluginResult<()> {
         if !sync {
             return ROk(());
+        }
+        if !self.find_unused {
+            let unused: Vec<&str> = self
+                .buckets
+                .iter()
+                .flatten()
+                .map(|&i| &self.params.items[i])
+                .filter(|(_, p)| !p.grad().defined())
+                .map(|(n, _)| n.as_str())
+                .collect();
+            if !unused.is_empty() {
+                return RErr(PluginError::other(
+                    PLUGIN,
+                    format!(
+                        "parameters that received no gradient in this step: {}; DDP needs every \
+                         trainable parameter to take part in the loss. Freeze them \
+                         (requires_grad false) or set accel.plugins.{PLUGIN}.find_unused_parameters: \
+                         true (PyTorch DDP's find_unused_parameters)",
+                        unused.join(", ")
+                    ),
+                ));
+            }
         }
         for b in 0..self.buckets.len() {
             if let Err(e) = self.sync_bucket(b) {
@@ -228,12 +283,14 @@ mod tests {
     }
 
     #[test]
-    fn bucket_cap_is_read_and_checked() {
-        assert_eq!(bucket_cap_mb("{}").unwrap(), 25.0);
-        assert_eq!(
-            bucket_cap_mb(r#"{"settings": {"bucket_cap_mb": 50}}"#).unwrap(),
-            50.0
-        );
-        assert!(bucket_cap_mb(r#"{"settings": {"bucket_cap_mb": -1}}"#).is_err());
+    fn settings_are_read_and_checked() {
+        let cap = |s: &str| settings_of(s).map(|s| s.bucket_cap_mb);
+        assert_eq!(cap("{}").unwrap(), 25.0);
+        assert_eq!(cap(r#"{"settings": {"bucket_cap_mb": 50}}"#).unwrap(), 50.0);
+        assert!(cap(r#"{"settings": {"bucket_cap_mb": -1}}"#).is_err());
+        let unused = |s: &str| settings_of(s).map(|s| s.find_unused_parameters);
+        assert!(!unused("{}").unwrap());
+        assert!(unused(r#"{"settings": {"find_unused_parameters": true}}"#).unwrap());
+        assert!(unused(r#"{"settings": {"find_unused_parameters": "yes"}}"#).is_err());
     }
 }
