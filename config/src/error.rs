@@ -95,6 +95,18 @@ impl Diagnostic {
     pub fn is_error(&self) -> bool {
         self.severity == Severity::Error
     }
+
+    /// `path:line:col: message` (or `origin: message`) without the
+    /// severity, for a caller whose own prefix already says `error`.
+    pub fn located_message(&self) -> String {
+        match &self.origin {
+            Origin::File(_) | Origin::Text(_) => format!(
+                "{}:{}:{}: {}",
+                self.origin, self.mark.line, self.mark.col, self.message
+            ),
+            other => format!("{other}: {}", self.message),
+        }
+    }
 }
 
 impl fmt::Display for Diagnostic {
@@ -194,5 +206,8 @@ mod tests {
             "bad",
         );
         assert_eq!(d.to_string(), "a.yaml:3:5: error: bad");
+        assert_eq!(d.located_message(), "a.yaml:3:5: bad");
+        let flag = Diagnostic::error(&Origin::Cli("--x".into()), Mark::default(), None, "bad");
+        assert_eq!(flag.located_message(), "command-line flag --x: bad");
     }
 }

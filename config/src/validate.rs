@@ -8,7 +8,8 @@ use crate::error::{suggest, Diagnostic, Origin};
 use crate::parse::{Mark, Node, NodeKind, Scalar};
 use crate::schema::{
     self, Config, KeySpec, Kind, Scope, ACCEL_KEYS, DISTRIBUTED_TYPES, DYNAMO_BACKENDS,
-    FSDP_SHARDING_STRATEGIES, LEGACY_KEYS, SAGEMAKER_DISTRIBUTED_TYPES, TOP_LEVEL_KEYS,
+    FSDP_SHARDING_STRATEGIES, LEGACY_KEYS, MIXED_PRECISIONS, SAGEMAKER_DISTRIBUTED_TYPES,
+    TOP_LEVEL_KEYS,
 };
 
 /// What a value check needs to know besides the value.
@@ -49,6 +50,26 @@ fn did_you_mean<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -
     match suggest(word, candidates) {
         Some(s) => format!(" (did you mean `{s}`?)"),
         None => String::new(),
+    }
+}
+
+/// What to say of a `mixed_precision` Accelerate does not have: the value
+/// meant by common spellings of a precision (`fp32` is full precision,
+/// which Accelerate calls `no`), else the closest spelling.
+fn mixed_precision_hint(word: &str) -> String {
+    let w = word.trim().to_ascii_lowercase();
+    let meant = match w.as_str() {
+        "fp32" | "float32" | "f32" | "32" | "tf32" | "float" | "full" | "none" | "off"
+        | "false" | "" => "no",
+        "float16" | "half" | "f16" | "16" => "fp16",
+        "bfloat16" | "bfloat" | "b16" => "bf16",
+        "float8" | "f8" | "8" | "e4m3" | "e5m2" => "fp8",
+        _ => return did_you_mean(word, MIXED_PRECISIONS.iter().copied()),
+    };
+    if meant == "no" {
+        " (full precision is `no`)".into()
+    } else {
+        format!(" (did you mean `{meant}`?)")
     }
 }
 
@@ -251,7 +272,11 @@ pub(crate) fn check_value(
                     return Ok(Value::String(v.to_string()));
                 }
             }
-            let hint = did_you_mean(&t, values.iter().copied());
+            let hint = if values == MIXED_PRECISIONS {
+                mixed_precision_hint(&t)
+            } else {
+                did_you_mean(&t, values.iter().copied())
+            };
             ctx.err(
                 m,
                 path,

@@ -135,6 +135,14 @@ fn unknown_enum_values_list_the_allowed_ones() {
         e.contains("`mixed_precision` must be one of: no, fp16, bf16, fp8; found \"fp32\""),
         "{e}"
     );
+    // fp32 is full precision, `no`; not a misspelling of fp8
+    assert!(e.ends_with("(full precision is `no`)"), "{e}");
+    for (written, meant) in [("bfloat16", "bf16"), ("half", "fp16"), ("fp61", "fp16")] {
+        let e = err_of(&format!(
+            "distributed_type: NO\nmixed_precision: {written}\n"
+        ));
+        assert!(e.ends_with(&format!("(did you mean `{meant}`?)")), "{e}");
+    }
     let e = err_of("distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: LAYER\n");
     assert!(
         e.contains("TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP"),
