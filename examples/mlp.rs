@@ -21,13 +21,14 @@ use accel_sdk::{
     optim::OptimizerConfig,
     schedule::{LrScheduler, Schedule},
 };
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use std::sync::{Arc, Mutex};
 use std::{
+    collections::BTreeMap,
     fs::File,
-    io::{BufWriter, Write},
-    path::PathBuf,
+    io::{BufWriter, Read, Write},
+    path::{Path, PathBuf},
 };
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 
@@ -90,16 +91,16 @@ struct Args {
     #[arg(long)]
     init: Option<PathBuf>,
     /// Hidden width H.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = at_least::<i64, 1>)]
     hidden: i64,
     /// Extra Linear(H,H)-ReLU blocks `layers.<i>` (unit scopes for sharding).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = at_least::<i64, 0>)]
     layers: i64,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = at_least::<u64, 1>)]
     steps: u64,
     /// Stop after this many passes over the data (and at --steps at most).
-    #[arg(long)]
+    #[arg(long, value_parser = at_least::<u64, 1>)]
     epochs: Option<u64>,
     /// A new order every epoch, Accelerate's seedable sampler seeded with
     /// --data-seed.
@@ -112,10 +113,10 @@ struct Args {
     #[arg(long = "num-workers", default_value_t = 0)]
     num_workers: usize,
     /// Batch size per process.
-    #[arg(long = "batch-size", default_value_t = 16)]
+    #[arg(long = "batch-size", default_value_t = 16, value_parser = at_least::<usize, 1>)]
     batch_size: usize,
     /// Learning rate.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.05, value_parser = non_negative)]
     lr: f64,
     /// Optimizer.
     #[arg(long, value_enum, default_value = "sgd")]
@@ -124,13 +125,13 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Micro-batches per optimizer step (gradient accumulation).
-    #[arg(long = "grad-accum", default_value_t = 1)]
+    #[arg(long = "grad-accum", default_value_t = 1, value_parser = at_least::<u32, 1>)]
     grad_accum: u32,
     /// Mixed precision (default: what `accel launch` or the config set, else no).
     #[arg(long = "mixed-precision", value_enum)]
     mixed_precision: Option<Precision>,
     /// Clip the gradients' total 2-norm to this value before each step.
-    #[arg(long = "max-grad-norm")]
+    #[arg(long = "max-grad-norm", value_parser = positive)]
     max_grad_norm: Option<f64>,
     /// Learning-rate schedule, stepped as Accelerate's AcceleratedScheduler.
     #[arg(long, value_enum, default_value = "constant")]
@@ -139,7 +140,7 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     warmup: u64,
     /// Samples of generated data (without --data).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = at_least::<i64, 1>)]
     samples: i64,
     /// One JSON object per optimizer step: `step`, `loss` (mean across
     /// ranks), `lr`, and `grad_norm` (with --max-grad-norm) and `skipped`
@@ -162,17 +163,17 @@ struct Args {
     project_dir: Option<PathBuf>,
     /// Save a checkpoint every N optimizer steps, to
     /// `<project-dir>/checkpoints/checkpoint_<n>`.
-    #[arg(long = "checkpoint-every")]
+    #[arg(long = "checkpoint-every", value_parser = at_least::<u64, 1>)]
     checkpoint_every: Option<u64>,
     /// Keep only the newest N checkpoints.
-    #[arg(long = "total-limit")]
+    #[arg(long = "total-limit", value_parser = at_least::<usize, 1>)]
     total_limit: Option<usize>,
     /// Load the newest checkpoint in the project dir and continue to --steps.
     #[arg(long)]
     resume: bool,
     /// Stop after this many steps in total, as if the job were cut off
     /// there (the schedule still spans --steps).
-    #[arg(long = "stop-at")]
+    #[arg(long = "stop-at", value_parser = at_least::<u64, 1>)]
     stop_at: Option<u64>,
     /// At the end, every rank prints one line `mlp-memory {json}`: the
     /// strategy's memory stats taken just after the last synced backward
@@ -211,7 +212,116 @@ fn generated(samples: i64) -> (Tensor, Tensor) {
     (x, y)
 }
 
-fn load_data(path: &PathBuf) -> Result<(Tensor, Tensor)> {
+/// One tensor of a safetensors file, as its header describes it.
+struct Stored {
+    dtype: String,
+    shape: Vec<i64>,
+}
+
+/// The names, dtypes and shapes in a safetensors file, read from its header
+/// alone, so that a file is checked before any tensor is read.
+fn safetensors_header(path: &Path) -> Result<BTreeMap<String, Stored>> {
+    let not = |why: String| {
+        anyhow!(
+            "{}: not a safetensors file (or a truncated one): {why}",
+            path.display()
+        )
+    };
+    let mut file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let len = file.metadata()?.len();
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n)
+        .map_err(|_| not(format!("{len} bytes, too short for a header")))?;
+    let n = u64::from_le_bytes(n);
+    // safetensors' own limit on the header: 100 MB
+    if n > len - 8 || n > 100_000_000 {
+        return Err(not(format!(
+            "its first 8 bytes give a {n}-byte header, the file has {len} bytes"
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header)?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|e| not(format!("the header is not a JSON object: {e}")))?;
+    let mut tensors = BTreeMap::new();
+    let mut end = 0;
+    for (name, t) in header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let dtype = t["dtype"].as_str();
+        let shape: Option<Vec<i64>> = t["shape"]
+            .as_array()
+            .and_then(|s| s.iter().map(serde_json::Value::as_i64).collect());
+        let (Some(dtype), Some(shape)) = (dtype, shape) else {
+            return Err(not(format!("`{name}` has no dtype or shape")));
+        };
+        end = end.max(t["data_offsets"][1].as_u64().unwrap_or(0));
+        let dtype = dtype.to_owned();
+        tensors.insert(name, Stored { dtype, shape });
+    }
+    let whole = (8 + n).saturating_add(end);
+    if whole > len {
+        bail!(
+            "{}: truncated: its header describes {whole} bytes, the file has {len}",
+            path.display()
+        );
+    }
+    Ok(tensors)
+}
+
+/// The safetensors dtypes libtorch reads (not complex, not fp8); data of
+/// any of them is read as float.
+const REAL: &[&str] = &[
+    "F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL",
+];
+/// Of those, the floating point ones, which weights can be converted from.
+const FLOAT: &[&str] = &["F64", "F32", "F16", "BF16"];
+
+/// `--data`: `x` [N, D] and `y` [N, O] with N, D, O at least 1, numbers.
+/// Every problem is reported at once.
+fn load_data(path: &Path) -> Result<(Tensor, Tensor)> {
+    let stored = safetensors_header(path)?;
+    let mut problems = Vec::new();
+    for key in ["x", "y"] {
+        match stored.get(key) {
+            None => problems.push(format!(
+                "no tensor `{key}` (it has: {})",
+                stored.keys().cloned().collect::<Vec<_>>().join(", ")
+            )),
+            Some(t) => {
+                if t.shape.len() != 2 || t.shape.contains(&0) {
+                    problems.push(format!(
+                        "`{key}` {:?}: must be 2-D with at least one row and one column",
+                        t.shape
+                    ));
+                }
+                if !REAL.contains(&t.dtype.as_str()) {
+                    problems.push(format!(
+                        "`{key}`: dtype {}, which cannot be read (readable: {})",
+                        t.dtype,
+                        REAL.join(", ")
+                    ));
+                }
+            }
+        }
+    }
+    if let (Some(x), Some(y)) = (stored.get("x"), stored.get("y")) {
+        if x.shape.first() != y.shape.first() {
+            problems.push(format!(
+                "`x` has {} rows, `y` {} rows",
+                x.shape.first().unwrap_or(&0),
+                y.shape.first().unwrap_or(&0)
+            ));
+        }
+    }
+    if !problems.is_empty() {
+        bail!(
+            "{}: expected `x` [N, D] and `y` [N, O]:\n  {}",
+            path.display(),
+            problems.join("\n  ")
+        );
+    }
     let tensors =
         Tensor::read_safetensors(path).with_context(|| format!("reading {}", path.display()))?;
     let get = |name: &str| {
@@ -219,23 +329,93 @@ fn load_data(path: &PathBuf) -> Result<(Tensor, Tensor)> {
             .iter()
             .find(|(n, _)| n == name)
             .map(|(_, t)| t.to_kind(Kind::Float))
-            .with_context(|| {
-                format!(
-                    "{}: no tensor `{name}` (expected `x` [N,D] and `y` [N,O])",
-                    path.display()
-                )
-            })
+            .with_context(|| format!("{}: no tensor `{name}`", path.display()))
     };
-    let (x, y) = (get("x")?, get("y")?);
-    if x.dim() != 2 || y.dim() != 2 || x.size()[0] != y.size()[0] {
+    Ok((get("x")?, get("y")?))
+}
+
+/// `--init`: every parameter of the model from the file, by name. Every
+/// missing, unexpected, mis-shaped or non-float tensor is reported at
+/// once; floating point values are converted to the parameter's dtype
+/// (as torch's `load_state_dict` does).
+fn load_init(vs: &nn::VarStore, path: &Path) -> Result<()> {
+    let stored = safetensors_header(path)?;
+    let params = vs.variables();
+    let mut names: Vec<&String> = params.keys().collect();
+    names.sort();
+    let mut problems = Vec::new();
+    for name in names {
+        let want = params[name].size();
+        let Some(t) = stored.get(name) else {
+            problems.push(format!("`{name}`: missing (the model's is {want:?})"));
+            continue;
+        };
+        if t.shape != want {
+            problems.push(format!(
+                "`{name}`: {:?} in the file, {want:?} in the model",
+                t.shape
+            ));
+        }
+        if !FLOAT.contains(&t.dtype.as_str()) {
+            problems.push(format!(
+                "`{name}`: dtype {}, weights must be floating point ({})",
+                t.dtype,
+                FLOAT.join(", ")
+            ));
+        }
+    }
+    for name in stored.keys().filter(|n| !params.contains_key(*n)) {
+        problems.push(format!("`{name}`: not a parameter of the model"));
+    }
+    if !problems.is_empty() {
         bail!(
-            "{}: `x` must be [N,D] and `y` [N,O], got {:?} and {:?}",
+            "{}: the initial weights do not fit the model (--hidden, --layers and the data's \
+             widths decide its shapes):\n  {}",
             path.display(),
-            x.size(),
-            y.size()
+            problems.join("\n  ")
         );
     }
-    Ok((x, y))
+    let tensors =
+        Tensor::read_safetensors(path).with_context(|| format!("reading {}", path.display()))?;
+    tch::no_grad(|| -> Result<()> {
+        for (name, t) in &tensors {
+            params[name]
+                .shallow_clone()
+                .f_copy_(t)
+                .with_context(|| format!("{}: copying `{name}`", path.display()))?;
+        }
+        Ok(())
+    })
+}
+
+/// A whole number of at least `MIN`: counts are refused, never clamped.
+fn at_least<T: TryFrom<i128>, const MIN: i128>(s: &str) -> Result<T, String> {
+    let v: i128 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a whole number"))?;
+    if v < MIN {
+        return Err(format!("must be at least {MIN}"));
+    }
+    T::try_from(v).map_err(|_| format!("{v} is too large"))
+}
+
+/// `--lr`: a finite number, 0 or more.
+fn non_negative(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        Ok(_) => Err("must be a finite number, 0 or more".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// `--max-grad-norm`: a finite number above 0.
+fn positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Ok(_) => Err("must be a finite number above 0".into()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// The command-line spelling of an enum option (`adamw`, `cosine`).
@@ -346,8 +526,7 @@ fn main() -> Result<()> {
         .collect();
     let model = Mlp { l1, l2, blocks, l3 };
     if let Some(init) = &args.init {
-        vs.load(init)
-            .with_context(|| format!("loading initial weights from {}", init.display()))?;
+        load_init(&vs, init)?;
     }
     acc.prepare_model(&mut vs)?;
     let mut opt = acc.prepare_optimizer(match args.optimizer {
@@ -492,7 +671,7 @@ fn main() -> Result<()> {
             }
             if args
                 .checkpoint_every
-                .is_some_and(|n| n > 0 && step % n == 0)
+                .is_some_and(|n| step.is_multiple_of(n))
             {
                 progress
                     .lock()

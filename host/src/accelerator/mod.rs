@@ -69,32 +69,64 @@ use std::{
 use tch::{nn, Device, Tensor};
 
 /// Everything that can go wrong in the runtime.
+///
+/// Each message says everything once: a variant that shows the error it
+/// wraps does not also give it as its `source()` (which `anyhow` and
+/// `main`'s `Error:` would print a second time, under "Caused by").
 #[derive(Debug, thiserror::Error)]
 pub enum AccelError {
     /// The configuration (builder or launcher environment) is invalid.
-    #[error("configuration: {0}")]
-    Config(#[from] ConfigError),
+    #[error("configuration: {}", config_lines(.0))]
+    Config(ConfigError),
     /// No plugin, or two, for a config value.
     #[error("{0}")]
     Select(Box<SelectError>),
     /// A plugin returned an error.
-    #[error("{0}")]
+    #[error(transparent)]
     Plugin(#[from] PluginError),
     /// A collective failed.
     #[error("communication: {0}")]
-    Comm(#[from] CommError),
+    Comm(CommError),
     /// The optimizer refused a setting or a step.
-    #[error("{0}")]
+    #[error(transparent)]
     Optim(#[from] OptimError),
     /// libtorch refused a call of the C++ shim.
-    #[error("{0}")]
+    #[error(transparent)]
     Torch(#[from] accel_sdk::shim::ShimError),
     /// The data pipeline failed (a dataset, a collate function, a worker).
     #[error("data: {0}")]
-    Data(#[from] accel_data::DataError),
+    Data(accel_data::DataError),
     /// The API was used in a way it does not support.
     #[error("{0}")]
     Usage(String),
+}
+
+/// A config error's diagnostics without their `error:` (the message is
+/// already an error): one on the line, several below it.
+fn config_lines(e: &ConfigError) -> String {
+    let lines: Vec<String> = e.errors().map(|d| d.located_message()).collect();
+    match lines.as_slice() {
+        [one] => one.clone(),
+        many => format!("\n  {}", many.join("\n  ")),
+    }
+}
+
+impl From<ConfigError> for AccelError {
+    fn from(e: ConfigError) -> Self {
+        AccelError::Config(e)
+    }
+}
+
+impl From<CommError> for AccelError {
+    fn from(e: CommError) -> Self {
+        AccelError::Comm(e)
+    }
+}
+
+impl From<accel_data::DataError> for AccelError {
+    fn from(e: accel_data::DataError) -> Self {
+        AccelError::Data(e)
+    }
 }
 
 impl From<SelectError> for AccelError {
@@ -155,8 +187,9 @@ impl AcceleratorBuilder {
     }
 
     /// Micro-steps per optimizer step (default: `ACCELERATE_GRADIENT_ACCUMULATION_STEPS`, else 1).
+    /// At least 1: [`build`](Self::build) refuses 0.
     pub fn gradient_accumulation_steps(mut self, n: u32) -> Self {
-        self.gradient_accumulation_steps = Some(n.max(1));
+        self.gradient_accumulation_steps = Some(n);
         self
     }
 
@@ -213,9 +246,10 @@ impl AcceleratorBuilder {
         self
     }
 
-    /// Keeps only the newest `n` automatic checkpoints.
+    /// Keeps only the newest `n` automatic checkpoints. At least 1:
+    /// [`build`](Self::build) refuses 0.
     pub fn total_limit(mut self, n: usize) -> Self {
-        self.checkpoint.total_limit = Some(n.max(1));
+        self.checkpoint.total_limit = Some(n);
         self
     }
 
@@ -394,6 +428,23 @@ impl Accelerator {
 
     fn from_builder(b: AcceleratorBuilder) -> Result<Self, AccelError> {
         crate::init_logging();
+        let zero = |setting: &str, meaning: &str| {
+            AccelError::Usage(format!(
+                "the Accelerator builder: `{setting}` must be at least 1 ({meaning}), got 0"
+            ))
+        };
+        if b.gradient_accumulation_steps == Some(0) {
+            return Err(zero(
+                "gradient_accumulation_steps",
+                "1 steps the optimizer after every batch",
+            ));
+        }
+        if b.checkpoint.total_limit == Some(0) {
+            return Err(zero(
+                "total_limit",
+                "the number of newest checkpoints kept; leave it unset to keep all",
+            ));
+        }
         let plugins = PluginSet::discover(&default_search_path(&b.plugin_dirs));
         let claimed = claimed_distributed_types(&plugins);
         let env = |k: &str| std::env::var(k).ok();
@@ -401,7 +452,12 @@ impl Accelerator {
         for w in &config.warnings {
             tracing::warn!("{w}");
         }
-        let world = env_u32("WORLD_SIZE")?.unwrap_or(1).max(1);
+        let world = env_u32("WORLD_SIZE")?.unwrap_or(1);
+        if world == 0 {
+            return Err(AccelError::Usage(
+                "environment variable WORLD_SIZE=0: a job has at least one process".into(),
+            ));
+        }
         let rank = env_u32("RANK")?.unwrap_or(0);
         let local_rank = env_u32("LOCAL_RANK")?.unwrap_or(0);
         let local_world = env_u32("LOCAL_WORLD_SIZE")?.unwrap_or(world);
@@ -516,16 +572,28 @@ impl Accelerator {
         let mut accumulation_steps = match b.gradient_accumulation_steps {
             Some(n) => n,
             None => env_u32("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")?.unwrap_or(1),
+        };
+        if accumulation_steps == 0 {
+            return Err(AccelError::Usage(
+                "environment variable ACCELERATE_GRADIENT_ACCUMULATION_STEPS=0: \
+                 it must be at least 1 (1 steps the optimizer after every batch)"
+                    .into(),
+            ));
         }
-        .max(1);
         if let RSome(n) = overrides.gradient_accumulation_steps {
+            if n == 0 {
+                return Err(AccelError::Usage(format!(
+                    "strategy {strategy_name}'s config asks for gradient_accumulation_steps 0; \
+                     it must be at least 1"
+                )));
+            }
             if n != accumulation_steps {
                 tracing::warn!(
                     "gradient accumulation steps: the program asked for {accumulation_steps}, \
                      strategy {strategy_name}'s config for {n}; using {n}"
                 );
             }
-            accumulation_steps = n.max(1);
+            accumulation_steps = n;
         }
         let tracking = tracking::Tracking::new(b.tracking, plugins, &config, &env, rank == 0);
         Ok(Self {

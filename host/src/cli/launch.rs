@@ -9,11 +9,26 @@ use crate::{
     },
 };
 use accel_config::{
-    launch_env, resolve_launch, Config, DistributedType, LaunchInputs, Source, RESOLVED_CONFIG_ENV,
+    launch_env, resolve_launch, Config, ConfigError, DistributedType, LaunchInputs, Source,
+    RESOLVED_CONFIG_ENV,
 };
 use accel_sdk::{abi_stable::std_types::Tuple2, LaunchSpec, PluginKind};
 use clap::Args;
 use std::{io::Write, path::PathBuf};
+
+/// The longest wait a flag may ask for: a week.
+const MAX_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
+
+/// A duration flag: seconds above 0, at most a week (refused, not clamped).
+fn seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= MAX_SECONDS => Ok(v),
+        Ok(_) => Err(format!(
+            "must be a number of seconds above 0, at most {MAX_SECONDS}"
+        )),
+        Err(e) => Err(e.to_string()),
+    }
+}
 
 /// Accelerate's launch flags that apply, in both spellings, plus accel's own.
 #[derive(Debug, Args)]
@@ -118,7 +133,8 @@ pub struct LaunchArgs {
     #[arg(
         long = "monitor_interval",
         alias = "monitor-interval",
-        default_value_t = 0.1
+        default_value_t = 0.1,
+        value_parser = seconds
     )]
     monitor_interval: f64,
     /// Prefix output with the rank: 0 none, 1 stdout, 2 stderr, 3 both.
@@ -145,7 +161,12 @@ pub struct LaunchArgs {
     #[arg(long = "use-plugin", alias = "use_plugin", value_name = "NAME")]
     use_plugin: Option<String>,
     /// Seconds to wait for the other machines at the rendezvous.
-    #[arg(long = "rdzv_timeout", alias = "rdzv-timeout", default_value_t = 300)]
+    #[arg(
+        long = "rdzv_timeout",
+        alias = "rdzv-timeout",
+        default_value_t = 300,
+        value_parser = clap::value_parser!(u64).range(1..=MAX_SECONDS as u64)
+    )]
     rdzv_timeout: u64,
     /// Print each rank's command and environment; start nothing.
     #[arg(long = "dry-run", alias = "dry_run")]
@@ -305,6 +326,14 @@ pub fn run(args: LaunchArgs, plugin_dirs: &[PathBuf], out: &mut dyn Write) -> an
         eprintln!("accel launch: error: {msg}");
         Ok(1)
     };
+    // A config's diagnostics say `error:` themselves: one line each, with
+    // accel launch's prefix instead of a second `error:`.
+    let config_fail = |e: ConfigError| {
+        for d in e.errors() {
+            eprintln!("accel launch: error: {}", d.located_message());
+        }
+        Ok(1)
+    };
     if let Err(e) = args.check_flags() {
         return fail(e);
     }
@@ -322,7 +351,7 @@ pub fn run(args: LaunchArgs, plugin_dirs: &[PathBuf], out: &mut dyn Write) -> an
     };
     let mut resolved = match resolve(&flags) {
         Ok(r) => r,
-        Err(e) => return fail(e.to_string()),
+        Err(e) => return config_fail(e),
     };
     // Like Accelerate: several processes and no distributed_type anywhere
     // means MULTI_CPU (with --cpu or without a GPU) or MULTI_GPU.
@@ -339,7 +368,7 @@ pub fn run(args: LaunchArgs, plugin_dirs: &[PathBuf], out: &mut dyn Write) -> an
         flags.push(("distributed_type".to_owned(), dt.to_owned()));
         resolved = match resolve(&flags) {
             Ok(r) => r,
-            Err(e) => return fail(e.to_string()),
+            Err(e) => return config_fail(e),
         };
     }
     if !args.quiet {
