@@ -115,9 +115,10 @@ impl Pad {
         self
     }
 
-    /// Pads lengths up to a multiple of `k` (tensor-core friendly shapes).
+    /// Pads lengths up to a multiple of `k` (tensor-core friendly shapes;
+    /// 0 is refused when collating).
     pub fn pad_to_multiple_of(mut self, k: usize) -> Self {
-        self.multiple_of = k.max(1);
+        self.multiple_of = k;
         self
     }
 
@@ -130,6 +131,12 @@ impl Pad {
 
 impl Collate for Pad {
     fn collate(&self, indices: &[usize], samples: Vec<Sample>) -> Result<Batch, DataError> {
+        if self.multiple_of == 0 {
+            return Err(DataError::Config(
+                "Pad::pad_to_multiple_of(0): lengths can only be padded to a multiple of 1 or more"
+                    .into(),
+            ));
+        }
         let mut lengths: BTreeMap<String, Vec<i64>> = BTreeMap::new();
         let mut batch = by_key(indices, &samples, |key, ts| {
             if ts[0].1.dim() == 0 {

@@ -211,6 +211,11 @@ fn padding_pads_each_key_with_its_value_and_masks() {
         vec![vec![1, 1, 0, 0], vec![1, 1, 1, 1], vec![1, 0, 0, 0]]
     );
     assert_eq!(b["score"].size(), vec![3]);
+    let err = Pad::new()
+        .pad_to_multiple_of(0)
+        .collate(&[0], vec![s(&[1])])
+        .unwrap_err();
+    assert!(err.to_string().contains("pad_to_multiple_of(0)"), "{err}");
 }
 
 fn write_tokens(dir: &std::path::Path, bytes: &[u8]) -> std::path::PathBuf {
