@@ -180,3 +180,46 @@ fn a_strategy_plugin_checks_its_own_section() {
         "{err}"
     );
 }
+
+#[test]
+fn launch_checks_the_strategys_settings_before_any_rank_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("a-rank-ran");
+    let config = dir.path().join("fsdp.yaml");
+    // `fsdp_offload_param` is one letter short of a real key: an error with
+    // the suggestion; an unknown key is only a warning.
+    std::fs::write(
+        &config,
+        "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\nfsdp_config:\n  fsdp_offload_param: true\n  fsdp_shiny_new_knob: 1\n",
+    )
+    .unwrap();
+    let launch = || {
+        Command::new(accel_bin())
+            .args(["launch", "--config_file"])
+            .arg(&config)
+            .arg("touch")
+            .arg(&marker)
+            .env_remove("ACCEL_PLUGIN_DIR")
+            .output()
+            .unwrap()
+    };
+    let out = launch();
+    let text = describe(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("did you mean `fsdp_offload_params`"),
+        "{text}"
+    );
+    assert!(!marker.exists(), "a rank started: {text}");
+    // Without the near miss, the unknown key is a warning and the job runs.
+    std::fs::write(
+        &config,
+        "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\nfsdp_config:\n  fsdp_shiny_new_knob: 1\n",
+    )
+    .unwrap();
+    let out = launch();
+    let text = describe(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("fsdp_shiny_new_knob"), "{text}");
+    assert!(marker.exists(), "{text}");
+}

@@ -384,6 +384,20 @@ pub fn run(args: LaunchArgs, plugin_dirs: &[PathBuf], out: &mut dyn Write) -> an
     if let Err(e) = check_config(config, &args) {
         return fail(e);
     }
+    // The selected strategy checks its settings here, before any rank
+    // starts (a rank would otherwise fail in the plugin's factory).
+    let problems = crate::plugins::config_check::check_config(&set, config);
+    if !problems.is_empty() {
+        for p in &problems {
+            eprintln!("accel launch: error: {p}");
+        }
+        return Ok(1);
+    }
+    if !args.quiet {
+        for rejected in set.rejected() {
+            eprintln!("accel launch: warning: plugin not loaded: {rejected}");
+        }
+    }
     let launcher_name = args
         .launcher
         .clone()
