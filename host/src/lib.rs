@@ -8,6 +8,7 @@
 //! * [`plugins`]: the plugin host — discovery, loading, checks, selection.
 //! * [`comm`]: communicators (single process, MPI) and their collectives.
 //! * [`context`]: the host services plugins receive.
+//! * [`hf`]: Hugging Face checkpoints (`model.safetensors`, sharded with an index, `config.json`): read by name with strict checks, written as `save_pretrained` writes them.
 //! * [`launch`]: the env contract, the process supervisor and the built-in launchers.
 //! * [`cli`]: the `accel` command line.
 //!
@@ -26,6 +27,7 @@ mod builtins;
 pub mod cli;
 pub mod comm;
 pub mod context;
+pub mod hf;
 pub mod launch;
 pub mod plugins;
 

@@ -583,13 +583,15 @@ impl Accelerator {
             .collect())
     }
 
-    /// Writes the model's FULL state dict as Hugging Face does: one
-    /// `model.safetensors` when it fits in `max_shard_size` (e.g. `"5GB"`),
-    /// else `model-0000k-of-0000n.safetensors` and
-    /// `model.safetensors.index.json` mapping every tensor to its shard.
-    /// Files of an earlier `save_model` in `dir` are replaced; each file is
-    /// written under a temporary name and renamed. Returns the files written
-    /// (on the main process; other ranks return none).
+    /// Writes the model's FULL state dict as Hugging Face does
+    /// ([`crate::hf::save`]): one `model.safetensors` when it fits in
+    /// `max_shard_size` (e.g. `"5GB"`), else
+    /// `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`
+    /// mapping every tensor to its shard, with transformers' `{"format":
+    /// "pt"}` metadata. Files of an earlier `save_model` in `dir` are
+    /// replaced; each file is written under a temporary name and renamed.
+    /// Returns the files written (on the main process; other ranks return
+    /// none).
     pub fn save_model(
         &mut self,
         dir: &Path,
@@ -601,63 +603,7 @@ impl Accelerator {
             self.wait_for_everyone()?;
             return Ok(Vec::new());
         }
-        let size = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
-        let mut shards: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];
-        let mut filled = 0;
-        for (name, t) in tensors {
-            let s = size(&t);
-            if filled + s > max && !shards.last().is_some_and(Vec::is_empty) {
-                shards.push(Vec::new());
-                filled = 0;
-            }
-            filled += s;
-            shards
-                .last_mut()
-                .expect("one shard at least")
-                .push((name, t));
-        }
-        fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
-        // Earlier save_model output would mix with this one.
-        for e in fs::read_dir(dir)
-            .map_err(|e| io_err("reading", dir, e))?
-            .flatten()
-        {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let old = name == "model.safetensors"
-                || name == "model.safetensors.index.json"
-                || (name.starts_with("model-") && name.ends_with(".safetensors"));
-            if old {
-                fs::remove_file(e.path()).map_err(|err| io_err("removing", &e.path(), err))?;
-            }
-        }
-        let n = shards.len();
-        let mut written = Vec::new();
-        let mut weight_map = serde_json::Map::new();
-        let mut total = 0;
-        for (k, shard) in shards.iter().enumerate() {
-            let file = if n == 1 {
-                "model.safetensors".to_owned()
-            } else {
-                format!("model-{:05}-of-{n:05}.safetensors", k + 1)
-            };
-            for (name, t) in shard {
-                weight_map.insert(name.clone(), json!(file));
-                total += size(t);
-            }
-            let tmp = dir.join(format!(".{file}.tmp"));
-            write_tensors(&tmp, shard)?;
-            let path = dir.join(&file);
-            fs::rename(&tmp, &path).map_err(|e| io_err("renaming into", &path, e))?;
-            written.push(path);
-        }
-        if n > 1 {
-            let index = json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
-            let path = dir.join("model.safetensors.index.json");
-            let tmp = dir.join(".model.safetensors.index.json.tmp");
-            write_json(&tmp, &index)?;
-            fs::rename(&tmp, &path).map_err(|e| io_err("renaming into", &path, e))?;
-            written.push(path);
-        }
+        let written = crate::hf::save(dir, &tensors, max)?;
         self.wait_for_everyone()?;
         Ok(written)
     }

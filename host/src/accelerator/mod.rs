@@ -390,6 +390,8 @@ pub struct Accelerator {
     checkpoints: checkpoint::Checkpoints,
     /// The position of every prepared data loader, for checkpoints.
     loaders: Mutex<Vec<Arc<Mutex<LoaderRecord>>>>,
+    /// The layer classes the model declared (`declare_layer_class`).
+    layer_classes: units::LayerClasses,
 }
 
 fn env_u32(name: &str) -> Result<Option<u32>, AccelError> {
@@ -622,6 +624,7 @@ impl Accelerator {
             optimizer_steps: 0,
             checkpoints: checkpoint::Checkpoints::new(b.checkpoint),
             loaders: Mutex::new(Vec::new()),
+            layer_classes: Default::default(),
         })
     }
 
@@ -769,6 +772,7 @@ impl Accelerator {
         }
         let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
+        self.layer_classes.check(&named)?;
         let mut handles = NamedTensorMut::all(&mut named);
         let wrap_units = lock(&self.strategy)
             .prepare_model(handles.as_mut_slice().into())

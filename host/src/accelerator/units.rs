@@ -242,3 +242,103 @@ impl ForwardScope<'_> {
         Ok(out)
     }
 }
+
+/// The layer classes a model declared
+/// ([`Accelerator::declare_layer_class`](super::Accelerator::declare_layer_class)):
+/// `(module path, class)`, in declaration order.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct LayerClasses(Vec<(String, String)>);
+
+impl LayerClasses {
+    /// Every declared path must be a module of the model: the prefix of at
+    /// least one parameter name.
+    pub(crate) fn check(&self, params: &[(String, Tensor)]) -> Result<(), AccelError> {
+        let unknown: Vec<String> = self
+            .0
+            .iter()
+            .filter(|(path, _)| {
+                let below = format!("{path}.");
+                !params.iter().any(|(n, _)| n.starts_with(&below))
+            })
+            .map(|(path, class)| format!("`{path}` ({class})"))
+            .collect();
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        let example = params.first().map_or("", |(n, _)| n.as_str());
+        Err(AccelError::Usage(format!(
+            "declare_layer_class: {} holds no parameter of the model (parameters look like `{example}`)",
+            unknown.join(", ")
+        )))
+    }
+}
+
+impl super::Accelerator {
+    /// Declares that the modules at `paths` (VarStore paths, as given to
+    /// [`ForwardScope::unit`]: `transformer.h.0`, ...) are layers of class
+    /// `class` (`GPT2Block`), as a PyTorch module's class names it — the
+    /// names `fsdp_transformer_layer_cls_to_wrap` and `_no_split_modules`
+    /// speak of. Call it before
+    /// [`Accelerator::prepare_model`](super::Accelerator::prepare_model),
+    /// which refuses a path that holds no parameter. A path has one class;
+    /// declaring it again with another is refused.
+    ///
+    /// The declaration is recorded and readable
+    /// ([`Accelerator::layer_classes`](super::Accelerator::layer_classes));
+    /// the wrap policies do not read it yet (FSDP's
+    /// `TRANSFORMER_BASED_WRAP` still matches path segments, `h` for
+    /// GPT-2's blocks).
+    pub fn declare_layer_class<I, S>(&mut self, class: &str, paths: I) -> Result<(), AccelError>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        if self.prepared.is_some() {
+            return Err(AccelError::Usage(format!(
+                "declare_layer_class(`{class}`): declare layer classes before prepare_model"
+            )));
+        }
+        if class.is_empty() {
+            return Err(AccelError::Usage(
+                "declare_layer_class: the class name is empty".into(),
+            ));
+        }
+        for path in paths {
+            let path = path.into();
+            if path.is_empty() || path.starts_with('.') || path.ends_with('.') {
+                return Err(AccelError::Usage(format!(
+                    "declare_layer_class(`{class}`): `{path}` is not a module path (`transformer.h.0`)"
+                )));
+            }
+            match self.layer_classes.0.iter().find(|(p, _)| *p == path) {
+                Some((_, c)) if c != class => {
+                    return Err(AccelError::Usage(format!(
+                        "declare_layer_class: `{path}` is already of class `{c}`, not `{class}`"
+                    )))
+                }
+                Some(_) => {}
+                None => self.layer_classes.0.push((path, class.to_owned())),
+            }
+        }
+        Ok(())
+    }
+
+    /// The declared `(module path, layer class)` pairs, in declaration order.
+    pub fn layer_classes(&self) -> Vec<(&str, &str)> {
+        self.layer_classes
+            .0
+            .iter()
+            .map(|(p, c)| (p.as_str(), c.as_str()))
+            .collect()
+    }
+
+    /// The modules declared of class `class`, in declaration order.
+    pub fn layers_of_class(&self, class: &str) -> Vec<&str> {
+        self.layer_classes
+            .0
+            .iter()
+            .filter(|(_, c)| c == class)
+            .map(|(p, _)| p.as_str())
+            .collect()
+    }
+}

@@ -1,0 +1,961 @@
+//! Hugging Face checkpoints: the files `save_pretrained` writes and
+//! `from_pretrained` reads.
+//!
+//! | layout | files |
+//! | --- | --- |
+//! | single | `model.safetensors` |
+//! | sharded | `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` (`{"metadata": {"total_size": bytes}, "weight_map": {tensor: file}}`) |
+//!
+//! plus the model's `config.json`. Safetensors files are written with the
+//! `{"format": "pt"}` metadata transformers writes (and older transformers
+//! require).
+//!
+//! * [`Checkpoint::open`] reads only the headers (names, dtypes, shapes, which
+//!   file), so a checkpoint is checked against a model before any tensor is
+//!   read; [`Checkpoint::load_into`] copies the tensors into the model's
+//!   parameters by name, strict by default: missing, unexpected and
+//!   mis-shaped tensors are all listed, by name, file and shapes, in one
+//!   error ([`LoadOptions::strict`] `false` lists them and goes on, keeping
+//!   the model's own values where nothing fits).
+//! * [`save`] writes tensors in either layout, cut into shards of at most
+//!   `max_shard_size` bytes as `save_pretrained` cuts them;
+//!   [`Accelerator::save_model`](crate::accelerator::Accelerator::save_model)
+//!   gathers the model from its shards and calls it.
+//! * [`save_config`] / [`read_json`]: `config.json`.
+
+use crate::accelerator::AccelError;
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde_json::{json, Value};
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt::Write as _,
+    fs,
+    io::Read,
+    path::{Path, PathBuf},
+};
+use tch::{Device, Kind, Tensor};
+
+/// The single-file weights name.
+pub const WEIGHTS_NAME: &str = "model.safetensors";
+/// The index of a sharded checkpoint.
+pub const WEIGHTS_INDEX_NAME: &str = "model.safetensors.index.json";
+/// The model's configuration.
+pub const CONFIG_NAME: &str = "config.json";
+
+fn err(message: String) -> AccelError {
+    AccelError::Usage(message)
+}
+
+fn io_err(what: &str, path: &Path, e: impl std::fmt::Display) -> AccelError {
+    err(format!("{what} {}: {e}", path.display()))
+}
+
+/// Reads and parses a JSON file (`config.json`, an index).
+pub fn read_json(path: &Path) -> Result<Value, AccelError> {
+    let text = fs::read_to_string(path).map_err(|e| io_err("reading", path, e))?;
+    serde_json::from_str(&text).map_err(|e| io_err("parsing", path, e))
+}
+
+/// Writes `path` through a temporary sibling and a rename.
+fn write_atomically(
+    path: &Path,
+    write: impl FnOnce(&Path) -> Result<(), AccelError>,
+) -> Result<(), AccelError> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    write(&tmp)?;
+    fs::rename(&tmp, path).map_err(|e| io_err("renaming into", path, e))
+}
+
+/// Writes `config` as `dir/config.json` (pretty-printed, as
+/// `save_pretrained` does); creates `dir`.
+pub fn save_config(dir: &Path, config: &Value) -> Result<PathBuf, AccelError> {
+    fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
+    let path = dir.join(CONFIG_NAME);
+    let text = serde_json::to_string_pretty(config).expect("JSON values serialise") + "\n";
+    write_atomically(&path, |tmp| {
+        fs::write(tmp, text).map_err(|e| io_err("writing", tmp, e))
+    })?;
+    Ok(path)
+}
+
+/// One tensor of a checkpoint, as its file's header describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// The safetensors file holding it.
+    pub file: PathBuf,
+    /// The safetensors dtype (`F32`, `BF16`, ...).
+    pub dtype: String,
+    /// The shape.
+    pub shape: Vec<i64>,
+}
+
+/// `[a, b]`, as shapes are written in messages.
+pub fn shape_text(shape: &[i64]) -> String {
+    format!(
+        "[{}]",
+        shape
+            .iter()
+            .map(i64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+/// The tensors of one safetensors file, from its header only.
+fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>, AccelError> {
+    let bad = |m: String| err(format!("{}: not a safetensors file: {m}", path.display()));
+    let mut file = fs::File::open(path).map_err(|e| io_err("opening", path, e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| io_err("reading", path, e))?
+        .len();
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n).map_err(|_| {
+        bad(format!(
+            "{len} bytes, shorter than the 8-byte header length"
+        ))
+    })?;
+    let n = u64::from_le_bytes(n);
+    if n > len.saturating_sub(8) || n > 100_000_000 {
+        return Err(bad(format!(
+            "header length {n} does not fit in the file's {len} bytes"
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| io_err("reading", path, e))?;
+    let header: BTreeMap<String, Value> =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
+    let mut out = Vec::new();
+    let mut end = 0u64;
+    for (name, v) in header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let dtype = v["dtype"]
+            .as_str()
+            .ok_or_else(|| bad(format!("`{name}` has no dtype")))?;
+        let shape: Vec<i64> = v["shape"]
+            .as_array()
+            .and_then(|a| a.iter().map(|d| d.as_i64()).collect())
+            .ok_or_else(|| bad(format!("`{name}` has no shape")))?;
+        let offsets: Vec<u64> = v["data_offsets"]
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_u64).collect())
+            .ok_or_else(|| bad(format!("`{name}` has no data_offsets")))?;
+        if let [_, stop] = offsets[..] {
+            end = end.max(stop);
+        }
+        out.push((
+            name,
+            TensorInfo {
+                file: path.to_path_buf(),
+                dtype: dtype.to_owned(),
+                shape,
+            },
+        ));
+    }
+    if 8 + n + end > len {
+        return Err(bad(format!(
+            "truncated: its tensors end at byte {}, the file has {len}",
+            8 + n + end
+        )));
+    }
+    Ok(out)
+}
+
+/// A Hugging Face checkpoint: which tensors it has, where, with what shape.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    location: PathBuf,
+    files: Vec<PathBuf>,
+    tensors: BTreeMap<String, TensorInfo>,
+}
+
+impl Checkpoint {
+    /// Opens a model directory (`model.safetensors.index.json` when there is
+    /// one, else `model.safetensors`), an index file, or one safetensors
+    /// file; reads the headers of every file (not the tensors). Every tensor
+    /// the index names must be in the file it names.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, AccelError> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            let index = path.join(WEIGHTS_INDEX_NAME);
+            let single = path.join(WEIGHTS_NAME);
+            if index.is_file() {
+                return Self::from_index(&index);
+            }
+            if single.is_file() {
+                return Self::from_file(&single);
+            }
+            return Err(err(format!(
+                "{}: no {WEIGHTS_NAME} and no {WEIGHTS_INDEX_NAME} (a Hugging Face model directory holds one of them)",
+                path.display()
+            )));
+        }
+        if !path.exists() {
+            return Err(err(format!(
+                "{}: no such file or directory",
+                path.display()
+            )));
+        }
+        if path.extension().is_some_and(|e| e == "json") {
+            Self::from_index(path)
+        } else {
+            Self::from_file(path)
+        }
+    }
+
+    fn from_file(path: &Path) -> Result<Self, AccelError> {
+        Ok(Self {
+            location: path.to_path_buf(),
+            files: vec![path.to_path_buf()],
+            tensors: read_header(path)?.into_iter().collect(),
+        })
+    }
+
+    fn from_index(index: &Path) -> Result<Self, AccelError> {
+        let v = read_json(index)?;
+        let map = v["weight_map"].as_object().ok_or_else(|| {
+            err(format!(
+                "{}: no `weight_map` object (tensor name -> file)",
+                index.display()
+            ))
+        })?;
+        let dir = index.parent().unwrap_or(Path::new("."));
+        let mut files: Vec<PathBuf> = Vec::new();
+        let mut headers: HashMap<PathBuf, HashMap<String, TensorInfo>> = HashMap::new();
+        let mut tensors = BTreeMap::new();
+        let mut problems = Vec::new();
+        for (name, file) in map {
+            let file = file.as_str().ok_or_else(|| {
+                err(format!(
+                    "{}: weight_map[`{name}`] is {file}, not a file name",
+                    index.display()
+                ))
+            })?;
+            let path = dir.join(file);
+            if !headers.contains_key(&path) {
+                if !path.is_file() {
+                    return Err(err(format!(
+                        "{}: `{name}` is in {file}, which does not exist",
+                        index.display()
+                    )));
+                }
+                headers.insert(path.clone(), read_header(&path)?.into_iter().collect());
+                files.push(path.clone());
+            }
+            match headers[&path].get(name) {
+                Some(info) => {
+                    tensors.insert(name.clone(), info.clone());
+                }
+                None => problems.push(format!("`{name}` is not in {}", path.display())),
+            }
+        }
+        if !problems.is_empty() {
+            return Err(err(format!(
+                "{}: the index names tensors its files do not hold: {}",
+                index.display(),
+                problems.join("; ")
+            )));
+        }
+        files.sort();
+        Ok(Self {
+            location: index.to_path_buf(),
+            files,
+            tensors,
+        })
+    }
+
+    /// The directory, index or file this was opened from.
+    pub fn location(&self) -> &Path {
+        &self.location
+    }
+
+    /// The safetensors files, in name order.
+    pub fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+
+    /// Every tensor, by name.
+    pub fn tensors(&self) -> &BTreeMap<String, TensorInfo> {
+        &self.tensors
+    }
+
+    /// One tensor's description.
+    pub fn get(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.get(name)
+    }
+
+    /// Reads the named tensors (on the CPU, in their stored dtype), each
+    /// file read once.
+    pub fn read(&self, names: &[&str]) -> Result<Vec<(String, Tensor)>, AccelError> {
+        let mut by_file: BTreeMap<&Path, Vec<&str>> = BTreeMap::new();
+        for name in names {
+            let info = self
+                .get(name)
+                .ok_or_else(|| err(format!("{}: no tensor `{name}`", self.location.display())))?;
+            by_file.entry(&info.file).or_default().push(name);
+        }
+        let mut out = Vec::with_capacity(names.len());
+        for (file, wanted) in by_file {
+            let bytes = fs::read(file).map_err(|e| io_err("reading", file, e))?;
+            let st = SafeTensors::deserialize(&bytes).map_err(|e| io_err("reading", file, e))?;
+            for name in wanted {
+                let view = st.tensor(name).map_err(|e| io_err("reading", file, e))?;
+                let kind = kind_of(view.dtype()).ok_or_else(|| {
+                    err(format!(
+                        "{}: `{name}` has dtype {:?}, which accel cannot load",
+                        file.display(),
+                        view.dtype()
+                    ))
+                })?;
+                let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+                let t = Tensor::f_from_data_size(view.data(), &shape, kind)
+                    .map_err(|e| io_err("reading", file, e))?;
+                out.push((name.to_owned(), t));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Where each checkpoint tensor goes in a model with `params` (name →
+    /// shape), under `options`: the model parameter it fills, or why not.
+    pub fn plan(&self, params: &[(String, Vec<i64>)], options: &LoadOptions) -> LoadReport {
+        let wanted: BTreeMap<&str, &Vec<i64>> =
+            params.iter().map(|(n, s)| (n.as_str(), s)).collect();
+        // A base model's checkpoint (GPT2Model's `h.0...`) in a model whose
+        // parameters carry the prefix (`transformer.h.0...`), as
+        // transformers' base_model_prefix.
+        let add_prefix = options.base_model_prefix.as_deref().filter(|p| {
+            let dotted = format!("{p}.");
+            !self.tensors.keys().any(|k| k.starts_with(&dotted))
+                && wanted.keys().any(|k| k.starts_with(&dotted))
+        });
+        let mut report = LoadReport::default();
+        let mut filled: std::collections::HashSet<String> = std::collections::HashSet::new();
+        for (stored, info) in &self.tensors {
+            // The prefix goes only where it names a parameter (a base
+            // model checkpoint has no `lm_head.weight` to prefix).
+            let target = match add_prefix {
+                Some(p) if !wanted.contains_key(stored.as_str()) => {
+                    let prefixed = format!("{p}.{stored}");
+                    if wanted.contains_key(prefixed.as_str()) {
+                        prefixed
+                    } else {
+                        stored.clone()
+                    }
+                }
+                _ => stored.clone(),
+            };
+            if let Some(shape) = wanted.get(target.as_str()) {
+                if **shape == info.shape {
+                    filled.insert(target.clone());
+                    report.loaded.push((stored.clone(), target));
+                } else {
+                    report.mismatched.push(Mismatch {
+                        name: target,
+                        stored: stored.clone(),
+                        file: info.file.clone(),
+                        stored_shape: info.shape.clone(),
+                        model_shape: (*shape).clone(),
+                    });
+                }
+            } else if let Some((_, to)) = options.tied.iter().find(|(from, _)| *from == target) {
+                report.tied.push((stored.clone(), to.clone()));
+            } else if options
+                .ignore_unexpected
+                .iter()
+                .any(|suffix| target.ends_with(suffix.as_str()))
+            {
+                report.ignored.push(stored.clone());
+            } else {
+                report.unexpected.push((stored.clone(), info.clone()));
+            }
+        }
+        filled.extend(report.mismatched.iter().map(|m| m.name.clone()));
+        for (name, shape) in params {
+            if !filled.contains(name) {
+                report.missing.push((name.clone(), shape.clone()));
+            }
+        }
+        report
+    }
+
+    /// Copies the checkpoint into `params` (the model's `(name, tensor)`, in
+    /// any dtype and on any device; values are converted) following
+    /// [`Checkpoint::plan`]. Strict: any missing, unexpected or mis-shaped
+    /// tensor, and a tied tensor that differs from its parameter, refuses
+    /// the whole load before a parameter changes, listing every problem.
+    /// Not strict: loads what fits and returns the report, whose
+    /// [`LoadReport::problems`] says what was left out.
+    pub fn load_into(
+        &self,
+        params: &[(String, Tensor)],
+        options: &LoadOptions,
+    ) -> Result<LoadReport, AccelError> {
+        let shapes: Vec<(String, Vec<i64>)> =
+            params.iter().map(|(n, t)| (n.clone(), t.size())).collect();
+        let mut report = self.plan(&shapes, options);
+        // Floating point values of another precision are converted (as
+        // torch's load_state_dict does); integers into a float parameter
+        // are not weights.
+        let kinds: HashMap<&str, Kind> =
+            params.iter().map(|(n, t)| (n.as_str(), t.kind())).collect();
+        let floating = |dtype: &str| matches!(dtype, "F16" | "BF16" | "F32" | "F64");
+        let (fits, wrong): (Vec<_>, Vec<_>) =
+            report.loaded.drain(..).partition(|(stored, target)| {
+                let param_float = kinds.get(target.as_str()).is_some_and(|k| {
+                    matches!(k, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double)
+                });
+                !param_float || self.get(stored).is_some_and(|i| floating(&i.dtype))
+            });
+        report.loaded = fits;
+        for (stored, target) in wrong {
+            if let Some(info) = self.get(&stored) {
+                report.wrong_dtype.push((target, info.clone()));
+            }
+        }
+        if options.strict {
+            if let Some(p) = report.problems() {
+                return Err(err(format!(
+                    "{} does not fit the model{}:\n{p}",
+                    self.location.display(),
+                    options
+                        .hint
+                        .as_deref()
+                        .map(|h| format!(" ({h})"))
+                        .unwrap_or_default()
+                )));
+            }
+        }
+        let mut names: Vec<&str> = report.loaded.iter().map(|(s, _)| s.as_str()).collect();
+        names.extend(report.tied.iter().map(|(s, _)| s.as_str()));
+        let tensors: HashMap<String, Tensor> = self.read(&names)?.into_iter().collect();
+        let by_name: HashMap<&str, &Tensor> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        // Tied tensors (lm_head.weight) must equal what they are tied to.
+        let mut differ = Vec::new();
+        for (stored, to) in &report.tied {
+            let (Some(t), Some(source)) = (
+                tensors.get(stored),
+                report.loaded.iter().find(|(_, n)| n == to),
+            ) else {
+                continue;
+            };
+            let Some(other) = tensors.get(&source.0) else {
+                continue;
+            };
+            if t.size() != other.size()
+                || !t.to_kind(Kind::Double).equal(&other.to_kind(Kind::Double))
+            {
+                differ.push(format!(
+                    "`{stored}` in {} differs from `{to}`, to which the model ties it",
+                    self.get(stored)
+                        .map(|i| i.file.display().to_string())
+                        .unwrap_or_default()
+                ));
+            }
+        }
+        if !differ.is_empty() && options.strict {
+            return Err(err(format!(
+                "{} does not fit the model: {}",
+                self.location.display(),
+                differ.join("; ")
+            )));
+        }
+        tch::no_grad(|| -> Result<(), AccelError> {
+            for (stored, target) in &report.loaded {
+                let (Some(src), Some(dst)) = (tensors.get(stored), by_name.get(target.as_str()))
+                else {
+                    continue;
+                };
+                let mut dst = (*dst).shallow_clone();
+                dst.f_copy_(src)
+                    .map_err(|e| err(format!("loading `{stored}` into `{target}`: {e}")))?;
+            }
+            Ok(())
+        })?;
+        report.tied_differ = differ;
+        Ok(report)
+    }
+}
+
+/// How [`Checkpoint::load_into`] matches checkpoint tensors to parameters.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Refuse any missing, unexpected or mis-shaped tensor (default true).
+    pub strict: bool,
+    /// transformers' `base_model_prefix` (`transformer` for GPT-2): a
+    /// checkpoint none of whose names start with it, loaded into a model
+    /// whose parameters do, gets it prepended.
+    pub base_model_prefix: Option<String>,
+    /// Name suffixes that are dropped without complaint when the model has
+    /// no such parameter (transformers' `_keys_to_ignore_on_load_unexpected`,
+    /// e.g. GPT-2's `.attn.bias` masks).
+    pub ignore_unexpected: Vec<String>,
+    /// `(tensor, parameter)`: a stored tensor the model ties to a parameter
+    /// instead of holding it (`lm_head.weight` → `transformer.wte.weight`);
+    /// accepted when equal to the stored parameter, never required.
+    pub tied: Vec<(String, String)>,
+    /// A hint appended to the strict error (what made the model's shapes).
+    pub hint: Option<String>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            strict: true,
+            base_model_prefix: None,
+            ignore_unexpected: Vec::new(),
+            tied: Vec::new(),
+            hint: None,
+        }
+    }
+}
+
+/// A tensor whose shape differs from its parameter's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mismatch {
+    /// The parameter.
+    pub name: String,
+    /// The tensor's name in the checkpoint.
+    pub stored: String,
+    /// Its file.
+    pub file: PathBuf,
+    /// Its shape there.
+    pub stored_shape: Vec<i64>,
+    /// The parameter's shape.
+    pub model_shape: Vec<i64>,
+}
+
+/// What a load did (or would do).
+#[derive(Debug, Clone, Default)]
+pub struct LoadReport {
+    /// `(stored name, parameter)` loaded.
+    pub loaded: Vec<(String, String)>,
+    /// Parameters with no tensor: `(name, shape)`.
+    pub missing: Vec<(String, Vec<i64>)>,
+    /// Tensors with no parameter.
+    pub unexpected: Vec<(String, TensorInfo)>,
+    /// Tensors whose shape differs from the parameter's.
+    pub mismatched: Vec<Mismatch>,
+    /// Tensors dropped by [`LoadOptions::ignore_unexpected`].
+    pub ignored: Vec<String>,
+    /// `(stored name, parameter)` of tied tensors found.
+    pub tied: Vec<(String, String)>,
+    /// Tied tensors that differ from their parameter (non-strict loads).
+    pub tied_differ: Vec<String>,
+    /// `(parameter, tensor)`: non-float tensors for float parameters.
+    pub wrong_dtype: Vec<(String, TensorInfo)>,
+}
+
+impl LoadReport {
+    /// Every missing, unexpected and mis-shaped tensor, one per line, or
+    /// `None` when everything fitted.
+    pub fn problems(&self) -> Option<String> {
+        let mut s = String::new();
+        for m in &self.mismatched {
+            let _ = writeln!(
+                s,
+                "  shape mismatch: `{}`{} in {} is {}, the model's is {}",
+                m.name,
+                if m.stored == m.name {
+                    String::new()
+                } else {
+                    format!(" (stored as `{}`)", m.stored)
+                },
+                m.file.display(),
+                shape_text(&m.stored_shape),
+                shape_text(&m.model_shape)
+            );
+        }
+        for (name, shape) in &self.missing {
+            let _ = writeln!(
+                s,
+                "  missing: `{name}` {} is in no file of the checkpoint",
+                shape_text(shape)
+            );
+        }
+        for (name, info) in &self.unexpected {
+            let _ = writeln!(
+                s,
+                "  unexpected: `{name}` {} in {} is not a parameter of the model",
+                shape_text(&info.shape),
+                info.file.display()
+            );
+        }
+        for (name, info) in &self.wrong_dtype {
+            let _ = writeln!(
+                s,
+                "  dtype: `{name}` in {} is {}, not a floating point type",
+                info.file.display(),
+                info.dtype
+            );
+        }
+        for d in &self.tied_differ {
+            let _ = writeln!(s, "  tied: {d}");
+        }
+        (!s.is_empty()).then(|| s.trim_end().to_owned())
+    }
+}
+
+fn kind_of(dtype: Dtype) -> Option<Kind> {
+    Some(match dtype {
+        Dtype::BOOL => Kind::Bool,
+        Dtype::U8 => Kind::Uint8,
+        Dtype::I8 => Kind::Int8,
+        Dtype::I16 => Kind::Int16,
+        Dtype::I32 => Kind::Int,
+        Dtype::I64 => Kind::Int64,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::F16 => Kind::Half,
+        Dtype::F32 => Kind::Float,
+        Dtype::F64 => Kind::Double,
+        _ => return None,
+    })
+}
+
+fn dtype_of(kind: Kind) -> Option<Dtype> {
+    Some(match kind {
+        Kind::Bool => Dtype::BOOL,
+        Kind::Uint8 => Dtype::U8,
+        Kind::Int8 => Dtype::I8,
+        Kind::Int16 => Dtype::I16,
+        Kind::Int => Dtype::I32,
+        Kind::Int64 => Dtype::I64,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Half => Dtype::F16,
+        Kind::Float => Dtype::F32,
+        Kind::Double => Dtype::F64,
+        _ => return None,
+    })
+}
+
+fn byte_size(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+/// Writes one safetensors file with transformers' `{"format": "pt"}` metadata.
+pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), AccelError> {
+    let mut data = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let t = t.to_device(Device::Cpu).contiguous();
+        let dtype = dtype_of(t.kind()).ok_or_else(|| {
+            err(format!(
+                "writing {}: `{name}` is {:?}, which safetensors cannot hold",
+                path.display(),
+                t.kind()
+            ))
+        })?;
+        let mut bytes = vec![0u8; byte_size(&t) as usize];
+        t.f_copy_data_u8(&mut bytes, t.numel())
+            .map_err(|e| io_err("writing", path, e))?;
+        let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();
+        data.push((name.clone(), dtype, shape, bytes));
+    }
+    let views = data
+        .iter()
+        .map(|(name, dtype, shape, bytes)| {
+            TensorView::new(*dtype, shape.clone(), bytes)
+                .map(|v| (name.as_str(), v))
+                .map_err(|e| io_err("writing", path, e))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let metadata: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
+    safetensors::serialize_to_file(views, &Some(metadata), path)
+        .map_err(|e| io_err("writing", path, e))
+}
+
+/// Cuts `tensors` (in order) into shards of at most `max_shard_size`
+/// bytes as transformers does: a tensor that would overflow the current
+/// shard starts a new one; a tensor larger than the limit has a shard of
+/// its own.
+pub fn shard_plan(tensors: &[(String, Tensor)], max_shard_size: u64) -> Vec<Vec<usize>> {
+    let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut filled = 0;
+    for (i, (_, t)) in tensors.iter().enumerate() {
+        let s = byte_size(t);
+        if filled + s > max_shard_size && !shards.last().is_some_and(Vec::is_empty) {
+            shards.push(Vec::new());
+            filled = 0;
+        }
+        filled += s;
+        shards.last_mut().expect("one shard at least").push(i);
+    }
+    shards
+}
+
+/// Writes `tensors` into `dir` as `save_pretrained` does: one
+/// `model.safetensors` when they fit in `max_shard_size` bytes, else
+/// `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`.
+/// Weights files of an earlier save in `dir` are removed first (they would
+/// mix with these); each file is written under a temporary name and
+/// renamed. Returns the files written.
+pub fn save(
+    dir: &Path,
+    tensors: &[(String, Tensor)],
+    max_shard_size: u64,
+) -> Result<Vec<PathBuf>, AccelError> {
+    let shards = shard_plan(tensors, max_shard_size);
+    fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
+    for e in fs::read_dir(dir)
+        .map_err(|e| io_err("reading", dir, e))?
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let old = name == WEIGHTS_NAME
+            || name == WEIGHTS_INDEX_NAME
+            || (name.starts_with("model-") && name.ends_with(".safetensors"));
+        if old {
+            fs::remove_file(e.path()).map_err(|err| io_err("removing", &e.path(), err))?;
+        }
+    }
+    let n = shards.len();
+    let mut written = Vec::new();
+    let mut weight_map = serde_json::Map::new();
+    let mut total = 0;
+    for (k, shard) in shards.iter().enumerate() {
+        let file = if n == 1 {
+            WEIGHTS_NAME.to_owned()
+        } else {
+            format!("model-{:05}-of-{n:05}.safetensors", k + 1)
+        };
+        let part: Vec<(String, Tensor)> = shard
+            .iter()
+            .map(|&i| (tensors[i].0.clone(), tensors[i].1.shallow_clone()))
+            .collect();
+        for (name, t) in &part {
+            weight_map.insert(name.clone(), json!(file));
+            total += byte_size(t);
+        }
+        let path = dir.join(&file);
+        write_atomically(&path, |tmp| write_safetensors(tmp, &part))?;
+        written.push(path);
+    }
+    if n > 1 {
+        let index = json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+        let path = dir.join(WEIGHTS_INDEX_NAME);
+        let text = serde_json::to_string_pretty(&index).expect("JSON values serialise") + "\n";
+        write_atomically(&path, |tmp| {
+            fs::write(tmp, text).map_err(|e| io_err("writing", tmp, e))
+        })?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> Vec<(String, Tensor)> {
+        vec![
+            (
+                "a.weight".into(),
+                Tensor::arange(12, (Kind::Float, Device::Cpu)).view([3, 4]),
+            ),
+            (
+                "a.bias".into(),
+                Tensor::ones([3], (Kind::Float, Device::Cpu)),
+            ),
+            (
+                "b.weight".into(),
+                Tensor::zeros([4, 4], (Kind::Float, Device::Cpu)),
+            ),
+        ]
+    }
+
+    #[test]
+    fn sharded_save_round_trips_with_an_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let tensors = model();
+        // 48 + 12 + 64 bytes, at most 60 a shard: [a.weight, a.bias], [b.weight].
+        let files = save(dir.path(), &tensors, 60).unwrap();
+        assert_eq!(files.len(), 3, "{files:?}");
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        assert_eq!(ck.files().len(), 2);
+        assert_eq!(ck.get("b.weight").unwrap().shape, vec![4, 4]);
+        let index = read_json(&dir.path().join(WEIGHTS_INDEX_NAME)).unwrap();
+        assert_eq!(index["metadata"]["total_size"], 124);
+        assert_eq!(
+            index["weight_map"]["b.weight"],
+            "model-00002-of-00002.safetensors"
+        );
+        let target: Vec<(String, Tensor)> = model()
+            .into_iter()
+            .map(|(n, t)| (n, t.zeros_like() - 1.0))
+            .collect();
+        let report = ck.load_into(&target, &LoadOptions::default()).unwrap();
+        assert_eq!(report.loaded.len(), 3);
+        for ((_, a), (_, b)) in tensors.iter().zip(&target) {
+            assert!(a.equal(b));
+        }
+        // A single-file save replaces the shards.
+        let files = save(dir.path(), &tensors, 1 << 20).unwrap();
+        assert_eq!(files, vec![dir.path().join(WEIGHTS_NAME)]);
+        let left: Vec<String> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left, vec![WEIGHTS_NAME.to_owned()]);
+    }
+
+    #[test]
+    fn strict_load_lists_every_problem_and_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let stored = vec![
+            (
+                "a.weight".to_owned(),
+                Tensor::zeros([4, 3], (Kind::Float, Device::Cpu)),
+            ),
+            (
+                "extra".to_owned(),
+                Tensor::zeros([2], (Kind::Float, Device::Cpu)),
+            ),
+            (
+                "b.weight".to_owned(),
+                Tensor::ones([4, 4], (Kind::Float, Device::Cpu)),
+            ),
+        ];
+        save(dir.path(), &stored, 1 << 20).unwrap();
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        let target = model();
+        let e = ck
+            .load_into(&target, &LoadOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("shape mismatch: `a.weight`"), "{e}");
+        assert!(e.contains("is [4, 3], the model's is [3, 4]"), "{e}");
+        assert!(e.contains("missing: `a.bias` [3]"), "{e}");
+        assert!(e.contains("unexpected: `extra` [2]"), "{e}");
+        assert!(e.contains("model.safetensors"), "{e}");
+        // Integers are no weights; fp16 is converted.
+        let ints = vec![
+            (
+                "a.weight".to_owned(),
+                Tensor::zeros([3, 4], (Kind::Int64, Device::Cpu)),
+            ),
+            (
+                "a.bias".to_owned(),
+                Tensor::ones([3], (Kind::Half, Device::Cpu)),
+            ),
+            (
+                "b.weight".to_owned(),
+                Tensor::ones([4, 4], (Kind::Float, Device::Cpu)),
+            ),
+        ];
+        save(dir.path(), &ints, 1 << 20).unwrap();
+        let e = Checkpoint::open(dir.path())
+            .unwrap()
+            .load_into(&target, &LoadOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("dtype: `a.weight`") && e.contains("is I64"),
+            "{e}"
+        );
+        assert!(!e.contains("a.bias"), "{e}");
+        save(dir.path(), &ints[1..], 1 << 20).unwrap();
+        let half = vec![(
+            "a.bias".to_owned(),
+            Tensor::zeros([3], (Kind::Float, Device::Cpu)),
+        )];
+        let options = LoadOptions {
+            strict: false,
+            ..LoadOptions::default()
+        };
+        Checkpoint::open(dir.path())
+            .unwrap()
+            .load_into(&half, &options)
+            .unwrap();
+        assert!(half[0]
+            .1
+            .equal(&Tensor::ones([3], (Kind::Float, Device::Cpu))));
+        save(dir.path(), &stored, 1 << 20).unwrap();
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        assert!(target[2]
+            .1
+            .equal(&Tensor::zeros([4, 4], (Kind::Float, Device::Cpu))));
+        // Not strict: what fits is loaded, the rest reported.
+        let report = ck
+            .load_into(
+                &target,
+                &LoadOptions {
+                    strict: false,
+                    ..LoadOptions::default()
+                },
+            )
+            .unwrap();
+        assert!(target[2]
+            .1
+            .equal(&Tensor::ones([4, 4], (Kind::Float, Device::Cpu))));
+        assert_eq!(report.loaded.len(), 1);
+        assert!(report.problems().unwrap().contains("a.bias"));
+    }
+
+    #[test]
+    fn prefix_ignored_and_tied_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = Tensor::arange(6, (Kind::Float, Device::Cpu)).view([2, 3]);
+        let stored = vec![
+            ("wte.weight".to_owned(), w.copy()),
+            (
+                "h.0.attn.bias".to_owned(),
+                Tensor::ones([1], (Kind::Float, Device::Cpu)),
+            ),
+            ("lm_head.weight".to_owned(), w.copy()),
+        ];
+        write_safetensors(&dir.path().join("m.safetensors"), &stored).unwrap();
+        let ck = Checkpoint::open(dir.path().join("m.safetensors")).unwrap();
+        let target = vec![(
+            "transformer.wte.weight".to_owned(),
+            Tensor::zeros([2, 3], (Kind::Float, Device::Cpu)),
+        )];
+        let options = LoadOptions {
+            base_model_prefix: Some("transformer".into()),
+            ignore_unexpected: vec![".attn.bias".into()],
+            tied: vec![("lm_head.weight".into(), "transformer.wte.weight".into())],
+            ..LoadOptions::default()
+        };
+        let report = ck.load_into(&target, &options).unwrap();
+        assert!(target[0].1.equal(&w));
+        assert_eq!(report.ignored, vec!["h.0.attn.bias".to_owned()]);
+        assert_eq!(report.tied.len(), 1);
+        // A tied tensor that differs is refused.
+        let stored = vec![
+            ("transformer.wte.weight".to_owned(), w.copy()),
+            ("lm_head.weight".to_owned(), w.copy() + 1.0),
+        ];
+        write_safetensors(&dir.path().join("m.safetensors"), &stored).unwrap();
+        let ck = Checkpoint::open(dir.path().join("m.safetensors")).unwrap();
+        let e = ck.load_into(&target, &options).unwrap_err().to_string();
+        assert!(
+            e.contains("`lm_head.weight`") && e.contains("differs"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn broken_files_and_indexes_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Checkpoint::open(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("no model.safetensors"), "{e}");
+        fs::write(dir.path().join(WEIGHTS_NAME), b"abc").unwrap();
+        let e = Checkpoint::open(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("not a safetensors file"), "{e}");
+        fs::write(
+            dir.path().join(WEIGHTS_INDEX_NAME),
+            r#"{"weight_map": {"x": "model-00001-of-00002.safetensors"}}"#,
+        )
+        .unwrap();
+        let e = Checkpoint::open(dir.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("`x` is in model-00001-of-00002.safetensors, which does not exist"),
+            "{e}"
+        );
+    }
+}
