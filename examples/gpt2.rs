@@ -1,0 +1,760 @@
+//! gpt2: train Hugging Face transformers' `GPT2LMHeadModel` — the same
+//! computation, parameter names, `config.json` and checkpoint files — on a
+//! nanoGPT token file, on one process or many under `accel launch`.
+//!
+//! ```text
+//! gpt2 --model DIR --data train.bin --steps 1000 --save out/          # from a HF model directory
+//! gpt2 --n-layer 2 --n-embd 64 --n-head 4 --vocab-size 512 --n-positions 64 --data t.bin
+//! accel launch --cpu --num_processes 2 gpt2 --model DIR --data train.bin --loss-log loss.jsonl
+//! ```
+//!
+//! * Model: `--model DIR` reads `config.json` and `model.safetensors` (or a
+//!   sharded `model.safetensors.index.json`), strictly: every missing,
+//!   unexpected, mis-shaped or non-float tensor is listed (name, file,
+//!   shapes) and the run refused; `--non-strict` lists them and goes on
+//!   (old checkpoints' `attn.bias` masks, a base model's names without
+//!   `transformer.` and a `lm_head.weight` equal to `wte` are accepted as
+//!   transformers accepts them). Without `--model`,
+//!   `--n-layer --n-embd --n-head --vocab-size --n-positions` make a new
+//!   model (GPT2Config's defaults for the ones not given) initialised as
+//!   transformers does, from `--seed`. `--dropout P` sets the three dropout
+//!   probabilities.
+//! * Data: `--data FILE` (`--token-dtype u16|u32`), windows of
+//!   `--block-size` tokens (default n_positions) with their next tokens as
+//!   labels, in Accelerate's seedable order (`--data-seed`, default
+//!   `--seed`), `--batch-size` per process.
+//! * Training: AdamW (`--lr`, `--weight-decay`; torch.optim.AdamW's betas
+//!   0.9/0.999 and eps 1e-8; one parameter group, every trainable
+//!   parameter decayed), `--scheduler constant|linear|cosine --warmup N`
+//!   stepped as Accelerate's AcceleratedScheduler, `--grad-accum`,
+//!   `--max-grad-norm`, `--freeze REGEX` (matching parameters get no
+//!   gradient), until `--steps` optimizer steps or `--epochs` passes.
+//!   The loss is the mean token cross-entropy of the logits against the
+//!   window's labels.
+//! * Output: `--loss-log FILE` (one JSON line per optimizer step: `step`
+//!   from 1, `loss` averaged over the step's micro-batches and the ranks,
+//!   `lr`, `grad_norm` with --max-grad-norm); `--eval-every N` with
+//!   `--eval-data` (default `--data`; `--eval-windows` windows at most)
+//!   prints the eval loss and writes it to `--eval-log`; `--save DIR` writes
+//!   `config.json` and `model.safetensors` (`--max-shard-size` cuts shards
+//!   with an index) that `GPT2LMHeadModel.from_pretrained` loads;
+//!   `--logits-out FILE --logits-input IDS` writes the final model's logits
+//!   for a comma-separated token list (safetensors `input_ids`, `logits`).
+//! * Sharding: every module runs as a unit scope named by its path, and the
+//!   blocks `transformer.h.<i>` are declared of layer class `GPT2Block`.
+
+#[path = "gpt2/model.rs"]
+mod model;
+
+use accel::{
+    accelerator::{parse_size, AccelError, Accelerator, Reduction},
+    data::{DataLoader, Dataset, TokenDtype, TokenFile},
+    hf,
+};
+use accel_sdk::{
+    optim::OptimizerConfig,
+    schedule::{LrScheduler, Schedule},
+};
+use anyhow::{bail, Context, Result};
+use clap::{Parser, ValueEnum};
+use model::{lm_loss, Gpt2, Gpt2Config, BLOCK_CLASS, IGNORED_SUFFIXES};
+use regex::Regex;
+use std::{
+    fs::File,
+    io::{BufWriter, Write},
+    path::{Path, PathBuf},
+};
+use tch::{nn, Kind, Tensor};
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Sched {
+    /// Warmup, then the base rate.
+    Constant,
+    /// Warmup, then linear decay to 0 at --steps.
+    Linear,
+    /// Warmup, then cosine decay to 0 at --steps.
+    Cosine,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Precision {
+    /// Full fp32.
+    No,
+    /// fp16 autocast with dynamic loss scaling.
+    Fp16,
+    /// bf16 autocast.
+    Bf16,
+}
+
+#[derive(Parser)]
+#[command(about = "Train Hugging Face's GPT2LMHeadModel on a token file with accel")]
+struct Args {
+    /// Hugging Face model directory: config.json plus model.safetensors or
+    /// model.safetensors.index.json.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Go on when --model's tensors do not all fit (they are listed).
+    #[arg(long = "non-strict")]
+    non_strict: bool,
+    /// New model: blocks (default 12).
+    #[arg(long = "n-layer")]
+    n_layer: Option<i64>,
+    /// New model: width (default 768).
+    #[arg(long = "n-embd")]
+    n_embd: Option<i64>,
+    /// New model: attention heads (default 12).
+    #[arg(long = "n-head")]
+    n_head: Option<i64>,
+    /// New model: vocabulary size (default 50257).
+    #[arg(long = "vocab-size")]
+    vocab_size: Option<i64>,
+    /// New model: positions (default 1024).
+    #[arg(long = "n-positions")]
+    n_positions: Option<i64>,
+    /// Seed of a new model's initialisation, of dropout, and the default --data-seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Sets resid_pdrop, embd_pdrop and attn_pdrop (saved in config.json).
+    #[arg(long)]
+    dropout: Option<f64>,
+    /// Token file (nanoGPT's train.bin): flat little-endian token ids.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Width of a token in --data and --eval-data: u16 or u32.
+    #[arg(long = "token-dtype", default_value = "u16")]
+    token_dtype: String,
+    /// Tokens per window (default: the model's n_positions).
+    #[arg(long = "block-size")]
+    block_size: Option<usize>,
+    /// Windows per batch, per process.
+    #[arg(long = "batch-size", default_value_t = 8)]
+    batch_size: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 100)]
+    steps: u64,
+    /// Stop after this many passes over the data (and at --steps at most).
+    #[arg(long)]
+    epochs: Option<u64>,
+    /// AdamW's learning rate.
+    #[arg(long, default_value_t = 6e-4)]
+    lr: f64,
+    /// AdamW's decoupled weight decay (torch's default 0.01).
+    #[arg(long = "weight-decay", default_value_t = 0.01)]
+    weight_decay: f64,
+    /// Learning-rate schedule (single-process steps, as Accelerate steps it).
+    #[arg(long, value_enum, default_value = "constant")]
+    scheduler: Sched,
+    /// Warmup steps of the schedule.
+    #[arg(long, default_value_t = 0)]
+    warmup: u64,
+    /// Seed of Accelerate's seedable sampler (default --seed).
+    #[arg(long = "data-seed")]
+    data_seed: Option<u64>,
+    /// Micro-batches per optimizer step.
+    #[arg(long = "grad-accum", default_value_t = 1)]
+    grad_accum: u32,
+    /// Clip the gradients' total 2-norm to this before each step.
+    #[arg(long = "max-grad-norm")]
+    max_grad_norm: Option<f64>,
+    /// Freeze the parameters whose name matches this regex (repeatable).
+    #[arg(long)]
+    freeze: Vec<String>,
+    /// Mixed precision (default: what `accel launch` or the config set, else no).
+    #[arg(long = "mixed-precision", value_enum)]
+    mixed_precision: Option<Precision>,
+    /// JSON lines, one per optimizer step: step, loss, lr[, grad_norm].
+    #[arg(long = "loss-log")]
+    loss_log: Option<PathBuf>,
+    /// Evaluate every N optimizer steps.
+    #[arg(long = "eval-every")]
+    eval_every: Option<u64>,
+    /// Token file to evaluate on (default --data).
+    #[arg(long = "eval-data")]
+    eval_data: Option<PathBuf>,
+    /// Evaluate on the first N windows of the eval data at most.
+    #[arg(long = "eval-windows", default_value_t = 64)]
+    eval_windows: usize,
+    /// JSON lines, one per evaluation: step, eval_loss.
+    #[arg(long = "eval-log")]
+    eval_log: Option<PathBuf>,
+    /// Write the final model here as Hugging Face does (config.json +
+    /// model.safetensors).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// With --save: cut the weights into shards of at most this size
+    /// ("50GB" as transformers, "500MB", "2GiB", bytes) with an index.
+    #[arg(long = "max-shard-size", default_value = "50GB")]
+    max_shard_size: String,
+    /// Write the final model's logits for --logits-input to this
+    /// safetensors file (`input_ids` [1, T], `logits` [1, T, vocab]).
+    #[arg(long = "logits-out")]
+    logits_out: Option<PathBuf>,
+    /// Comma-separated token ids for --logits-out.
+    #[arg(long = "logits-input")]
+    logits_input: Option<String>,
+}
+
+/// Optimizer steps whose losses are averaged across ranks in one all-reduce.
+const REPORT_EVERY: usize = 20;
+
+struct Pending {
+    step: u64,
+    lr: f64,
+    grad_norm: Option<f64>,
+    loss: Tensor,
+}
+
+fn create(path: &Path, flag: &str) -> Result<BufWriter<File>> {
+    Ok(BufWriter::new(File::create(path).with_context(|| {
+        format!("{flag}: creating {}", path.display())
+    })?))
+}
+
+/// Writes the pending steps' losses, averaged across ranks.
+fn flush(
+    acc: &Accelerator,
+    pending: &mut Vec<Pending>,
+    log: &mut Option<BufWriter<File>>,
+    last: &mut (Option<f64>, f64),
+) -> Result<()> {
+    if pending.is_empty() {
+        return Ok(());
+    }
+    let local: Vec<Tensor> = pending.iter().map(|p| p.loss.shallow_clone()).collect();
+    let means = Vec::<f64>::try_from(
+        &acc.reduce(&Tensor::stack(&local, 0), Reduction::Mean)?
+            .to_kind(Kind::Double),
+    )?;
+    for (p, loss) in pending.drain(..).zip(means) {
+        last.0.get_or_insert(loss);
+        last.1 = loss;
+        if let Some(log) = log.as_mut() {
+            let mut record = serde_json::json!({ "step": p.step, "loss": loss, "lr": p.lr });
+            if let Some(norm) = p.grad_norm {
+                record["grad_norm"] = norm.into();
+            }
+            writeln!(log, "{record}")?;
+        }
+    }
+    Ok(())
+}
+
+/// Token ids outside the vocabulary are refused, naming where they came from.
+fn check_ids(ids: &Tensor, vocab: i64, what: &dyn Fn() -> String) -> Result<()> {
+    let (lo, hi) = (ids.min().int64_value(&[]), ids.max().int64_value(&[]));
+    if lo < 0 || hi >= vocab {
+        let bad = if lo < 0 { lo } else { hi };
+        bail!(
+            "{}: token id {bad} is outside the model's vocabulary of {vocab} (vocab_size); \
+             is --token-dtype right, and was the file made with this model's tokenizer?",
+            what()
+        );
+    }
+    Ok(())
+}
+
+/// The model's configuration: `--model DIR`'s config.json, or a new one
+/// from the size flags; `--dropout` applies to both.
+fn configuration(args: &Args) -> Result<Gpt2Config> {
+    let sizes = [
+        ("--n-layer", args.n_layer),
+        ("--n-embd", args.n_embd),
+        ("--n-head", args.n_head),
+        ("--vocab-size", args.vocab_size),
+        ("--n-positions", args.n_positions),
+    ];
+    let mut c = match &args.model {
+        Some(dir) => {
+            if let Some((flag, _)) = sizes.iter().find(|(_, v)| v.is_some()) {
+                bail!(
+                    "{flag} conflicts with --model: the architecture comes from {}",
+                    dir.join(hf::CONFIG_NAME).display()
+                );
+            }
+            if !dir.is_dir() {
+                bail!("--model {}: not a directory", dir.display());
+            }
+            Gpt2Config::from_file(&dir.join(hf::CONFIG_NAME))
+                .with_context(|| format!("--model {}", dir.display()))?
+        }
+        None => {
+            let mut c = Gpt2Config::default();
+            for (flag, v) in sizes {
+                if let Some(v) = v.filter(|&v| v < 1) {
+                    bail!("{flag} {v}: must be at least 1");
+                }
+            }
+            c.n_layer = args.n_layer.unwrap_or(c.n_layer);
+            c.n_embd = args.n_embd.unwrap_or(c.n_embd);
+            c.n_head = args.n_head.unwrap_or(c.n_head);
+            c.vocab_size = args.vocab_size.unwrap_or(c.vocab_size);
+            c.n_positions = args.n_positions.unwrap_or(c.n_positions);
+            if c.n_embd % c.n_head != 0 {
+                bail!(
+                    "--n-embd {} is not a multiple of --n-head {}",
+                    c.n_embd,
+                    c.n_head
+                );
+            }
+            c
+        }
+    };
+    if let Some(p) = args.dropout {
+        if !(0.0..1.0).contains(&p) {
+            bail!("--dropout {p}: a probability in [0, 1)");
+        }
+        c.resid_pdrop = p;
+        c.embd_pdrop = p;
+        c.attn_pdrop = p;
+    }
+    c.validate()?;
+    Ok(c)
+}
+
+/// Refuses flags that cannot work, before anything is built.
+fn check_args(args: &Args, c: &Gpt2Config) -> Result<usize> {
+    if args.batch_size == 0 {
+        bail!("--batch-size 0: a batch holds at least one window");
+    }
+    if args.grad_accum == 0 {
+        bail!("--grad-accum 0: an optimizer step takes at least one micro-batch");
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        bail!("--lr {}: a learning rate is > 0", args.lr);
+    }
+    if !(args.weight_decay.is_finite() && args.weight_decay >= 0.0) {
+        bail!("--weight-decay {}: must be >= 0", args.weight_decay);
+    }
+    if let Some(m) = args.max_grad_norm {
+        if !(m.is_finite() && m > 0.0) {
+            bail!("--max-grad-norm {m}: must be > 0");
+        }
+    }
+    if args.eval_every == Some(0) {
+        bail!("--eval-every 0: evaluate every N ≥ 1 steps");
+    }
+    if args.eval_every.is_some() && args.eval_windows == 0 {
+        bail!("--eval-windows 0: evaluation needs at least one window");
+    }
+    if args.logits_out.is_some() != args.logits_input.is_some() {
+        bail!("--logits-out and --logits-input go together");
+    }
+    parse_size(&args.max_shard_size).map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
+    let block = args.block_size.unwrap_or(c.n_positions as usize);
+    if block == 0 {
+        bail!("--block-size 0: a window holds at least one token");
+    }
+    if block as i64 > c.n_positions {
+        bail!(
+            "--block-size {block} exceeds the model's n_positions {} (its position embeddings): use --block-size {} or less",
+            c.n_positions,
+            c.n_positions
+        );
+    }
+    if args.steps > 0 && args.data.is_none() {
+        bail!(
+            "--data FILE is needed to train (--steps {} > 0)",
+            args.steps
+        );
+    }
+    Ok(block)
+}
+
+/// Parses `--logits-input`.
+fn logits_input(text: &str, c: &Gpt2Config) -> Result<Vec<i64>> {
+    let ids = text
+        .split(',')
+        .map(|s| {
+            s.trim()
+                .parse::<i64>()
+                .with_context(|| format!("--logits-input: `{s}` is not a token id"))
+        })
+        .collect::<Result<Vec<i64>>>()?;
+    if ids.is_empty() || ids.len() as i64 > c.n_positions {
+        bail!(
+            "--logits-input: {} tokens; between 1 and n_positions {}",
+            ids.len(),
+            c.n_positions
+        );
+    }
+    if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= c.vocab_size) {
+        bail!(
+            "--logits-input: token id {bad} is outside the vocabulary of {}",
+            c.vocab_size
+        );
+    }
+    Ok(ids)
+}
+
+/// Freezes the parameters matching any of `patterns`; refuses a pattern
+/// that is not a regex or matches nothing, and freezing everything.
+fn freeze(vs: &nn::VarStore, patterns: &[String]) -> Result<usize> {
+    if patterns.is_empty() {
+        return Ok(0);
+    }
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut frozen = 0;
+    let regexes = patterns
+        .iter()
+        .map(|p| Regex::new(p).with_context(|| format!("--freeze `{p}`: not a regular expression")))
+        .collect::<Result<Vec<_>>>()?;
+    for (p, re) in patterns.iter().zip(&regexes) {
+        if !vars.iter().any(|(n, _)| re.is_match(n)) {
+            bail!(
+                "--freeze `{p}` matches no parameter (names look like `{}`)",
+                vars.first().map_or("", |(n, _)| n.as_str())
+            );
+        }
+    }
+    for (name, t) in &mut vars {
+        if regexes.iter().any(|re| re.is_match(name)) {
+            let _ = t.set_requires_grad(false);
+            frozen += 1;
+        }
+    }
+    if frozen == vars.len() {
+        bail!("--freeze {patterns:?} freezes every parameter: nothing would train");
+    }
+    Ok(frozen)
+}
+
+/// Mean token loss over (at most `limit`) windows of `eval`, spread over
+/// the ranks in equal numbers of forwards (sharded strategies gather
+/// parameters collectively); every rank gets the same value.
+fn evaluate(
+    acc: &mut Accelerator,
+    model: &Gpt2,
+    eval: &TokenFile,
+    limit: usize,
+    batch: usize,
+) -> Result<f64> {
+    let n = eval.len().min(limit);
+    let (rank, world) = (acc.process_index() as usize, acc.num_processes() as usize);
+    let rounds = n.div_ceil(batch * world);
+    let device = acc.device();
+    let mut sum = Tensor::zeros([], (Kind::Double, device));
+    let mut tokens = 0i64;
+    for round in 0..rounds {
+        let start = (round * world + rank) * batch;
+        let real: Vec<usize> = (start..(start + batch).min(n)).collect();
+        // A rank without windows this round still runs the forward.
+        let windows = if real.is_empty() {
+            vec![0]
+        } else {
+            real.clone()
+        };
+        let samples = windows
+            .iter()
+            .map(|&k| eval.get(k))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ids = Tensor::stack(
+            &samples
+                .iter()
+                .map(|s| s["input_ids"].shallow_clone())
+                .collect::<Vec<_>>(),
+            0,
+        )
+        .to_device(device);
+        let labels = Tensor::stack(
+            &samples
+                .iter()
+                .map(|s| s["labels"].shallow_clone())
+                .collect::<Vec<_>>(),
+            0,
+        )
+        .to_device(device);
+        let vocab = model.config.vocab_size;
+        check_ids(&ids, vocab, &|| {
+            format!("--eval-data {}", eval.path().display())
+        })?;
+        check_ids(&labels, vocab, &|| {
+            format!("--eval-data {}", eval.path().display())
+        })?;
+        let logits = tch::no_grad(|| acc.forward(|scope| model.forward(scope, &ids, false)))??;
+        if !real.is_empty() {
+            let v = logits.size()[2];
+            let s = tch::no_grad(|| {
+                logits
+                    .to_kind(Kind::Float)
+                    .view([-1, v])
+                    .cross_entropy_loss::<Tensor>(
+                        &labels.view([-1]),
+                        None,
+                        tch::Reduction::Sum,
+                        -100,
+                        0.0,
+                    )
+            });
+            sum += s.to_kind(Kind::Double);
+            tokens += labels.numel() as i64;
+        }
+    }
+    let totals = acc.reduce(
+        &Tensor::stack(&[sum, Tensor::from(tokens as f64).to_device(device)], 0),
+        Reduction::Sum,
+    )?;
+    let totals = Vec::<f64>::try_from(&totals.to_kind(Kind::Double))?;
+    Ok(totals[0] / totals[1])
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let config = configuration(&args)?;
+    let block = check_args(&args, &config)?;
+    let dtype: TokenDtype = args
+        .token_dtype
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--token-dtype: {e}"))?;
+    let logits_ids = args
+        .logits_input
+        .as_deref()
+        .map(|t| logits_input(t, &config))
+        .transpose()?;
+    // Open the checkpoint's headers and the data before the model is
+    // built: their errors come first.
+    let checkpoint = args
+        .model
+        .as_ref()
+        .map(|dir| hf::Checkpoint::open(dir).with_context(|| format!("--model {}", dir.display())))
+        .transpose()?;
+    let train = match &args.data {
+        Some(p) => Some(
+            TokenFile::open(p, dtype, block).with_context(|| format!("--data {}", p.display()))?,
+        ),
+        None => None,
+    };
+    let eval = match (
+        args.eval_every,
+        args.eval_data.as_ref().or(args.data.as_ref()),
+    ) {
+        (Some(_), Some(p)) => Some(
+            TokenFile::open(p, dtype, block)
+                .with_context(|| format!("--eval-data {}", p.display()))?,
+        ),
+        (Some(_), None) => bail!("--eval-every needs --eval-data or --data"),
+        _ => None,
+    };
+
+    let mut builder = Accelerator::builder().gradient_accumulation_steps(args.grad_accum);
+    if let Some(mp) = args.mixed_precision {
+        builder = builder.mixed_precision(match mp {
+            Precision::No => "no",
+            Precision::Fp16 => "fp16",
+            Precision::Bf16 => "bf16",
+        });
+    }
+    let mut acc = builder.build()?;
+    acc.set_seed(args.seed, false);
+    let mut vs = nn::VarStore::new(acc.device());
+    let model = Gpt2::new(&vs.root(), config);
+    if let (Some(dir), Some(ck)) = (&args.model, &checkpoint) {
+        let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let options = hf::LoadOptions {
+            strict: !args.non_strict,
+            base_model_prefix: Some("transformer".into()),
+            ignore_unexpected: IGNORED_SUFFIXES.iter().map(|s| (*s).to_owned()).collect(),
+            tied: if model.config.tie_word_embeddings {
+                vec![("lm_head.weight".into(), "transformer.wte.weight".into())]
+            } else {
+                Vec::new()
+            },
+            hint: Some(format!(
+                "shapes from {}; --non-strict loads what fits",
+                dir.join(hf::CONFIG_NAME).display()
+            )),
+        };
+        let report = ck
+            .load_into(&params, &options)
+            .with_context(|| format!("--model {}", dir.display()))?;
+        if let Some(problems) = report.problems() {
+            if acc.is_main_process() {
+                eprintln!(
+                    "gpt2: --non-strict: {} does not fully fit the model; going on with the model's own values where nothing fits:\n{problems}",
+                    ck.location().display()
+                );
+            }
+        }
+    }
+    let frozen = freeze(&vs, &args.freeze)?;
+    acc.declare_layer_class(BLOCK_CLASS, model.block_paths())?;
+    acc.prepare_model(&mut vs)?;
+    let mut opt =
+        acc.prepare_optimizer(OptimizerConfig::adamw(args.lr).weight_decay(args.weight_decay))?;
+    let total = args.steps * u64::from(acc.num_processes());
+    let schedule = match args.scheduler {
+        Sched::Constant => Schedule::Constant {
+            warmup: args.warmup,
+        },
+        Sched::Linear => Schedule::Linear {
+            warmup: args.warmup,
+            total,
+        },
+        Sched::Cosine => Schedule::Cosine {
+            warmup: args.warmup,
+            total,
+        },
+    };
+    let mut scheduler = acc.prepare_scheduler(LrScheduler::new(schedule, &mut opt));
+    let params: i64 = vs.variables().values().map(Tensor::numel).sum::<usize>() as i64;
+    acc.print(format!(
+        "gpt2: {} layers, n_embd {}, {} heads, vocab {}, {} parameters ({} frozen tensors); {} process(es), strategy {}, precision {}",
+        model.config.n_layer,
+        model.config.n_embd,
+        model.config.n_head,
+        model.config.vocab_size,
+        params,
+        frozen,
+        acc.num_processes(),
+        acc.strategy_name(),
+        acc.precision_name()
+    ));
+
+    let mut log = match (&args.loss_log, acc.is_main_process()) {
+        (Some(p), true) => Some(create(p, "--loss-log")?),
+        _ => None,
+    };
+    let mut eval_log = match (&args.eval_log, acc.is_main_process()) {
+        (Some(p), true) => Some(create(p, "--eval-log")?),
+        _ => None,
+    };
+    let mut step = 0u64;
+    let mut last = (None, f64::NAN);
+    let started = std::time::Instant::now();
+    if let (Some(train), true) = (train, args.steps > 0) {
+        let data_path = args.data.clone().unwrap_or_default();
+        let windows = train.len();
+        let loader = acc.prepare_data_loader(
+            DataLoader::from_dataset(train, args.batch_size)
+                .shuffle(args.data_seed.unwrap_or(args.seed)),
+        )?;
+        if loader.is_empty() {
+            bail!(
+                "--data {}: no batch for rank {} ({windows} windows of {block} tokens)",
+                data_path.display(),
+                acc.process_index()
+            );
+        }
+        acc.print(format!(
+            "gpt2: {windows} windows of {block} tokens, {} batches of {} per process per epoch",
+            loader.len().unwrap_or(0),
+            args.batch_size
+        ));
+        let vocab = model.config.vocab_size;
+        let mut window: Vec<Tensor> = Vec::new();
+        let mut pending: Vec<Pending> = Vec::new();
+        let epochs_done = |loader: &accel::accelerator::ShardedLoader| {
+            let p = loader.position();
+            p.epoch + u64::from(p.finished)
+        };
+        'training: while step < args.steps && args.epochs.is_none_or(|e| epochs_done(&loader) < e) {
+            for batch in loader.iter()? {
+                let batch = batch?;
+                let (ids, labels) = (&batch["input_ids"], &batch["labels"]);
+                let what = || format!("--data {} (step {})", data_path.display(), step + 1);
+                check_ids(ids, vocab, &what)?;
+                check_ids(labels, vocab, &what)?;
+                let lr_used = opt.lr();
+                let (synced, loss, norm) = acc.accumulate(|acc| -> Result<_, AccelError> {
+                    let logits = acc.forward(|scope| model.forward(scope, ids, true))??;
+                    let loss = lm_loss(&logits, labels);
+                    acc.backward(&loss)?;
+                    let synced = acc.sync_gradients();
+                    let norm = match args.max_grad_norm {
+                        Some(max) if synced => Some(acc.clip_grad_norm(max, 2.0)?),
+                        _ => None,
+                    };
+                    acc.step(&mut opt)?;
+                    scheduler.step(&mut opt);
+                    acc.zero_grad(&mut opt);
+                    Ok((synced, loss.detach(), norm))
+                })?;
+                window.push(loss);
+                if !synced {
+                    continue;
+                }
+                step += 1;
+                pending.push(Pending {
+                    step,
+                    lr: lr_used,
+                    grad_norm: norm,
+                    loss: Tensor::stack(&window, 0).mean(Kind::Float),
+                });
+                window.clear();
+                if pending.len() == REPORT_EVERY || step == args.steps {
+                    flush(&acc, &mut pending, &mut log, &mut last)?;
+                }
+                if let (Some(every), Some(eval)) = (args.eval_every, eval.as_ref()) {
+                    if step.is_multiple_of(every) {
+                        let loss =
+                            evaluate(&mut acc, &model, eval, args.eval_windows, args.batch_size)?;
+                        acc.print(format!("gpt2: step {step}: eval_loss {loss:.6}"));
+                        if let Some(l) = eval_log.as_mut() {
+                            writeln!(
+                                l,
+                                "{}",
+                                serde_json::json!({"step": step, "eval_loss": loss})
+                            )?;
+                        }
+                    }
+                }
+                if step >= args.steps {
+                    break 'training;
+                }
+            }
+        }
+        flush(&acc, &mut pending, &mut log, &mut last)?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    if let Some(mut l) = log.take() {
+        l.flush()?;
+    }
+    if let Some(mut l) = eval_log.take() {
+        l.flush()?;
+    }
+    if let Some(dir) = &args.save {
+        let files = acc
+            .save_model(dir, &args.max_shard_size)
+            .with_context(|| format!("--save {}", dir.display()))?;
+        if acc.is_main_process() {
+            hf::save_config(dir, &model.config.to_json())
+                .with_context(|| format!("--save {}", dir.display()))?;
+            acc.print(format!(
+                "gpt2: saved {} ({} weights file(s))",
+                dir.display(),
+                files
+                    .iter()
+                    .filter(|f| f.extension().is_some_and(|e| e == "safetensors"))
+                    .count()
+            ));
+        }
+    }
+    if let (Some(out), Some(ids)) = (&args.logits_out, logits_ids) {
+        let ids = Tensor::from_slice(&ids)
+            .unsqueeze(0)
+            .to_device(acc.device());
+        let logits = tch::no_grad(|| acc.forward(|scope| model.forward(scope, &ids, false)))??;
+        if acc.is_main_process() {
+            hf::write_safetensors(
+                out,
+                &[
+                    ("input_ids".to_owned(), ids),
+                    ("logits".to_owned(), logits.to_kind(Kind::Float)),
+                ],
+            )
+            .with_context(|| format!("--logits-out {}", out.display()))?;
+        }
+    }
+    acc.end_training()?;
+    if step > 0 {
+        acc.print(format!(
+            "gpt2: {step} steps, loss {:.6} -> {:.6}, {:.2} steps/s",
+            last.0.unwrap_or(f64::NAN),
+            last.1,
+            step as f64 / secs.max(1e-9)
+        ));
+    }
+    acc.wait_for_everyone()?;
+    Ok(())
+}

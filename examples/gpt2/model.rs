@@ -1,0 +1,551 @@
+//! GPT-2 as transformers' `GPT2LMHeadModel` computes it, with its parameter
+//! names, its `config.json` and its initialisation.
+
+use accel::accelerator::{AccelError, ForwardScope};
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Map, Value};
+use std::path::Path;
+use tch::{nn, nn::Init, Kind, Tensor};
+
+/// The layer class of a block, as transformers names it.
+pub const BLOCK_CLASS: &str = "GPT2Block";
+
+/// transformers' `GPT2LMHeadModel._keys_to_ignore_on_load_unexpected`:
+/// the causal-mask buffers old checkpoints hold.
+pub const IGNORED_SUFFIXES: &[&str] = &[".attn.bias", ".attn.masked_bias"];
+
+/// The activations of `activation_function` this model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `gelu_new`: the tanh approximation, spelled as transformers' NewGELUActivation.
+    GeluNew,
+    /// `gelu_pytorch_tanh`: torch's gelu(approximate="tanh").
+    GeluTanh,
+    /// `gelu`: the exact (erf) gelu.
+    Gelu,
+    /// `relu`.
+    Relu,
+    /// `silu` / `swish`.
+    Silu,
+    /// `tanh`.
+    Tanh,
+}
+
+impl Activation {
+    fn parse(name: &str) -> Option<Self> {
+        Some(match name {
+            "gelu_new" => Self::GeluNew,
+            "gelu_pytorch_tanh" => Self::GeluTanh,
+            "gelu" => Self::Gelu,
+            "relu" => Self::Relu,
+            "silu" | "swish" => Self::Silu,
+            "tanh" => Self::Tanh,
+            _ => return None,
+        })
+    }
+
+    fn apply(self, x: &Tensor) -> Tensor {
+        match self {
+            Self::GeluNew => {
+                // 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))
+                let inner =
+                    (x + x.pow_tensor_scalar(3.0) * 0.044715) * (2.0 / std::f64::consts::PI).sqrt();
+                (x * 0.5) * (inner.tanh() + 1.0)
+            }
+            Self::GeluTanh => x.gelu("tanh"),
+            Self::Gelu => x.gelu("none"),
+            Self::Relu => x.relu(),
+            Self::Silu => x.silu(),
+            Self::Tanh => x.tanh(),
+        }
+    }
+}
+
+/// The fields of `GPT2Config` the model uses; the rest of a loaded
+/// `config.json` is kept as it was and written back by `--save`.
+#[derive(Debug, Clone)]
+pub struct Gpt2Config {
+    pub vocab_size: i64,
+    pub n_positions: i64,
+    pub n_embd: i64,
+    pub n_layer: i64,
+    pub n_head: i64,
+    pub n_inner: Option<i64>,
+    pub activation_function: String,
+    pub activation: Activation,
+    pub resid_pdrop: f64,
+    pub embd_pdrop: f64,
+    pub attn_pdrop: f64,
+    pub layer_norm_epsilon: f64,
+    pub initializer_range: f64,
+    pub scale_attn_weights: bool,
+    pub scale_attn_by_inverse_layer_idx: bool,
+    pub tie_word_embeddings: bool,
+    /// The whole `config.json` it came from (empty for a new model).
+    pub raw: Map<String, Value>,
+}
+
+impl Default for Gpt2Config {
+    /// `GPT2Config()`'s defaults (GPT-2 small).
+    fn default() -> Self {
+        Self {
+            vocab_size: 50257,
+            n_positions: 1024,
+            n_embd: 768,
+            n_layer: 12,
+            n_head: 12,
+            n_inner: None,
+            activation_function: "gelu_new".into(),
+            activation: Activation::GeluNew,
+            resid_pdrop: 0.1,
+            embd_pdrop: 0.1,
+            attn_pdrop: 0.1,
+            layer_norm_epsilon: 1e-5,
+            initializer_range: 0.02,
+            scale_attn_weights: true,
+            scale_attn_by_inverse_layer_idx: false,
+            tie_word_embeddings: true,
+            raw: Map::new(),
+        }
+    }
+}
+
+impl Gpt2Config {
+    /// Reads a `config.json`: keys it lacks take `GPT2Config`'s defaults (as
+    /// transformers does); a key of the wrong type, a model type other than
+    /// `gpt2`, cross-attention or an activation this model lacks is refused,
+    /// naming the file and the key.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let v = accel::hf::read_json(path)?;
+        let Value::Object(raw) = v else {
+            bail!("{}: not a JSON object", path.display());
+        };
+        let mut c = Self::default();
+        let at = |key: &str| format!("{}: `{key}`", path.display());
+        let int = |key: &str, into: &mut i64| -> Result<()> {
+            match raw.get(key) {
+                None => Ok(()),
+                Some(v) => {
+                    *into = v
+                        .as_i64()
+                        .with_context(|| format!("{} is {v}, not an integer", at(key)))?;
+                    Ok(())
+                }
+            }
+        };
+        int("vocab_size", &mut c.vocab_size)?;
+        int("n_positions", &mut c.n_positions)?;
+        int("n_embd", &mut c.n_embd)?;
+        int("n_layer", &mut c.n_layer)?;
+        int("n_head", &mut c.n_head)?;
+        let float = |key: &str, into: &mut f64| -> Result<()> {
+            match raw.get(key) {
+                None => Ok(()),
+                Some(v) => {
+                    *into = v
+                        .as_f64()
+                        .with_context(|| format!("{} is {v}, not a number", at(key)))?;
+                    Ok(())
+                }
+            }
+        };
+        float("resid_pdrop", &mut c.resid_pdrop)?;
+        float("embd_pdrop", &mut c.embd_pdrop)?;
+        float("attn_pdrop", &mut c.attn_pdrop)?;
+        float("layer_norm_epsilon", &mut c.layer_norm_epsilon)?;
+        float("initializer_range", &mut c.initializer_range)?;
+        let boolean = |key: &str, into: &mut bool| -> Result<()> {
+            match raw.get(key) {
+                None => Ok(()),
+                Some(v) => {
+                    *into = v
+                        .as_bool()
+                        .with_context(|| format!("{} is {v}, not true or false", at(key)))?;
+                    Ok(())
+                }
+            }
+        };
+        boolean("scale_attn_weights", &mut c.scale_attn_weights)?;
+        boolean(
+            "scale_attn_by_inverse_layer_idx",
+            &mut c.scale_attn_by_inverse_layer_idx,
+        )?;
+        boolean("tie_word_embeddings", &mut c.tie_word_embeddings)?;
+        match raw.get("n_inner") {
+            None | Some(Value::Null) => {}
+            Some(v) => {
+                c.n_inner =
+                    Some(v.as_i64().with_context(|| {
+                        format!("{} is {v}, not an integer or null", at("n_inner"))
+                    })?)
+            }
+        }
+        if let Some(v) = raw.get("activation_function") {
+            let name = v
+                .as_str()
+                .with_context(|| format!("{} is {v}, not a string", at("activation_function")))?;
+            c.activation = Activation::parse(name).with_context(|| {
+                format!(
+                    "{} is `{name}`; this GPT-2 runs gelu_new, gelu_pytorch_tanh, gelu, relu, silu, swish, tanh",
+                    at("activation_function")
+                )
+            })?;
+            c.activation_function = name.to_owned();
+        }
+        if let Some(t) = raw.get("model_type").and_then(Value::as_str) {
+            if t != "gpt2" {
+                bail!("{} is `{t}`, not `gpt2`", at("model_type"));
+            }
+        }
+        if raw.get("add_cross_attention") == Some(&Value::Bool(true)) {
+            bail!(
+                "{} is true: cross-attention (an encoder-decoder GPT-2) is not supported",
+                at("add_cross_attention")
+            );
+        }
+        c.raw = raw;
+        c.validate()
+            .with_context(|| format!("{}", path.display()))?;
+        Ok(c)
+    }
+
+    /// Sizes that make a model: positive, heads dividing the width,
+    /// probabilities in [0, 1).
+    pub fn validate(&self) -> Result<()> {
+        for (key, v) in [
+            ("vocab_size", self.vocab_size),
+            ("n_positions", self.n_positions),
+            ("n_embd", self.n_embd),
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+        ] {
+            if v < 1 {
+                bail!("`{key}` is {v}: it must be at least 1");
+            }
+        }
+        if let Some(n) = self.n_inner {
+            if n < 1 {
+                bail!("`n_inner` is {n}: it must be at least 1 (or null for 4 × n_embd)");
+            }
+        }
+        if self.n_embd % self.n_head != 0 {
+            bail!(
+                "`n_embd` {} is not a multiple of `n_head` {}",
+                self.n_embd,
+                self.n_head
+            );
+        }
+        for (key, p) in [
+            ("resid_pdrop", self.resid_pdrop),
+            ("embd_pdrop", self.embd_pdrop),
+            ("attn_pdrop", self.attn_pdrop),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                bail!("`{key}` is {p}: a dropout probability is in [0, 1)");
+            }
+        }
+        if self.layer_norm_epsilon.is_nan() || self.layer_norm_epsilon <= 0.0 {
+            bail!(
+                "`layer_norm_epsilon` is {}: it must be > 0",
+                self.layer_norm_epsilon
+            );
+        }
+        if self.initializer_range.is_nan() || self.initializer_range < 0.0 {
+            bail!(
+                "`initializer_range` is {}: it must be >= 0",
+                self.initializer_range
+            );
+        }
+        Ok(())
+    }
+
+    /// The `config.json` `save_pretrained` would write: the loaded file's
+    /// keys, with this configuration's values.
+    pub fn to_json(&self) -> Value {
+        let mut m = self.raw.clone();
+        let defaults = json!({
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "add_cross_attention": false,
+            "reorder_and_upcast_attn": false,
+            "use_cache": true,
+            "dtype": "float32",
+            "bos_token_id": self.vocab_size.min(50257) - 1,
+            "eos_token_id": self.vocab_size.min(50257) - 1,
+        });
+        for (k, v) in defaults.as_object().into_iter().flatten() {
+            m.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+        let set = json!({
+            "vocab_size": self.vocab_size,
+            "n_positions": self.n_positions,
+            "n_embd": self.n_embd,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_inner": self.n_inner,
+            "activation_function": self.activation_function,
+            "resid_pdrop": self.resid_pdrop,
+            "embd_pdrop": self.embd_pdrop,
+            "attn_pdrop": self.attn_pdrop,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "initializer_range": self.initializer_range,
+            "scale_attn_weights": self.scale_attn_weights,
+            "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        });
+        for (k, v) in set.as_object().into_iter().flatten() {
+            m.insert(k.clone(), v.clone());
+        }
+        Value::Object(m)
+    }
+
+    fn inner(&self) -> i64 {
+        self.n_inner.unwrap_or(4 * self.n_embd)
+    }
+}
+
+/// transformers' `Conv1D`: `y = x @ W + b` with `W` stored `[in, out]`.
+struct Conv1d {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Conv1d {
+    fn new(p: nn::Path, nx: i64, nf: i64, std: f64) -> Self {
+        Self {
+            weight: p.var(
+                "weight",
+                &[nx, nf],
+                Init::Randn {
+                    mean: 0.0,
+                    stdev: std,
+                },
+            ),
+            bias: p.var("bias", &[nf], Init::Const(0.0)),
+        }
+    }
+
+    /// `torch.addmm(bias, x.view(-1, nx), weight).view(..., nf)`, as Conv1D.
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let mut out: Vec<i64> = x.size();
+        let nx = *out.last().expect("a Conv1D input has a last dimension");
+        *out.last_mut().expect("checked") = self.weight.size()[1];
+        self.bias
+            .addmm(&x.reshape([-1, nx]), &self.weight)
+            .view(out.as_slice())
+    }
+}
+
+struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    fn new(p: nn::Path, n: i64, eps: f64) -> Self {
+        Self {
+            weight: p.var("weight", &[n], Init::Const(1.0)),
+            bias: p.var("bias", &[n], Init::Const(0.0)),
+            eps,
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let n = self.weight.size()[0];
+        x.layer_norm([n], Some(&self.weight), Some(&self.bias), self.eps, true)
+    }
+}
+
+/// `torch.finfo(kind).min`, the masked scores' value (a half-precision
+/// score under autocast cannot hold f32's).
+fn finfo_min(kind: Kind) -> f64 {
+    match kind {
+        Kind::Half => -65504.0,
+        Kind::BFloat16 => -3.389_531_389_251_535e38,
+        Kind::Double => f64::MIN,
+        _ => f64::from(f32::MIN),
+    }
+}
+
+fn dropout(x: Tensor, p: f64, train: bool) -> Tensor {
+    if train && p > 0.0 {
+        x.dropout(p, true)
+    } else {
+        x
+    }
+}
+
+/// One `GPT2Block`: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
+struct Block {
+    ln_1: LayerNorm,
+    c_attn: Conv1d,
+    attn_c_proj: Conv1d,
+    ln_2: LayerNorm,
+    c_fc: Conv1d,
+    mlp_c_proj: Conv1d,
+    n_head: i64,
+    /// 1/sqrt(head_dim) (and 1/(layer+1) with scale_attn_by_inverse_layer_idx).
+    scaling: f64,
+    attn_pdrop: f64,
+    resid_pdrop: f64,
+    activation: Activation,
+}
+
+impl Block {
+    fn new(p: nn::Path, c: &Gpt2Config, layer: i64) -> Self {
+        let (e, std) = (c.n_embd, c.initializer_range);
+        // GPT-2's scaled init of the residual projections.
+        let proj_std = std / ((2 * c.n_layer) as f64).sqrt();
+        let head_dim = c.n_embd / c.n_head;
+        let mut scaling = 1.0;
+        if c.scale_attn_weights {
+            scaling = (head_dim as f64).powf(-0.5);
+        }
+        if c.scale_attn_by_inverse_layer_idx {
+            scaling /= (layer + 1) as f64;
+        }
+        Self {
+            ln_1: LayerNorm::new(&p / "ln_1", e, c.layer_norm_epsilon),
+            c_attn: Conv1d::new(&p / "attn" / "c_attn", e, 3 * e, std),
+            attn_c_proj: Conv1d::new(&p / "attn" / "c_proj", e, e, proj_std),
+            ln_2: LayerNorm::new(&p / "ln_2", e, c.layer_norm_epsilon),
+            c_fc: Conv1d::new(&p / "mlp" / "c_fc", e, c.inner(), std),
+            mlp_c_proj: Conv1d::new(&p / "mlp" / "c_proj", c.inner(), e, proj_std),
+            n_head: c.n_head,
+            scaling,
+            attn_pdrop: c.attn_pdrop,
+            resid_pdrop: c.resid_pdrop,
+            activation: c.activation,
+        }
+    }
+
+    fn attention(&self, x: &Tensor, train: bool) -> Tensor {
+        let (b, t, e) = x.size3().expect("hidden states are [B, T, E]");
+        let d = e / self.n_head;
+        let qkv = self.c_attn.forward(x).split(e, 2);
+        let heads = |t_: &Tensor| t_.view([b, t, self.n_head, d]).transpose(1, 2);
+        let (q, k, v) = (heads(&qkv[0]), heads(&qkv[1]), heads(&qkv[2]));
+        let scores = q.matmul(&k.transpose(-1, -2)) * self.scaling;
+        // The causal mask: a position sees itself and the ones before.
+        let future = Tensor::ones([t, t], (Kind::Bool, x.device())).triu(1);
+        let scores = scores.masked_fill(&future, finfo_min(scores.kind()));
+        let weights = dropout(scores.softmax(-1, Kind::Float), self.attn_pdrop, train);
+        let out = weights.matmul(&v).transpose(1, 2).reshape([b, t, e]);
+        dropout(self.attn_c_proj.forward(&out), self.resid_pdrop, train)
+    }
+
+    fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+        let h = self.attention(&self.ln_1.forward(x), train) + x;
+        let m = self.c_fc.forward(&self.ln_2.forward(&h));
+        let m = self.mlp_c_proj.forward(&self.activation.apply(&m));
+        dropout(m, self.resid_pdrop, train) + h
+    }
+}
+
+/// `GPT2LMHeadModel`.
+pub struct Gpt2 {
+    pub config: Gpt2Config,
+    wte: Tensor,
+    wpe: Tensor,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    /// Only without tie_word_embeddings; tied, the head is `wte`.
+    lm_head: Option<Tensor>,
+}
+
+impl Gpt2 {
+    /// The model's variables under `root` (`transformer.wte.weight`, ...),
+    /// initialised as `GPT2PreTrainedModel._init_weights` does:
+    /// normal(0, initializer_range) weights, zero biases, LayerNorm 1 and 0,
+    /// residual projections (`c_proj`) normal(0, initializer_range /
+    /// sqrt(2 n_layer)).
+    pub fn new(root: &nn::Path, config: Gpt2Config) -> Self {
+        let c = &config;
+        let tr = root / "transformer";
+        let std = c.initializer_range;
+        let wte = (&tr / "wte").var(
+            "weight",
+            &[c.vocab_size, c.n_embd],
+            Init::Randn {
+                mean: 0.0,
+                stdev: std,
+            },
+        );
+        let wpe = (&tr / "wpe").var(
+            "weight",
+            &[c.n_positions, c.n_embd],
+            Init::Randn {
+                mean: 0.0,
+                stdev: std,
+            },
+        );
+        let blocks = (0..c.n_layer)
+            .map(|i| Block::new(&tr / "h" / i, c, i))
+            .collect();
+        let ln_f = LayerNorm::new(&tr / "ln_f", c.n_embd, c.layer_norm_epsilon);
+        let lm_head = (!c.tie_word_embeddings).then(|| {
+            (root / "lm_head").var(
+                "weight",
+                &[c.vocab_size, c.n_embd],
+                Init::Randn {
+                    mean: 0.0,
+                    stdev: std,
+                },
+            )
+        });
+        Self {
+            config,
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            lm_head,
+        }
+    }
+
+    /// The module paths of the blocks (`transformer.h.<i>`), the units of
+    /// class [`BLOCK_CLASS`].
+    pub fn block_paths(&self) -> Vec<String> {
+        (0..self.blocks.len())
+            .map(|i| format!("transformer.h.{i}"))
+            .collect()
+    }
+
+    /// Logits `[B, T, vocab]` of `ids` `[B, T]` (int64, T ≤ n_positions,
+    /// ids < vocab_size: the caller checks), every module run as a unit
+    /// scope named by its path; `train` turns dropout on.
+    pub fn forward(
+        &self,
+        scope: &ForwardScope<'_>,
+        ids: &Tensor,
+        train: bool,
+    ) -> Result<Tensor, AccelError> {
+        let t = ids.size()[1];
+        let embeds = scope.unit("transformer.wte", || {
+            Tensor::embedding(&self.wte, ids, -1, false, false)
+        })?;
+        let positions = Tensor::arange(t, (Kind::Int64, ids.device())).unsqueeze(0);
+        let pos = scope.unit("transformer.wpe", || {
+            Tensor::embedding(&self.wpe, &positions, -1, false, false)
+        })?;
+        let mut h = dropout(embeds + pos, self.config.embd_pdrop, train);
+        for (i, block) in self.blocks.iter().enumerate() {
+            h = scope.unit(&format!("transformer.h.{i}"), || block.forward(&h, train))?;
+        }
+        let h = scope.unit("transformer.ln_f", || self.ln_f.forward(&h))?;
+        match &self.lm_head {
+            None => scope.unit("transformer.wte", || h.linear::<Tensor>(&self.wte, None)),
+            Some(w) => scope.unit("lm_head", || h.linear::<Tensor>(w, None)),
+        }
+    }
+}
+
+/// Mean token cross-entropy of `logits` `[B, T, V]` against `labels` `[B, T]`.
+pub fn lm_loss(logits: &Tensor, labels: &Tensor) -> Tensor {
+    let v = logits.size()[2];
+    logits
+        .to_kind(Kind::Float)
+        .view([-1, v])
+        .cross_entropy_loss::<Tensor>(&labels.view([-1]), None, tch::Reduction::Mean, -100, 0.0)
+}
