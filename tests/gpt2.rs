@@ -1,0 +1,594 @@
+//! The gpt2 example against Hugging Face transformers' `GPT2LMHeadModel`
+//! trained by Accelerate (`tests/peers/gpt2_reference.py`): per-step
+//! losses on 1 and 2 processes, logits of the saved model loaded by
+//! `from_pretrained`, a sharded checkpoint's round trip, and the refusals
+//! of a checkpoint that does not fit and of bad flags.
+
+use accel_integration_tests::{
+    accel_bin, build_bin, describe, loss_records, read_weights, run_ok, venv_bin, workspace_root,
+};
+use serde_json::Value;
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+use tch::Tensor;
+
+/// The tiny model every test uses.
+const SIZES: &[&str] = &[
+    "--n-layer",
+    "2",
+    "--n-embd",
+    "64",
+    "--n-head",
+    "4",
+    "--vocab-size",
+    "512",
+    "--n-positions",
+    "64",
+];
+const LOGITS_INPUT: &str = "1,8,43,218,67,338,459,500,3,0,511,77";
+
+fn gpt2() -> PathBuf {
+    build_bin("accel-examples", "gpt2")
+}
+
+fn peer() -> Command {
+    let mut cmd = Command::new(venv_bin("python"));
+    cmd.arg(workspace_root().join("tests/peers/gpt2_reference.py"));
+    cmd
+}
+
+/// 5000 u16 tokens below 512: mostly a fixed next-token rule (so the loss
+/// falls), one in five drawn at random.
+fn write_tokens(path: &Path) {
+    let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut t: u16 = 1;
+    let mut bytes = Vec::new();
+    for _ in 0..5000 {
+        bytes.extend(t.to_le_bytes());
+        t = if next() % 5 == 0 {
+            (next() % 512) as u16
+        } else {
+            (t * 5 + 3) % 512
+        };
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Runs gpt2 with `args`, expecting failure; returns stderr.
+fn refused(args: &[&str]) -> String {
+    let out: Output = Command::new(gpt2())
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "gpt2 {args:?} succeeded: {}",
+        describe(&out)
+    );
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!err.contains("panicked"), "gpt2 {args:?} panicked: {err}");
+    err
+}
+
+fn logits(path: &Path) -> Tensor {
+    read_weights(path)
+        .into_iter()
+        .find(|(n, _)| n == "logits")
+        .unwrap_or_else(|| panic!("no logits in {}", path.display()))
+        .1
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    (a - b).abs().max().double_value(&[])
+}
+
+/// The largest difference of `loss`, `lr` and `grad_norm` between two loss
+/// logs that must have the same steps.
+fn log_diff(ours: &Path, theirs: &Path, steps: u64) -> (f64, f64, f64) {
+    let (a, b) = (loss_records(ours), loss_records(theirs));
+    assert_eq!(a.len() as u64, steps, "{}", ours.display());
+    assert_eq!(b.len() as u64, steps, "{}", theirs.display());
+    let diff = |x: &Value, y: &Value, key: &str| match (x[key].as_f64(), y[key].as_f64()) {
+        (Some(p), Some(q)) => (p - q).abs(),
+        (None, None) => 0.0,
+        _ => panic!("`{key}` in one log only: {x} vs {y}"),
+    };
+    let mut worst = (0.0f64, 0.0f64, 0.0f64);
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(x["step"].as_u64(), Some(i as u64 + 1), "{x}");
+        assert_eq!(y["step"], x["step"], "{y}");
+        worst.0 = worst.0.max(diff(x, y, "loss"));
+        worst.1 = worst.1.max(diff(x, y, "lr"));
+        worst.2 = worst.2.max(diff(x, y, "grad_norm"));
+    }
+    worst
+}
+
+/// One configuration trained by accel and by the reference on `n`
+/// processes from the same HF init; losses, learning rates, gradient norms
+/// and the trained weights are compared.
+fn parity(dir: &Path, init: &Path, tokens: &Path, n: u32, steps: u64, extra: &[&str]) -> Saved {
+    let tag = format!("n{n}");
+    let (ours_log, theirs_log) = (
+        dir.join(format!("accel_{tag}.jsonl")),
+        dir.join(format!("py_{tag}.jsonl")),
+    );
+    let (ours_save, theirs_save) = (
+        dir.join(format!("accel_{tag}")),
+        dir.join(format!("py_{tag}")),
+    );
+    let (ours_logits, theirs_logits) = (
+        dir.join(format!("accel_{tag}_logits.safetensors")),
+        dir.join(format!("py_{tag}_logits.safetensors")),
+    );
+    let steps_s = steps.to_string();
+    let mut common: Vec<&str> = vec![
+        "--model",
+        init.to_str().unwrap(),
+        "--data",
+        tokens.to_str().unwrap(),
+        "--block-size",
+        "32",
+        "--steps",
+        &steps_s,
+        "--lr",
+        "1e-3",
+        "--data-seed",
+        "7",
+    ];
+    common.extend(extra);
+    let mut accel = if n == 1 {
+        Command::new(gpt2())
+    } else {
+        let mut c = Command::new(accel_bin());
+        c.args(["launch", "-q", "--cpu", "--num_processes", &n.to_string()])
+            .arg(gpt2());
+        c
+    };
+    run_ok(
+        accel
+            .args(&common)
+            .arg("--loss-log")
+            .arg(&ours_log)
+            .arg("--save")
+            .arg(&ours_save)
+            .args(["--logits-input", LOGITS_INPUT, "--logits-out"])
+            .arg(&ours_logits),
+    );
+    let mut reference = if n == 1 {
+        peer()
+    } else {
+        let mut c = Command::new(venv_bin("torchrun"));
+        c.args(["--standalone", "--nproc_per_node", &n.to_string()])
+            .arg(workspace_root().join("tests/peers/gpt2_reference.py"));
+        c
+    };
+    run_ok(
+        reference
+            .arg("train")
+            .args(&common)
+            .arg("--loss-log")
+            .arg(&theirs_log)
+            .arg("--save")
+            .arg(&theirs_save),
+    );
+    let (loss, lr, norm) = log_diff(&ours_log, &theirs_log, steps);
+    let (a, b) = (
+        read_weights(&ours_save.join("model.safetensors")),
+        read_weights(&theirs_save.join("model.safetensors")),
+    );
+    let names = |w: &[(String, Tensor)]| w.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(
+        names(&a),
+        names(&b),
+        "accel saves the tensors transformers saves"
+    );
+    let weights = a
+        .iter()
+        .zip(&b)
+        .map(|((_, x), (_, y))| max_diff(x, y))
+        .fold(0.0, f64::max);
+    println!(
+        "gpt2 vs transformers on {n} process(es), {steps} steps {extra:?}: max |Δloss| {loss:e}, \
+         |Δlr| {lr:e}, |Δgrad_norm| {norm:e}, |Δweights| {weights:e}"
+    );
+    assert!(loss <= 1e-4, "{n} process(es): losses differ by {loss}");
+    assert!(
+        lr <= 1e-12,
+        "{n} process(es): learning rates differ by {lr}"
+    );
+    assert!(
+        norm <= 1e-4,
+        "{n} process(es): gradient norms differ by {norm}"
+    );
+    assert!(
+        weights <= 1e-3,
+        "{n} process(es): trained weights differ by {weights}"
+    );
+    Saved {
+        model: ours_save,
+        accel_logits: ours_logits,
+        transformers_logits: theirs_logits,
+    }
+}
+
+/// A model accel trained and saved, with the logits accel computed for
+/// [`LOGITS_INPUT`] and where transformers' go.
+struct Saved {
+    model: PathBuf,
+    accel_logits: PathBuf,
+    transformers_logits: PathBuf,
+}
+
+/// Loads every saved model in transformers (one Python start) and
+/// compares its logits with accel's; returns the largest difference of each.
+fn transformers_logits(saved: &[&Saved]) -> Vec<f64> {
+    let mut cmd = peer();
+    cmd.args(["logits", "--ids", LOGITS_INPUT]);
+    for s in saved {
+        cmd.arg("--model").arg(&s.model).arg(&s.transformers_logits);
+    }
+    run_ok(&mut cmd);
+    saved
+        .iter()
+        .map(|s| max_diff(&logits(&s.accel_logits), &logits(&s.transformers_logits)))
+        .collect()
+}
+
+#[test]
+fn losses_and_saved_logits_match_transformers_on_one_and_two_processes() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.bin");
+    write_tokens(&tokens);
+    let init = dir.path().join("init");
+    let mut cmd = peer();
+    cmd.arg("init").arg(&init).args(SIZES).args(["--seed", "0"]);
+    run_ok(&mut cmd);
+    // 156 windows of 32: one process, batches of 8, 20 batches an epoch:
+    // 60 steps are 3 epochs. A frozen parameter, weight decay on the rest,
+    // cosine schedule with warmup.
+    let one = parity(
+        dir.path(),
+        &init,
+        &tokens,
+        1,
+        60,
+        &[
+            "--batch-size",
+            "8",
+            "--freeze",
+            r"transformer\.wpe\.",
+            "--weight-decay",
+            "0.1",
+            "--scheduler",
+            "cosine",
+            "--warmup",
+            "5",
+        ],
+    );
+    // Two processes (DDP), batches of 4 each, 2 micro-batches a step: 10
+    // steps an epoch, 60 steps are 6 epochs; clipping and a linear schedule.
+    let two = parity(
+        dir.path(),
+        &init,
+        &tokens,
+        2,
+        60,
+        &[
+            "--batch-size",
+            "4",
+            "--grad-accum",
+            "2",
+            "--max-grad-norm",
+            "0.5",
+            "--scheduler",
+            "linear",
+            "--warmup",
+            "10",
+        ],
+    );
+    // transformers loads what accel saved; its logits are accel's.
+    let diffs = transformers_logits(&[&one, &two]);
+    println!(
+        "saved models in transformers: |Δlogits| 1 process {:e}, 2 processes {:e}",
+        diffs[0], diffs[1]
+    );
+    for (n, d) in [1, 2].iter().zip(diffs) {
+        assert!(d <= 1e-4, "{n} process(es): logits differ by {d}");
+    }
+}
+
+#[test]
+fn a_three_shard_checkpoint_round_trips_through_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |name: &str| dir.path().join(name);
+    // A new model (accel's init) saved in one file, then in shards of at
+    // most 250 kB: 548 kB of weights make 3 shards.
+    run_ok(
+        Command::new(gpt2())
+            .args(SIZES)
+            .args(["--seed", "3", "--steps", "0", "--save"])
+            .arg(d("one"))
+            .args(["--logits-input", LOGITS_INPUT, "--logits-out"])
+            .arg(d("one.safetensors")),
+    );
+    run_ok(
+        Command::new(gpt2())
+            .arg("--model")
+            .arg(d("one"))
+            .args(["--steps", "0", "--max-shard-size", "250KB", "--save"])
+            .arg(d("sharded")),
+    );
+    let index: Value = serde_json::from_str(
+        &std::fs::read_to_string(d("sharded/model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let mut files: Vec<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    files.sort();
+    files.dedup();
+    assert_eq!(
+        files,
+        [
+            "model-00001-of-00003.safetensors",
+            "model-00002-of-00003.safetensors",
+            "model-00003-of-00003.safetensors"
+        ]
+    );
+    assert_eq!(index["weight_map"].as_object().unwrap().len(), 28);
+    assert!(!d("sharded/model.safetensors").exists());
+    // accel reads the shards back...
+    run_ok(
+        Command::new(gpt2())
+            .arg("--model")
+            .arg(d("sharded"))
+            .args([
+                "--steps",
+                "0",
+                "--logits-input",
+                LOGITS_INPUT,
+                "--logits-out",
+            ])
+            .arg(d("sharded.safetensors")),
+    );
+    let original = logits(&d("one.safetensors"));
+    assert_eq!(max_diff(&original, &logits(&d("sharded.safetensors"))), 0.0);
+    // ...and so does transformers, to the same logits.
+    let diff = transformers_logits(&[&Saved {
+        model: d("sharded"),
+        accel_logits: d("one.safetensors"),
+        transformers_logits: d("py.safetensors"),
+    }])[0];
+    println!("3-shard checkpoint: |Δlogits| accel vs transformers {diff:e}");
+    assert!(diff <= 1e-4, "logits differ by {diff}");
+}
+
+#[test]
+fn checkpoints_that_do_not_fit_and_bad_flags_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |name: &str| dir.path().join(name);
+    let tokens = d("tokens.bin");
+    write_tokens(&tokens);
+    run_ok(
+        Command::new(gpt2())
+            .args(SIZES)
+            .args(["--steps", "0", "--save"])
+            .arg(d("good")),
+    );
+    // Under bf16 autocast the masked attention scores are bf16's minimum,
+    // not f32's (which a bf16 tensor cannot hold).
+    run_ok(
+        Command::new(gpt2())
+            .arg("--model")
+            .arg(d("good"))
+            .arg("--data")
+            .arg(&tokens)
+            .args(["--block-size", "16", "--batch-size", "2", "--steps", "2"])
+            .args(["--mixed-precision", "bf16"]),
+    );
+    // A wrong shape, a missing tensor and an unexpected one; the causal-mask
+    // buffer of old checkpoints and a tied lm_head.weight are accepted.
+    let bad = d("bad");
+    std::fs::create_dir(&bad).unwrap();
+    std::fs::copy(d("good/config.json"), bad.join("config.json")).unwrap();
+    let mut w: Vec<(String, Tensor)> = read_weights(&d("good/model.safetensors"))
+        .into_iter()
+        .filter(|(n, _)| n != "transformer.ln_f.bias")
+        .collect();
+    let wte = w
+        .iter()
+        .find(|(n, _)| n == "transformer.wte.weight")
+        .unwrap()
+        .1
+        .copy();
+    for (n, t) in &mut w {
+        if n == "transformer.wpe.weight" {
+            *t = t.narrow(0, 0, 32).contiguous();
+        }
+    }
+    w.push((
+        "extra.weight".into(),
+        Tensor::zeros([3], tch::kind::FLOAT_CPU),
+    ));
+    w.push(("lm_head.weight".into(), wte));
+    w.push((
+        "transformer.h.0.attn.bias".into(),
+        Tensor::ones([1, 1, 64, 64], tch::kind::FLOAT_CPU),
+    ));
+    accel::hf::write_safetensors(&bad.join("model.safetensors"), &w).unwrap();
+    let file = bad.join("model.safetensors").display().to_string();
+    let err = refused(&["--model", bad.to_str().unwrap(), "--steps", "0"]);
+    for expect in [
+        format!("shape mismatch: `transformer.wpe.weight` in {file} is [32, 64], the model's is [64, 64]"),
+        "missing: `transformer.ln_f.bias` [64]".to_owned(),
+        format!("unexpected: `extra.weight` [3] in {file}"),
+        "--non-strict".to_owned(),
+    ] {
+        assert!(err.contains(&expect), "no `{expect}` in:\n{err}");
+    }
+    assert!(
+        !err.contains("lm_head") && !err.contains("attn.bias"),
+        "{err}"
+    );
+    // --non-strict lists the same and goes on.
+    let out = run_ok(Command::new(gpt2()).args([
+        "--model",
+        bad.to_str().unwrap(),
+        "--non-strict",
+        "--steps",
+        "0",
+    ]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("`transformer.wpe.weight`") && stderr.contains("`extra.weight`"),
+        "{stderr}"
+    );
+    // A sharded checkpoint whose index names a file that is not there.
+    let broken = d("broken");
+    std::fs::create_dir(&broken).unwrap();
+    std::fs::copy(d("good/config.json"), broken.join("config.json")).unwrap();
+    std::fs::write(
+        broken.join("model.safetensors.index.json"),
+        r#"{"metadata": {}, "weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors"}}"#,
+    )
+    .unwrap();
+    let err = refused(&["--model", broken.to_str().unwrap(), "--steps", "0"]);
+    assert!(
+        err.contains(
+            "`transformer.wte.weight` is in model-00001-of-00002.safetensors, which does not exist"
+        ),
+        "{err}"
+    );
+
+    let data = tokens.to_str().unwrap();
+    let good = d("good");
+    let good = good.to_str().unwrap();
+    for (args, expect) in [
+        (
+            vec!["--model", good, "--data", data, "--batch-size", "0"],
+            "--batch-size 0",
+        ),
+        (
+            vec!["--model", good, "--data", data, "--block-size", "65"],
+            "--block-size 65 exceeds the model's n_positions 64",
+        ),
+        (
+            vec!["--model", good, "--data", data, "--n-layer", "3"],
+            "--n-layer conflicts with --model",
+        ),
+        (
+            vec![
+                "--model",
+                good,
+                "--data",
+                data,
+                "--freeze",
+                "nothing-matches",
+            ],
+            "--freeze `nothing-matches` matches no parameter",
+        ),
+        (
+            vec!["--model", good, "--data", data, "--token-dtype", "u8"],
+            "--token-dtype",
+        ),
+        (vec!["--model", good], "--data FILE is needed to train"),
+        (
+            vec![
+                "--n-layer",
+                "1",
+                "--n-embd",
+                "16",
+                "--n-head",
+                "2",
+                "--vocab-size",
+                "100",
+                "--n-positions",
+                "64",
+                "--block-size",
+                "32",
+                "--data",
+                data,
+            ],
+            "is outside the model's vocabulary of 100",
+        ),
+        (
+            vec!["--n-embd", "10", "--n-head", "3", "--data", data],
+            "--n-embd 10 is not a multiple of --n-head 3",
+        ),
+    ] {
+        let err = refused(&args);
+        assert!(
+            err.contains(expect),
+            "gpt2 {args:?}: no `{expect}` in:\n{err}"
+        );
+    }
+}
+
+#[test]
+fn blocks_are_declared_of_a_layer_class() {
+    use accel::accelerator::Accelerator;
+    let mut acc = Accelerator::builder().build().unwrap();
+    let mut vs = tch::nn::VarStore::new(acc.device());
+    for i in 0..2 {
+        let _ = (vs.root() / "transformer" / "h" / i / "ln_1").var(
+            "weight",
+            &[4],
+            tch::nn::Init::Const(1.0),
+        );
+    }
+    acc.declare_layer_class("GPT2Block", ["transformer.h.0", "transformer.h.1"])
+        .unwrap();
+    // Again with the same class: nothing new; with another: refused.
+    acc.declare_layer_class("GPT2Block", ["transformer.h.0"])
+        .unwrap();
+    let e = acc
+        .declare_layer_class("GPT2MLP", ["transformer.h.1"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`transformer.h.1` is already of class `GPT2Block`"),
+        "{e}"
+    );
+    assert!(acc.declare_layer_class("GPT2Block", [""]).is_err());
+    assert_eq!(
+        acc.layer_classes(),
+        [
+            ("transformer.h.0", "GPT2Block"),
+            ("transformer.h.1", "GPT2Block")
+        ]
+    );
+    assert_eq!(
+        acc.layers_of_class("GPT2Block"),
+        ["transformer.h.0", "transformer.h.1"]
+    );
+    acc.prepare_model(&mut vs).unwrap();
+    let e = acc
+        .declare_layer_class("GPT2Block", ["transformer.h.2"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("before prepare_model"), "{e}");
+    // A declared path with no parameter is refused by prepare_model.
+    let mut acc = Accelerator::builder().build().unwrap();
+    acc.declare_layer_class("GPT2Block", ["transformer.h.7"])
+        .unwrap();
+    let e = acc.prepare_model(&mut vs).unwrap_err().to_string();
+    assert!(
+        e.contains("`transformer.h.7` (GPT2Block) holds no parameter of the model"),
+        "{e}"
+    );
+}

@@ -1,0 +1,208 @@
+"""Reference for accel's gpt2 example: transformers' GPT2LMHeadModel trained with Accelerate.
+
+Subcommands:
+
+    init DIR --n-layer L --n-embd E --n-head H --vocab-size V --n-positions P --seed S [--dropout 0]
+        torch.manual_seed(S); GPT2LMHeadModel(GPT2Config(...)).save_pretrained(DIR)
+
+    train --model DIR --data FILE [--token-dtype u16|u32] --block-size B --batch-size N --steps K
+          [--epochs E] [--lr 6e-4] [--weight-decay 0.01] [--scheduler constant|linear|cosine] [--warmup W]
+          [--data-seed S] [--grad-accum G] [--max-grad-norm M] [--freeze REGEX ...]
+          [--loss-log FILE] [--save DIR]
+        The same loop as examples/gpt2.rs. Run with plain python (one process) or
+        `torchrun --nproc_per_node 2` (CPU, gloo; `accelerate launch --cpu` starts only one process).
+
+    logits --ids 1,2,3 --model DIR FILE [--model DIR2 FILE2 ...]
+        GPT2LMHeadModel.from_pretrained(DIR) (default attention) in eval mode; writes the logits for
+        the ids to FILE as safetensors {input_ids [1, T], logits [1, T, V]}.
+
+Training setup, matching accel's gpt2:
+* Data: the nanoGPT token file as windows k -> input_ids t[k*B : k*B+B], labels t[k*B+1 : k*B+B+1]
+  (int64), DataLoader(ds, batch_size, shuffle=True) prepared by
+  Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=S)).
+* Model: from_pretrained(DIR, attn_implementation="eager") (the attention accel computes), train() mode;
+  the parity runs use dropout 0.
+* Loss: F.cross_entropy(logits.view(-1, V), labels.view(-1)) (the labels are already shifted).
+* Optimizer: torch.optim.AdamW(model.parameters(), lr, weight_decay) with its defaults (betas 0.9/0.999,
+  eps 1e-8): one group, every parameter decayed — accel's OptimizerConfig::adamw(lr).weight_decay(wd).
+  Frozen parameters (--freeze, re.search on the name) get requires_grad False and no gradient.
+* Schedule: transformers' get_{constant,linear,cosine}_schedule_with_warmup over steps * num_processes
+  single-process steps, stepped by Accelerate's AcceleratedScheduler.
+* Log: one JSON line per optimizer step: step (from 1), loss (mean over the step's micro-batches,
+  then over the ranks: accelerator.reduce(..., "mean")), lr (the rate the step used), grad_norm.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+import warnings
+
+os.environ.setdefault("ACCELERATE_USE_CPU", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.filterwarnings("ignore")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+
+class TokenWindows(Dataset):
+    def __init__(self, path, dtype, block):
+        self.t = np.memmap(path, dtype={"u16": np.uint16, "u32": np.uint32}[dtype], mode="r")
+        self.block = block
+
+    def __len__(self):
+        return (len(self.t) - 1) // self.block
+
+    def __getitem__(self, k):
+        b = self.block
+        w = torch.from_numpy(self.t[k * b : k * b + b + 1].astype(np.int64))
+        return {"input_ids": w[:-1], "labels": w[1:]}
+
+
+def cmd_init(a):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(a.seed)
+    v = a.vocab_size
+    config = GPT2Config(
+        n_layer=a.n_layer,
+        n_embd=a.n_embd,
+        n_head=a.n_head,
+        vocab_size=v,
+        n_positions=a.n_positions,
+        resid_pdrop=a.dropout,
+        embd_pdrop=a.dropout,
+        attn_pdrop=a.dropout,
+        bos_token_id=min(v, 50257) - 1,
+        eos_token_id=min(v, 50257) - 1,
+    )
+    GPT2LMHeadModel(config).save_pretrained(a.dir)
+
+
+def cmd_logits(a):
+    from transformers import GPT2LMHeadModel
+
+    ids = torch.tensor([[int(t) for t in a.ids.split(",")]], dtype=torch.int64)
+    for model_dir, out in a.model:
+        model = GPT2LMHeadModel.from_pretrained(model_dir)
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits.float().contiguous()
+        save_file({"input_ids": ids, "logits": logits}, out)
+
+
+def cmd_train(a):
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from transformers import (
+        GPT2LMHeadModel,
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
+
+    acc = Accelerator(
+        cpu=True,
+        gradient_accumulation_steps=a.grad_accum,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=a.data_seed),
+    )
+    model = GPT2LMHeadModel.from_pretrained(a.model, attn_implementation="eager")
+    model.train()
+    for name, p in model.named_parameters():
+        if any(re.search(f, name) for f in a.freeze):
+            p.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+    total = a.steps * acc.num_processes
+    if a.scheduler == "constant":
+        sched = get_constant_schedule_with_warmup(opt, a.warmup)
+    elif a.scheduler == "linear":
+        sched = get_linear_schedule_with_warmup(opt, a.warmup, total)
+    else:
+        sched = get_cosine_schedule_with_warmup(opt, a.warmup, total)
+    ds = TokenWindows(a.data, a.token_dtype, a.block_size)
+    dl = DataLoader(ds, batch_size=a.batch_size, shuffle=True)
+    model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
+    vocab = acc.unwrap_model(model).config.vocab_size
+
+    log = open(a.loss_log, "w") if (a.loss_log and acc.is_main_process) else None
+    step, epoch, window = 0, 0, []
+    while step < a.steps and (a.epochs is None or epoch < a.epochs):
+        for batch in dl:
+            lr = opt.param_groups[0]["lr"]
+            norm = None
+            with acc.accumulate(model):
+                logits = model(input_ids=batch["input_ids"]).logits
+                loss = F.cross_entropy(logits.float().view(-1, vocab), batch["labels"].view(-1))
+                acc.backward(loss)
+                if acc.sync_gradients and a.max_grad_norm is not None:
+                    norm = float(acc.clip_grad_norm_(model.parameters(), a.max_grad_norm))
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            window.append(loss.detach())
+            if not acc.sync_gradients:
+                continue
+            step += 1
+            mean = acc.reduce(torch.stack(window).mean(), "mean").item()
+            window = []
+            if log:
+                record = {"step": step, "loss": mean, "lr": lr}
+                if norm is not None:
+                    record["grad_norm"] = norm
+                log.write(json.dumps(record) + "\n")
+            if step >= a.steps:
+                break
+        epoch += 1
+    if log:
+        log.close()
+    acc.wait_for_everyone()
+    if a.save and acc.is_main_process:
+        acc.unwrap_model(model).save_pretrained(a.save)
+    acc.wait_for_everyone()
+    acc.end_training()
+
+
+def main(argv):
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    i = sub.add_parser("init")
+    i.add_argument("dir")
+    i.add_argument("--n-layer", type=int, required=True)
+    i.add_argument("--n-embd", type=int, required=True)
+    i.add_argument("--n-head", type=int, required=True)
+    i.add_argument("--vocab-size", type=int, required=True)
+    i.add_argument("--n-positions", type=int, required=True)
+    i.add_argument("--seed", type=int, default=0)
+    i.add_argument("--dropout", type=float, default=0.0)
+    t = sub.add_parser("train")
+    t.add_argument("--model", required=True)
+    t.add_argument("--data", required=True)
+    t.add_argument("--token-dtype", default="u16", choices=["u16", "u32"])
+    t.add_argument("--block-size", type=int, required=True)
+    t.add_argument("--batch-size", type=int, required=True)
+    t.add_argument("--steps", type=int, required=True)
+    t.add_argument("--epochs", type=int)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--scheduler", default="constant", choices=["constant", "linear", "cosine"])
+    t.add_argument("--warmup", type=int, default=0)
+    t.add_argument("--data-seed", type=int, default=0)
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--max-grad-norm", type=float)
+    t.add_argument("--freeze", action="append", default=[])
+    t.add_argument("--loss-log")
+    t.add_argument("--save")
+    lg = sub.add_parser("logits")
+    lg.add_argument("--ids", required=True)
+    lg.add_argument("--model", nargs=2, action="append", required=True, metavar=("DIR", "FILE"))
+    a = p.parse_args(argv)
+    {"init": cmd_init, "train": cmd_train, "logits": cmd_logits}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
