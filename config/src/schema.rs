@@ -239,6 +239,8 @@ pub const FSDP_KEYS: &[KeySpec] = &[
     k("fsdp_sharding_strategy", Kind::ShardingStrategy),
     k("fsdp_reshard_after_forward", Kind::ReshardAfterForward),
     k("fsdp_offload_params", Kind::Bool),
+    // How the transformers docs (and the seeds' example) write offloading.
+    k("fsdp_cpu_offload", Kind::Bool),
     k("fsdp_min_num_params", NONNEG),
     k("fsdp_auto_wrap_policy", ei(FSDP_AUTO_WRAP_POLICIES)),
     k("fsdp_transformer_layer_cls_to_wrap", Kind::StrOrList),

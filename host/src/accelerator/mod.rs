@@ -45,7 +45,7 @@ use crate::{
     context::ProcessContext,
     plugins::{
         config_check::{claimed_distributed_types, strategy_settings},
-        default_search_path, PluginSet, SelectError,
+        default_search_path, Choice, Plugin, PluginSet, SelectError,
     },
 };
 use accel_config::{resolve_training, ConfigError, ResolvedConfig};
@@ -361,6 +361,28 @@ impl AcceleratedScheduler {
     }
 }
 
+/// The chosen strategy component and what it was made with.
+struct StrategyMaker {
+    plugin: Plugin,
+    component: accel_sdk::Provided,
+    settings: Value,
+    ctx: ProcessContext,
+}
+
+impl StrategyMaker {
+    /// The strategy again, its settings JSON carrying `"layer_classes"`:
+    /// `[[module path, class], ...]`.
+    fn make(&self, classes: &units::LayerClasses) -> Result<accel_sdk::StrategyBox, AccelError> {
+        let mut settings = self.settings.clone();
+        settings["layer_classes"] = serde_json::json!(classes.pairs());
+        let choice = Choice {
+            plugin: &self.plugin,
+            component: &self.component,
+        };
+        Ok(choice.new_strategy(self.ctx.clone().into_box(), &settings.to_string())?)
+    }
+}
+
 /// The runtime of one process of a training job.
 pub struct Accelerator {
     rank: u32,
@@ -392,6 +414,9 @@ pub struct Accelerator {
     loaders: Mutex<Vec<Arc<Mutex<LoaderRecord>>>>,
     /// The layer classes the model declared (`declare_layer_class`).
     layer_classes: units::LayerClasses,
+    /// How the strategy was made, to make it again with the model's layer
+    /// classes at `prepare_model`.
+    strategy_maker: StrategyMaker,
 }
 
 fn env_u32(name: &str) -> Result<Option<u32>, AccelError> {
@@ -542,6 +567,12 @@ impl Accelerator {
             settings["settings"] = s;
         }
         let strategy = choice.new_strategy(ctx.clone().into_box(), &settings.to_string())?;
+        let strategy_maker = StrategyMaker {
+            plugin: choice.plugin.clone(),
+            component: choice.component.clone(),
+            settings: settings.clone(),
+            ctx: ctx.clone(),
+        };
         let strategy_name = format!("{} ({})", choice.component.name, choice.plugin.name);
         // What the strategy's own config decides (a DeepSpeed config file's
         // fp16/bf16 and gradient_accumulation_steps) wins, as in Accelerate.
@@ -625,6 +656,7 @@ impl Accelerator {
             checkpoints: checkpoint::Checkpoints::new(b.checkpoint),
             loaders: Mutex::new(Vec::new()),
             layer_classes: Default::default(),
+            strategy_maker,
         })
     }
 
@@ -773,6 +805,13 @@ impl Accelerator {
         let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
         self.layer_classes.check(&named)?;
+        if !self.layer_classes.is_empty() {
+            // The strategy learns the model's layer classes (what
+            // `fsdp_transformer_layer_cls_to_wrap` names): made again with
+            // them beside its settings, before it sees any parameter.
+            let strategy = self.strategy_maker.make(&self.layer_classes)?;
+            *lock(&self.strategy) = strategy;
+        }
         let mut handles = NamedTensorMut::all(&mut named);
         let wrap_units = lock(&self.strategy)
             .prepare_model(handles.as_mut_slice().into())

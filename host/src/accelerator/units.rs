@@ -250,6 +250,16 @@ impl ForwardScope<'_> {
 pub(crate) struct LayerClasses(Vec<(String, String)>);
 
 impl LayerClasses {
+    /// Whether none was declared.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// `(module path, class)` pairs, in declaration order.
+    pub(crate) fn pairs(&self) -> &[(String, String)] {
+        &self.0
+    }
+
     /// Every declared path must be a module of the model: the prefix of at
     /// least one parameter name.
     pub(crate) fn check(&self, params: &[(String, Tensor)]) -> Result<(), AccelError> {
@@ -283,11 +293,11 @@ impl super::Accelerator {
     /// which refuses a path that holds no parameter. A path has one class;
     /// declaring it again with another is refused.
     ///
-    /// The declaration is recorded and readable
-    /// ([`Accelerator::layer_classes`](super::Accelerator::layer_classes));
-    /// the wrap policies do not read it yet (FSDP's
-    /// `TRANSFORMER_BASED_WRAP` still matches path segments, `h` for
-    /// GPT-2's blocks).
+    /// The strategy receives the declarations at `prepare_model`: FSDP's
+    /// `TRANSFORMER_BASED_WRAP` with `fsdp_transformer_layer_cls_to_wrap:
+    /// GPT2Block` wraps every module declared `GPT2Block`, and a name that
+    /// is neither a declared class nor a path segment is refused with the
+    /// model's classes listed.
     pub fn declare_layer_class<I, S>(&mut self, class: &str, paths: I) -> Result<(), AccelError>
     where
         I: IntoIterator<Item = S>,

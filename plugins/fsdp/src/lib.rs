@@ -55,26 +55,45 @@ pub fn plan(s: &Settings) -> Plan {
     }
 }
 
-/// The wrap policy as the engine calls it: units by [`wrap::units`], the
-/// root unit (`""`) included; a class name that matches no path is an error.
+/// The wrap policy as the engine calls it: units by
+/// [`wrap::units_with_classes`], the root unit (`""`) included; a class name
+/// that matches neither a declared layer class nor a path is an error
+/// listing the classes the model declared.
 fn wrap_units(
     policy: &WrapPolicy,
+    declared: &[(String, String)],
     names: &[String],
     numels: &[i64],
 ) -> Result<Vec<(String, Vec<usize>)>, PluginError> {
     if let WrapPolicy::TransformerBased(classes) = policy {
-        if let Some(c) = wrap::unmatched(classes, names).first() {
+        if let Some(c) = wrap::unmatched(classes, names, declared).first() {
+            let mut have: Vec<String> = Vec::new();
+            for (path, class) in declared {
+                match have
+                    .iter_mut()
+                    .find(|h| h.starts_with(&format!("{class} (")))
+                {
+                    Some(_) => {}
+                    None => have.push(format!("{class} ({path}, ...)")),
+                }
+            }
+            let have = if have.is_empty() {
+                "none (the program declares none with Accelerator::declare_layer_class)".to_owned()
+            } else {
+                have.join(", ")
+            };
             return Err(PluginError::config(
                 PLUGIN,
                 format!(
-                    "fsdp_config.fsdp_transformer_layer_cls_to_wrap: `{c}` matches no parameter path; \
-                     name the VarStore path segment of your layers (paths look like `{}`)",
+                    "fsdp_config.fsdp_transformer_layer_cls_to_wrap: `{c}` is not a layer class of \
+                     this model; its layer classes: {have}. A VarStore path segment works too \
+                     (parameter paths look like `{}`)",
                     names.first().map_or("layers.0.weight", String::as_str)
                 ),
             ));
         }
     }
-    Ok(wrap::units(names, numels, policy)
+    Ok(wrap::units_with_classes(names, numels, policy, declared)
         .into_iter()
         .map(|u| (u.name, u.params))
         .collect())
@@ -85,10 +104,11 @@ fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError>
     s.check_supported()?;
     accel_sharding::report_warnings(PLUGIN, Some(&ctx), &s.warnings);
     let policy = s.wrap.clone();
+    let declared = s.layer_classes.clone();
     Ok(accel_sdk::into_strategy(Sharded::new(
         ctx,
         plan(&s),
-        Box::new(move |names, numels| wrap_units(&policy, names, numels)),
+        Box::new(move |names, numels| wrap_units(&policy, &declared, names, numels)),
     )))
 }
 
@@ -132,12 +152,23 @@ mod tests {
     fn an_unmatched_layer_class_is_refused_by_name() {
         let names = vec!["layers.0.weight".to_owned(), "head.weight".to_owned()];
         let policy = WrapPolicy::TransformerBased(vec!["BertLayer".to_owned()]);
-        let e = wrap_units(&policy, &names, &[4, 2])
+        let declared = vec![("layers.0".to_owned(), "MyBlock".to_owned())];
+        let e = wrap_units(&policy, &declared, &names, &[4, 2])
             .unwrap_err()
             .to_string();
-        assert!(e.contains("`BertLayer` matches no parameter path"), "{e}");
+        assert!(
+            e.contains("`BertLayer` is not a layer class of this model")
+                && e.contains("MyBlock (layers.0, ...)"),
+            "{e}"
+        );
+        let policy = WrapPolicy::TransformerBased(vec!["MyBlock".to_owned()]);
+        let units = wrap_units(&policy, &declared, &names, &[4, 2]).unwrap();
+        assert_eq!(
+            units,
+            vec![("layers.0".to_owned(), vec![0]), (String::new(), vec![1])]
+        );
         let policy = WrapPolicy::TransformerBased(vec!["layers".to_owned()]);
-        let units = wrap_units(&policy, &names, &[4, 2]).unwrap();
+        let units = wrap_units(&policy, &[], &names, &[4, 2]).unwrap();
         assert_eq!(
             units,
             vec![("layers.0".to_owned(), vec![0]), (String::new(), vec![1])]

@@ -118,6 +118,10 @@ pub struct Settings {
     /// Keys accepted but not acted on, and keys accel-fsdp does not know:
     /// shown to the user, never a refusal.
     pub warnings: Vec<String>,
+    /// The layer classes the model declared, `(module path, class)`: what
+    /// `TRANSFORMER_BASED_WRAP` class names select (from the host, not the
+    /// config: `"layer_classes"` beside `"section"`).
+    pub layer_classes: Vec<(String, String)>,
 }
 
 impl Settings {
@@ -393,7 +397,19 @@ pub fn parse(settings: &str) -> Result<Settings, PluginError> {
     let v: Value = accel_sdk::serde_json::from_str(settings)
         .map_err(|e| err(format!("settings are not JSON: {e}")))?;
     let section = v.get("section").cloned().unwrap_or(Value::Null);
-    from_section(&section)
+    let mut s = from_section(&section)?;
+    s.layer_classes = v
+        .get("layer_classes")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|pair| {
+            let path = pair.get(0)?.as_str()?;
+            let class = pair.get(1)?.as_str()?;
+            Some((path.to_owned(), class.to_owned()))
+        })
+        .collect();
+    Ok(s)
 }
 
 /// The settings an `fsdp_config` section describes (`null`: all defaults).
@@ -578,6 +594,7 @@ pub fn from_section(section: &Value) -> Result<Settings, PluginError> {
         sync_module_states,
         unsupported,
         warnings,
+        layer_classes: Vec::new(),
     })
 }
 
@@ -611,6 +628,7 @@ mod tests {
             sync_module_states: true,
             unsupported: Vec::new(),
             warnings: Vec::new(),
+            layer_classes: Vec::new(),
         };
         assert_eq!(ok(Value::Null), want);
         assert_eq!(ok(json!({})), want);

@@ -19,9 +19,15 @@
 //! | `TRANSFORMER_BASED_WRAP` | every module whose class is in `fsdp_transformer_layer_cls_to_wrap` (e.g. `BertLayer`) | every module whose **path segment** is one of those names, exactly (case-sensitive): with `fsdp_transformer_layer_cls_to_wrap: layers`, the parameters `layers.0.fc1.weight` and `layers.0.fc2.bias` form unit `layers.0`. When the segment after the match is an integer (a list index) the unit is the indexed item (`layers.3`), otherwise the matched module itself (`encoder`). The outermost match wins: a match inside an already matched module makes no unit of its own (PyTorch would nest one) |
 //! | `SIZE_BASED_WRAP` | `size_based_auto_wrap_policy`: bottom-up, a module becomes a unit when the elements of its parameters not already in a unit below it reach `fsdp_min_num_params`; `ModuleList`/`ModuleDict` never do | the same on the path tree. A module that holds no parameters of its own and whose children are all integers (`layers` above `layers.0`, `layers.1`, ...) counts as a `ModuleList` and never becomes a unit (its elements count towards its parent). The root is the root unit, never a sized one. A module that would be a unit with no parameters (possible only with `fsdp_min_num_params: 0`) is dropped |
 //!
-//! A class name that matches no path is not an error here;
-//! [`unmatched`] lists them so that the strategy can refuse the config
-//! with a message that shows what the paths look like.
+//! A model can declare the class of its layers
+//! (`Accelerator::declare_layer_class("GPT2Block", ["transformer.h.0", ...])`);
+//! a `fsdp_transformer_layer_cls_to_wrap` name that is a declared class then
+//! wraps those modules ([`units_with_classes`]), as PyTorch's class-based
+//! policy; other names match path segments as above.
+//!
+//! A class name that matches nothing is not an error here; [`unmatched`]
+//! lists them so that the strategy can refuse the config with a message
+//! that shows the model's classes and what the paths look like.
 
 use crate::settings::WrapPolicy;
 use std::collections::HashMap;
@@ -43,9 +49,38 @@ pub struct Unit {
 /// appearance in `names`. `numels[i]` is the element count of `names[i]`
 /// (only `SizeBased` reads it; a missing or negative count counts as 0).
 pub fn units(names: &[String], numels: &[i64], policy: &WrapPolicy) -> Vec<Unit> {
+    units_with_classes(names, numels, policy, &[])
+}
+
+/// [`units`], with the layer classes the model declared (`(module path,
+/// class)`, e.g. `("transformer.h.0", "GPT2Block")`): under
+/// `TRANSFORMER_BASED_WRAP` a name that is a declared class wraps every
+/// module declared of that class (the outermost when they nest), as
+/// PyTorch's class-based policy; the other names match path segments.
+pub fn units_with_classes(
+    names: &[String],
+    numels: &[i64],
+    policy: &WrapPolicy,
+    declared: &[(String, String)],
+) -> Vec<Unit> {
     let mut out = match policy {
         WrapPolicy::NoWrap => Vec::new(),
-        WrapPolicy::TransformerBased(classes) => transformer_units(names, classes),
+        WrapPolicy::TransformerBased(classes) => {
+            let mut taken = vec![false; names.len()];
+            let mut out = declared_units(names, declared, classes, &mut taken);
+            let segments: Vec<String> = classes
+                .iter()
+                .filter(|c| !declared.iter().any(|(_, d)| d == *c))
+                .cloned()
+                .collect();
+            for mut u in transformer_units(names, &segments) {
+                u.params.retain(|&i| !taken[i]);
+                if !u.params.is_empty() {
+                    out.push(u);
+                }
+            }
+            out
+        }
         WrapPolicy::SizeBased(min) => size_units(names, numels, *min),
     };
     out.sort_by_key(|u| u.params[0]);
@@ -62,18 +97,57 @@ pub fn units(names: &[String], numels: &[i64], policy: &WrapPolicy) -> Vec<Unit>
     out
 }
 
-/// The class names (path segments) of `classes` that match no module
-/// segment of any of `names`, in the order given.
-pub fn unmatched(classes: &[String], names: &[String]) -> Vec<String> {
+/// The names of `classes` that are neither a declared layer class nor a
+/// module segment of any of `names`, in the order given.
+pub fn unmatched(
+    classes: &[String],
+    names: &[String],
+    declared: &[(String, String)],
+) -> Vec<String> {
     classes
         .iter()
         .filter(|c| {
-            !names
-                .iter()
-                .any(|n| module_segments(n).contains(&c.as_str()))
+            !declared.iter().any(|(_, d)| d == *c)
+                && !names
+                    .iter()
+                    .any(|n| module_segments(n).contains(&c.as_str()))
         })
         .cloned()
         .collect()
+}
+
+/// One unit per declared module of a class in `classes` (outermost first;
+/// a module inside a wrapped one makes no unit of its own), marking its
+/// parameters `taken`.
+fn declared_units(
+    names: &[String],
+    declared: &[(String, String)],
+    classes: &[String],
+    taken: &mut [bool],
+) -> Vec<Unit> {
+    let mut paths: Vec<&str> = declared
+        .iter()
+        .filter(|(_, c)| classes.contains(c))
+        .map(|(p, _)| p.as_str())
+        .collect();
+    paths.sort_by_key(|p| p.split('.').count());
+    let mut out = Vec::new();
+    for path in paths {
+        let prefix = format!("{path}.");
+        let params: Vec<usize> = (0..names.len())
+            .filter(|&i| !taken[i] && names[i].starts_with(&prefix))
+            .collect();
+        for &i in &params {
+            taken[i] = true;
+        }
+        if !params.is_empty() {
+            out.push(Unit {
+                name: path.to_owned(),
+                params,
+            });
+        }
+    }
+    out
 }
 
 /// The module part of a parameter path: every segment but the last.
@@ -263,7 +337,7 @@ mod tests {
             assert_eq!(unit.params, vec![2 * i, 2 * i + 1]);
         }
         assert_eq!(show(&n, &u[8..]), vec![unit("", &["head.weight"])]);
-        assert!(unmatched(&["layers".into()], &n).is_empty());
+        assert!(unmatched(&["layers".into()], &n, &[]).is_empty());
     }
 
     #[test]
@@ -303,7 +377,11 @@ mod tests {
             ]
         );
         assert_eq!(
-            unmatched(&["encoder".into(), "BertLayer".into(), "weight".into()], &n),
+            unmatched(
+                &["encoder".into(), "BertLayer".into(), "weight".into()],
+                &n,
+                &[]
+            ),
             vec!["BertLayer".to_owned(), "weight".to_owned()]
         );
     }

@@ -1,0 +1,106 @@
+//! The seeds' FSDP example (shared/seeds/001: the config Accelerate users
+//! copy from the transformers docs), unchanged but for the layer class,
+//! trains accel's gpt2 on 4 CPU processes; with its `LlamaDecoderLayer`
+//! left in, the error says which layer classes gpt2 has.
+
+use accel_integration_tests::*;
+use std::path::Path;
+use std::process::Command;
+
+/// The seed's config, verbatim (its YAML block in
+/// shared/seeds/001_d2920c91cb52855b.txt; compared with it when the seeds
+/// are beside the repository).
+const SEED: &str = "compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_reshard_after_forward: true
+  fsdp_cpu_offload: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_activation_checkpointing: false
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+mixed_precision: bf16
+num_machines: 1
+num_processes: 4
+";
+
+fn tokens(path: &Path) {
+    let mut state = 12345u32;
+    let bytes: Vec<u8> = (0..20_000)
+        .flat_map(|_| {
+            state = state.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            (((state >> 16) % 512) as u16).to_le_bytes()
+        })
+        .collect();
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn launch(config: &Path, data: &Path, save: &Path) -> std::process::Output {
+    Command::new(accel_bin())
+        .args(["launch", "-q", "--config_file"])
+        .arg(config)
+        .arg(build_bin("accel-examples", "gpt2"))
+        .args(["--n-layer", "2", "--n-embd", "64", "--n-head", "4"])
+        .args([
+            "--vocab-size",
+            "512",
+            "--n-positions",
+            "64",
+            "--block-size",
+            "32",
+        ])
+        .args(["--batch-size", "2", "--steps", "4", "--data"])
+        .arg(data)
+        .arg("--save")
+        .arg(save)
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn the_seeds_fsdp_config_trains_gpt2_on_4_processes() {
+    let seed =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/seeds/001_d2920c91cb52855b.txt");
+    match std::fs::read_to_string(&seed) {
+        Ok(text) => assert!(
+            text.contains(SEED),
+            "the seed's config changed: update SEED from {}",
+            seed.display()
+        ),
+        Err(_) => eprintln!(
+            "seed_config: no seeds at {}; using the copy",
+            seed.display()
+        ),
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("tokens.bin");
+    tokens(&data);
+    let config = dir.path().join("seed.yaml");
+
+    // As published: the Llama class gpt2 does not have.
+    std::fs::write(&config, SEED).unwrap();
+    let out = launch(&config, &data, &dir.path().join("unused"));
+    let text = describe(&out);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("`LlamaDecoderLayer` is not a layer class of this model")
+            && text.contains("GPT2Block (transformer.h.0"),
+        "{text}"
+    );
+
+    // The one change: gpt2's layer class.
+    std::fs::write(&config, SEED.replace("LlamaDecoderLayer", "GPT2Block")).unwrap();
+    let save = dir.path().join("out");
+    let out = launch(&config, &data, &save);
+    let text = describe(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("4 process(es), strategy fsdp"), "{text}");
+    let weights = read_weights(&save.join("model.safetensors"));
+    assert!(weights
+        .iter()
+        .any(|(n, _)| n == "transformer.h.1.attn.c_attn.weight"));
+}
