@@ -396,6 +396,10 @@ const ENV_VARS: &[(&str, Target)] = &[
         Target::Key("ipex_config.use_xpu", ','),
     ),
     ("ACCEL_PLUGIN_DIR", Target::Key("accel.plugin_dir", ':')),
+    (
+        "ACCEL_COLLECTIVE_TIMEOUT",
+        Target::Key("accel.collective_timeout", ','),
+    ),
 ];
 
 /// The environment variables the resolver reads and the key each one sets
@@ -492,6 +496,10 @@ const SPECIAL_FLAGS: &[(&str, Target)] = &[
         Target::Key("fsdp_config.fsdp_backward_prefetch", ','),
     ),
     ("plugin_dir", Target::Key("accel.plugin_dir", ':')),
+    (
+        "collective_timeout",
+        Target::Key("accel.collective_timeout", ','),
+    ),
 ];
 
 /// A target with an owned path (flags can name any key path).

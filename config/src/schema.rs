@@ -312,6 +312,7 @@ pub const ACCEL_KEYS: &[KeySpec] = &[
     k("plugin_dir", Kind::StrList),
     k("strategy", Kind::Str),
     k("launcher", Kind::Str),
+    k("collective_timeout", Kind::Float { min: 0.1 }),
     k("trackers", Kind::StrList),
     k("plugins", Kind::Map),
 ];
@@ -575,6 +576,14 @@ pub struct AccelSection {
     /// The launcher plugin (`local`, `mpi`, `slurm`, or a third-party one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub launcher: Option<String>,
+    /// Seconds a collective may wait for the other ranks before this rank
+    /// fails, naming the collective (Accelerate's
+    /// `InitProcessGroupKwargs(timeout=...)`; 1800, PyTorch's NCCL default,
+    /// when unset). `accel launch` also ends a job with a rank stopped or
+    /// making no progress for this long. `--collective_timeout`,
+    /// `ACCEL_COLLECTIVE_TIMEOUT`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collective_timeout: Option<f64>,
     /// Tracker plugins to log to (`tensorboard`, `wandb`, `jsonl`, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trackers: Option<Vec<String>>,

@@ -168,6 +168,15 @@ pub struct LaunchArgs {
         value_parser = clap::value_parser!(u64).range(1..=MAX_SECONDS as u64)
     )]
     rdzv_timeout: u64,
+    /// Seconds a collective waits for the other ranks before the rank fails
+    /// (`accel.collective_timeout`; default 1800); also how long a rank may
+    /// be stopped or use no CPU time before the job is ended.
+    #[arg(
+        long = "collective_timeout",
+        alias = "collective-timeout",
+        value_name = "SECS"
+    )]
+    collective_timeout: Option<String>,
     /// Print each rank's command and environment; start nothing.
     #[arg(long = "dry-run", alias = "dry_run")]
     dry_run: bool,
@@ -208,6 +217,7 @@ impl LaunchArgs {
         push("gpu_ids", self.gpu_ids.clone());
         push("mixed_precision", self.mixed_precision.clone());
         push("rdzv_backend", self.rdzv_backend.clone());
+        push("collective_timeout", self.collective_timeout.clone());
         for (name, value) in [
             ("fsdp_sharding_strategy", &self.fsdp_sharding_strategy),
             ("fsdp_offload_params", &self.fsdp_offload_params),
