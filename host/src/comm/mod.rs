@@ -14,7 +14,44 @@ pub mod mpi;
 pub mod nccl;
 
 use accel_sdk::ReduceOp;
+use std::time::Duration;
 use tch::Tensor;
+
+/// How long a collective waits for the other ranks when nothing says
+/// otherwise: 30 minutes, PyTorch's default for NCCL (and Accelerate's
+/// `InitProcessGroupKwargs(timeout=...)`), used for MPI too.
+pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// The variable that carries the collective timeout, in seconds, to every
+/// rank (`accel.collective_timeout` in the config, `accel launch
+/// --collective_timeout`).
+pub const COLLECTIVE_TIMEOUT_ENV: &str = "ACCEL_COLLECTIVE_TIMEOUT";
+
+/// Reads a timeout in seconds (`5`, `0.5`, `1800.0`): a number above 0;
+/// one too large for a [`Duration`] is no limit at all.
+pub fn parse_timeout(text: &str) -> Option<Duration> {
+    let secs: f64 = text.trim().parse().ok()?;
+    (secs > 0.0).then(|| Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
+}
+
+/// The collective timeout from [`COLLECTIVE_TIMEOUT_ENV`] (read through
+/// `get`), else [`DEFAULT_COLLECTIVE_TIMEOUT`].
+pub fn collective_timeout(get: &dyn Fn(&str) -> Option<String>) -> Result<Duration, CommError> {
+    match get(COLLECTIVE_TIMEOUT_ENV) {
+        None => Ok(DEFAULT_COLLECTIVE_TIMEOUT),
+        Some(text) => parse_timeout(&text).ok_or_else(|| {
+            CommError::new(
+                "init",
+                format!("{COLLECTIVE_TIMEOUT_ENV}={text}: expected a number of seconds above 0"),
+            )
+        }),
+    }
+}
+
+/// "5 s", "0.5 s", "1800 s".
+pub(crate) fn seconds(d: Duration) -> String {
+    format!("{} s", d.as_secs_f64())
+}
 
 /// A failed collective.
 #[derive(Debug, thiserror::Error)]
@@ -127,5 +164,32 @@ impl Communicator for SingleProcess {
     }
     fn barrier(&self) -> Result<(), CommError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_are_positive_seconds() {
+        assert_eq!(parse_timeout("5"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_timeout(" 0.5 "), Some(Duration::from_millis(500)));
+        assert_eq!(parse_timeout("1e300"), Some(Duration::MAX));
+        for bad in ["0", "-1", "abc", "", "NaN"] {
+            assert_eq!(parse_timeout(bad), None, "{bad}");
+        }
+        let get =
+            |v: &'static str| move |k: &str| (k == COLLECTIVE_TIMEOUT_ENV).then(|| v.to_owned());
+        assert_eq!(
+            collective_timeout(&get("3")).unwrap(),
+            Duration::from_secs(3)
+        );
+        assert_eq!(
+            collective_timeout(&|_| None).unwrap(),
+            DEFAULT_COLLECTIVE_TIMEOUT
+        );
+        let err = collective_timeout(&get("soon")).unwrap_err().to_string();
+        assert!(err.contains("ACCEL_COLLECTIVE_TIMEOUT=soon"), "{err}");
     }
 }

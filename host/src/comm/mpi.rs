@@ -19,15 +19,34 @@
 //!   (`wait_for_everyone`, a gradient all-reduce) would never exit, mpirun
 //!   would never see the failure, and the job would hang.
 //!
+//! # Timeouts
+//!
+//! Every collective is MPI's non-blocking variant (`MPI_Iallreduce`,
+//! `MPI_Ibarrier`, ...) waited on with a deadline, the collective timeout
+//! ([`super::collective_timeout`]: `ACCEL_COLLECTIVE_TIMEOUT`, 30 minutes by
+//! default). The wait tests the request in a tight loop for the first
+//! milliseconds (a fast collective is not slowed), then yields, then sleeps
+//! between tests (up to 1 ms), so a rank waiting long for a slow or stopped
+//! peer does not burn a core. A rank that waits past the deadline fails with
+//! an error naming the collective, the timeout and the ranks that did not
+//! arrive; its exit then aborts the job (below). Which ranks did not arrive
+//! comes from the launcher's store (`MASTER_ADDR:MASTER_PORT`), where a rank
+//! waiting longer than a second notes the collective it waits in; with two
+//! ranks it is the other one. MPI cannot cancel a collective, so after a
+//! timeout its buffers stay with MPI (leaked) and every later collective
+//! fails at once.
+//!
 //! A rank killed by a signal (a crash, `panic = "abort"`) runs no handler;
 //! mpirun sees it die and kills the job itself. The status comes from
 //! glibc's `on_exit(3)`; on other C libraries only `atexit` exists, the
 //! status is unknown and the handler always finalises.
 
-use super::{write_back, CommError, Communicator};
+use super::{collective_timeout, seconds, write_back, CommError, Communicator};
+use accel_rendezvous::Client;
 use accel_sdk::ReduceOp;
 use mpi::{
     collective::SystemOperation,
+    request::{Request, StaticScope},
     topology::SimpleCommunicator,
     traits::{Communicator as _, CommunicatorCollectives, Root},
     Threading,
@@ -35,9 +54,11 @@ use mpi::{
 use std::{
     ffi::c_int,
     sync::{
-        atomic::{AtomicI32, Ordering},
+        atomic::{AtomicI32, AtomicU64, Ordering},
         Arc, Mutex,
     },
+    thread,
+    time::{Duration, Instant},
 };
 use tch::{Kind, Tensor};
 
@@ -54,6 +75,88 @@ pub struct Mpi {
     scratch: Mutex<Option<Tensor>>,
     rank: u32,
     size: u32,
+    /// How long a collective may wait.
+    timeout: Duration,
+    /// Collectives this rank has started; every rank starts the same ones in
+    /// the same order, so the count names one collective across ranks.
+    started: AtomicU64,
+    /// Why the communicator is unusable: a collective timed out.
+    broken: Mutex<Option<String>>,
+    /// Where waiting ranks note the collective they wait in.
+    arrivals: Mutex<Arrivals>,
+}
+
+/// The launcher's store, as a notice board of which collective each rank
+/// waits in (`accel/collective/<attempt>/<rank>` = its count).
+struct Arrivals {
+    /// `MASTER_ADDR:MASTER_PORT`, when the launcher set them.
+    addr: Option<String>,
+    /// Key prefix: the launcher's restart attempt.
+    prefix: String,
+    client: Option<Client>,
+    /// Connecting failed once: the store is not asked again.
+    unreachable: bool,
+}
+
+impl Arrivals {
+    fn client(&mut self) -> Option<&mut Client> {
+        if self.client.is_none() && !self.unreachable {
+            let addr = self.addr.as_deref()?;
+            match Client::connect(addr, Duration::from_secs(1)) {
+                Ok(c) => self.client = Some(c),
+                Err(_) => self.unreachable = true,
+            }
+        }
+        self.client.as_mut()
+    }
+
+    /// Notes that `rank` waits in collective `count`.
+    fn post(&mut self, rank: u32, count: u64) {
+        let key = format!("{}/{rank}", self.prefix);
+        if let Some(c) = self.client() {
+            if c.set(&key, count.to_string().as_bytes()).is_err() {
+                self.client = None;
+                self.unreachable = true;
+            }
+        }
+    }
+
+    /// The ranks (of `size`, other than `rank`) not known to wait in
+    /// collective `count` or a later one; `None` when the store cannot say.
+    fn missing(&mut self, rank: u32, size: u32, count: u64) -> Option<Vec<u32>> {
+        let prefix = self.prefix.clone();
+        let c = self.client()?;
+        let mut missing = Vec::new();
+        for r in (0..size).filter(|r| *r != rank) {
+            let seen = c.try_get(&format!("{prefix}/{r}")).ok()?;
+            let at: u64 = seen
+                .and_then(|v| String::from_utf8(v).ok()?.parse().ok())
+                .unwrap_or(0);
+            if at < count {
+                missing.push(r);
+            }
+        }
+        Some(missing)
+    }
+}
+
+/// How long a wait spins (tests back to back) before it yields the core.
+const SPIN: Duration = Duration::from_millis(10);
+/// How long it yields between tests before it starts sleeping.
+const YIELD: Duration = Duration::from_millis(50);
+/// The longest sleep between two tests of a waiting collective.
+const MAX_NAP: Duration = Duration::from_millis(10);
+/// A rank waiting this long (at most half the timeout) notes in the store
+/// which collective it waits in.
+const NOTE_AFTER: Duration = Duration::from_secs(1);
+
+/// "rank 1", "ranks 1, 3".
+fn rank_list(ranks: &[u32]) -> String {
+    let list: Vec<String> = ranks.iter().map(u32::to_string).collect();
+    match ranks {
+        [_] => format!("rank {}", list[0]),
+        _ => format!("ranks {}", list.join(", ")),
+    }
 }
 
 // SAFETY: the communicator handle is only used under `world`'s mutex, and
@@ -80,6 +183,45 @@ fn end_mpi_at_exit(status: c_int) {
     }
 }
 
+/// The launcher's store (`MASTER_ADDR:MASTER_PORT`) and restart attempt,
+/// where a failing rank reports itself (for `accel launch`'s message).
+static REPORT_TO: std::sync::OnceLock<(String, String)> = std::sync::OnceLock::new();
+
+/// The store keys of an attempt's failure reports: a counter, and report
+/// number `n` (1 is the first rank that failed).
+pub fn failure_keys(attempt: &str) -> (String, String) {
+    (
+        format!("accel/job/{attempt}/failures"),
+        format!("accel/job/{attempt}/failure/"),
+    )
+}
+
+/// Tells the launcher's store that this rank is exiting with `status` (and
+/// why, after a collective timeout), so that `accel launch` can name the
+/// rank that failed first.
+fn report_failure(status: c_int) {
+    let Some((addr, attempt)) = REPORT_TO.get() else {
+        return;
+    };
+    // try_lock: the exit may come from a thread holding it.
+    let why = SHARED
+        .get()
+        .and_then(|m| m.broken.try_lock().ok()?.clone())
+        .map(|w| format!(" after its {w}"))
+        .unwrap_or_default();
+    let message = format!(
+        "rank {} (pid {}) exited with status {status}{why}",
+        WORLD_RANK.load(Ordering::Relaxed),
+        std::process::id()
+    );
+    let (counter, prefix) = failure_keys(attempt);
+    if let Ok(mut c) = Client::connect(addr, Duration::from_secs(1)) {
+        if let Ok(n) = c.add(&counter, 1) {
+            let _ = c.set(&format!("{prefix}{n}"), message.as_bytes());
+        }
+    }
+}
+
 /// Tells mpirun to kill every rank of the job, and exits with `status`.
 fn abort_job(status: c_int) -> ! {
     let message = format!(
@@ -87,11 +229,14 @@ fn abort_job(status: c_int) -> ! {
         WORLD_RANK.load(Ordering::Relaxed)
     );
     // SAFETY: a plain write(2) of a live buffer to stderr (no lock that a
-    // thread stopped in the middle of printing could hold); MPI_Abort on
-    // the world communicator of an initialised MPI; _exit ends the process
-    // should MPI_Abort ever return.
+    // thread stopped in the middle of printing could hold).
     unsafe {
         libc::write(2, message.as_ptr().cast(), message.len());
+    }
+    report_failure(status);
+    // SAFETY: MPI_Abort on the world communicator of an initialised MPI;
+    // _exit ends the process should MPI_Abort ever return.
+    unsafe {
         mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, status);
         libc::_exit(status)
     }
@@ -163,12 +308,134 @@ impl Mpi {
         std::mem::forget(universe);
         WORLD_RANK.store(world.rank(), Ordering::Relaxed);
         register_exit_handler();
+        let env = |k: &str| std::env::var(k).ok();
+        let timeout = collective_timeout(&env)?;
+        let addr = env("MASTER_ADDR")
+            .zip(env("MASTER_PORT"))
+            .map(|(a, p)| format!("{a}:{p}"));
+        let attempt = env("ACCEL_RESTART_COUNT").unwrap_or_else(|| "0".into());
+        if let Some(addr) = &addr {
+            let _ = REPORT_TO.set((addr.clone(), attempt.clone()));
+        }
         Ok(Mpi {
             rank: world.rank() as u32,
             size: world.size() as u32,
             world: Mutex::new(world),
             scratch: Mutex::new(None),
+            timeout,
+            started: AtomicU64::new(0),
+            broken: Mutex::new(None),
+            arrivals: Mutex::new(Arrivals {
+                addr,
+                prefix: format!("accel/collective/{attempt}"),
+                client: None,
+                unreachable: false,
+            }),
         })
+    }
+
+    /// How long a collective waits for the other ranks.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Starts collective `op`: its count, or the error of an earlier
+    /// timeout (the communicator is unusable after one).
+    fn start(&self, op: &'static str) -> Result<u64, CommError> {
+        if let Some(why) = self
+            .broken
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            return Err(CommError::new(
+                op,
+                format!("not run: an earlier {why}; MPI still holds that collective's buffers, so this communicator cannot be used again"),
+            ));
+        }
+        Ok(self.started.fetch_add(1, Ordering::Relaxed) + 1)
+    }
+
+    /// Waits for `request` (collective number `count`, `op`) until the
+    /// timeout. On timeout MPI keeps `buffers` (leaked: MPI may still write
+    /// them) and the communicator is marked unusable.
+    fn wait<D: ?Sized>(
+        &self,
+        op: &'static str,
+        count: u64,
+        mut request: Request<'static, D, StaticScope>,
+        buffers: &[&Tensor],
+    ) -> Result<(), CommError> {
+        let start = Instant::now();
+        let note_after = NOTE_AFTER.min(self.timeout / 2);
+        let mut noted = false;
+        loop {
+            request = match request.test() {
+                Ok(_) => return Ok(()),
+                Err(r) => r,
+            };
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                // MPI cannot cancel a collective: it owns the request and
+                // the buffers until the process ends.
+                std::mem::forget(request);
+                for b in buffers {
+                    std::mem::forget(b.shallow_clone());
+                }
+                let (message, summary) = self.timed_out(op, count, noted);
+                *self.broken.lock().unwrap_or_else(|p| p.into_inner()) = Some(summary);
+                return Err(CommError::new(op, message));
+            }
+            if !noted && waited >= note_after {
+                self.arrivals
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .post(self.rank, count);
+                noted = true;
+            }
+            if waited < SPIN {
+                std::hint::spin_loop();
+            } else if waited < YIELD {
+                thread::yield_now();
+            } else {
+                // At most a 20th of the time waited so far: a collective
+                // that completes while this rank sleeps is seen at most
+                // 5 % late.
+                thread::sleep((waited / 20).min(MAX_NAP).min(self.timeout - waited));
+            }
+        }
+    }
+
+    /// The message of a timeout in collective number `count`.
+    /// The message of a timeout of `op` (collective number `count`), and
+    /// its summary for later collectives and the exit report.
+    fn timed_out(&self, op: &str, count: u64, noted: bool) -> (String, String) {
+        let mut arrivals = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
+        if !noted {
+            arrivals.post(self.rank, count);
+        }
+        let missing = arrivals
+            .missing(self.rank, self.size, count)
+            .or_else(|| (self.size == 2).then(|| vec![1 - self.rank]));
+        let who = match &missing {
+            Some(m) if m.is_empty() => "every rank arrived, yet it did not complete".to_owned(),
+            Some(m) => format!("{} did not arrive", rank_list(m)),
+            None => "some rank did not arrive".to_owned(),
+        };
+        let message = format!(
+            "rank {} waited {} (the collective timeout) and {who} (collective #{count} of this rank): a rank that is stopped, hung, dead or still busy elsewhere; this rank fails so that the job ends. Set the timeout with `accel launch --collective_timeout SECONDS` or `accel.collective_timeout` in the config (default 1800)",
+            self.rank,
+            seconds(self.timeout),
+        );
+        let summary = match missing {
+            Some(m) if !m.is_empty() => format!(
+                "{op} timed out ({}) waiting for {}",
+                seconds(self.timeout),
+                rank_list(&m)
+            ),
+            _ => format!("{op} timed out ({})", seconds(self.timeout)),
+        };
+        (message, summary)
     }
 
     fn with_world<R>(&self, f: impl FnOnce(&SimpleCommunicator) -> R) -> R {
@@ -199,18 +466,22 @@ fn work_buffer(op: &'static str, t: &Tensor) -> Result<Tensor, CommError> {
     Ok(t.detach().to_kind(kind).contiguous())
 }
 
-/// Runs `$body` with `$a` (and `$b`, same kind) seen as mutable slices of
-/// their element type.
+/// Runs `$body` with `$a` seen as a shared slice and `$b` (same kind) as a
+/// mutable slice of their element type, both `'static`: MPI may hold them
+/// past this call (see [`Mpi::wait`], which leaks them on a timeout).
 macro_rules! with_slices {
     ($op:expr, $a:expr, $b:expr, |$sa:ident, $sb:ident| $body:expr) => {{
         let (a, b): (&Tensor, &Tensor) = ($a, $b);
         macro_rules! typed {
             ($t:ty) => {{
                 // SAFETY: `a` and `b` are distinct contiguous CPU tensors of
-                // this element type; the slices do not outlive this block.
-                let $sa =
-                    unsafe { std::slice::from_raw_parts_mut(a.data_ptr() as *mut $t, a.numel()) };
-                let $sb =
+                // this element type. The slices are used only by the
+                // collective in `$body`, which either completes before
+                // `$body` returns or, after a timeout, keeps both tensors
+                // alive (leaked) for the rest of the process.
+                let $sa: &'static [$t] =
+                    unsafe { std::slice::from_raw_parts(a.data_ptr() as *const $t, a.numel()) };
+                let $sb: &'static mut [$t] =
                     unsafe { std::slice::from_raw_parts_mut(b.data_ptr() as *mut $t, b.numel()) };
                 $body
             }};
@@ -247,6 +518,7 @@ impl Communicator for Mpi {
         // tensor of an MPI kind, received into the kept scratch buffer, and
         // written back (averaged on the way) in one pass.
         let send = work_buffer("all_reduce", tensor)?;
+        let count = self.start("all_reduce")?;
         let n = send.numel() as i64;
         let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let fits = scratch
@@ -259,8 +531,10 @@ impl Communicator for Mpi {
             .as_ref()
             .map(|s| s.narrow(0, 0, n))
             .expect("scratch was just made");
-        with_slices!("all_reduce", &send, &recv, |s, r| self
-            .with_world(|w| w.all_reduce_into(&*s, r, system_op(op))));
+        with_slices!("all_reduce", &send, &recv, |s, r| self.with_world(|w| {
+            let request = w.immediate_all_reduce_into(StaticScope, s, r, system_op(op));
+            self.wait("all_reduce", count, request, &[&send, &recv])
+        }))?;
         let mut out = send.view([-1]);
         let size = i64::from(self.size);
         tch::no_grad(|| match op {
@@ -286,9 +560,16 @@ impl Communicator for Mpi {
             ));
         }
         let work = work_buffer("broadcast", tensor)?;
+        let count = self.start("broadcast")?;
         let unused = Tensor::zeros([1], (work.kind(), tch::Device::Cpu));
-        with_slices!("broadcast", &work, &unused, |b, _unused| self
-            .with_world(|w| w.process_at_rank(root as i32).broadcast_into(b)));
+        with_slices!("broadcast", &unused, &work, |_unused, b| self.with_world(
+            |w| {
+                let request = w
+                    .process_at_rank(root as i32)
+                    .immediate_broadcast_into(StaticScope, b);
+                self.wait("broadcast", count, request, &[&work])
+            }
+        ))?;
         write_back(tensor, &work);
         Ok(())
     }
@@ -305,9 +586,12 @@ impl Communicator for Mpi {
             ));
         }
         let send = work_buffer("all_gather", input)?;
+        let count = self.start("all_gather")?;
         let recv = Tensor::zeros([expected as i64], (send.kind(), tch::Device::Cpu));
-        with_slices!("all_gather", &send, &recv, |s, r| self
-            .with_world(|w| w.all_gather_into(&*s, r)));
+        with_slices!("all_gather", &send, &recv, |s, r| self.with_world(|w| {
+            let request = w.immediate_all_gather_into(StaticScope, s, r);
+            self.wait("all_gather", count, request, &[&send, &recv])
+        }))?;
         write_back(output, &recv);
         Ok(())
     }
@@ -330,9 +614,15 @@ impl Communicator for Mpi {
             ));
         }
         let send = work_buffer("reduce_scatter", input)?;
+        let count = self.start("reduce_scatter")?;
         let recv = Tensor::zeros([output.numel() as i64], (send.kind(), tch::Device::Cpu));
-        with_slices!("reduce_scatter", &send, &recv, |s, r| self
-            .with_world(|w| w.reduce_scatter_block_into(&*s, r, system_op(op))));
+        with_slices!("reduce_scatter", &send, &recv, |s, r| self.with_world(
+            |w| {
+                let request =
+                    w.immediate_reduce_scatter_block_into(StaticScope, s, r, system_op(op));
+                self.wait("reduce_scatter", count, request, &[&send, &recv])
+            }
+        ))?;
         let recv = if op == ReduceOp::Avg {
             recv / f64::from(self.size)
         } else {
@@ -343,7 +633,10 @@ impl Communicator for Mpi {
     }
 
     fn barrier(&self) -> Result<(), CommError> {
-        self.with_world(|w| w.barrier());
-        Ok(())
+        let count = self.start("barrier")?;
+        self.with_world(|w| {
+            let request = w.immediate_barrier();
+            self.wait("barrier", count, request, &[])
+        })
     }
 }
