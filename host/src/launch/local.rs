@@ -4,7 +4,7 @@
 
 use super::{
     env::Topology,
-    options::{from_spec, LaunchOptions},
+    options::{collective_timeout, from_spec, LaunchOptions},
     supervisor::{supervise, Peers, RankProcess, Supervision, Tee},
 };
 use accel_rendezvous::{Client, Server};
@@ -80,8 +80,12 @@ pub(super) fn plans(ranks: &[RankProcess]) -> RVec<ProcessPlan> {
         .collect()
 }
 
-/// Supervision settings from the launch options.
-pub(super) fn supervision(opts: &LaunchOptions) -> Result<Supervision, PluginError> {
+/// Supervision settings from the launch options, with the job's collective
+/// timeout as the watchdog's.
+pub(super) fn supervision(
+    spec: &LaunchSpec,
+    opts: &LaunchOptions,
+) -> Result<Supervision, PluginError> {
     let tee = Tee::parse(if opts.tee.is_empty() { "0" } else { &opts.tee })
         .map_err(|e| PluginError::config("accel", e))?;
     if !(opts.monitor_interval.is_finite() && opts.monitor_interval > 0.0) {
@@ -99,6 +103,7 @@ pub(super) fn supervision(opts: &LaunchOptions) -> Result<Supervision, PluginErr
         monitor_interval: Duration::from_secs_f64(opts.monitor_interval),
         max_restarts: opts.max_restarts,
         quiet: opts.quiet,
+        watchdog: Some(collective_timeout(spec)?),
         ..Supervision::default()
     })
 }
@@ -141,7 +146,7 @@ impl Peers for StorePeers {
 
 fn run(spec: &LaunchSpec) -> Result<LaunchOutcome, PluginError> {
     let opts = from_spec(spec, "local")?;
-    let supervision = supervision(&opts)?;
+    let supervision = supervision(spec, &opts)?;
     let multi = spec.num_machines > 1;
     // Machine 0 hosts the store; everyone (ranks included) reaches it at
     // MASTER_ADDR:MASTER_PORT.

@@ -6,6 +6,8 @@ pub mod env;
 mod local;
 pub mod mpi;
 pub mod options;
+mod procfs;
 pub mod rank_exec;
 pub mod slurm;
 pub mod supervisor;
+mod watch;

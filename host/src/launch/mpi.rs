@@ -7,14 +7,15 @@
 use super::{
     local::{host_store, plans, supervision},
     options::{from_spec, LaunchOptions},
-    supervisor::{supervise, RankProcess},
+    supervisor::{supervise, FailureReport, RankProcess, Starter, Supervision},
 };
+use accel_rendezvous::Client;
 use accel_sdk::{
     abi_stable::std_types::{RResult, RVec, Tuple2},
     Component, ErrorKind, LaunchOutcome, LaunchSpec, Launcher, LauncherBox, PluginError,
     PluginResult, ProcessPlan,
 };
-use std::process::Command;
+use std::{process::Command, sync::Arc, time::Duration};
 
 struct MpiLauncher;
 
@@ -139,6 +140,15 @@ fn rank_process_with(spec: &LaunchSpec, opts: &LaunchOptions) -> Result<RankProc
     })
 }
 
+/// The first failure a rank of `attempt` reported to the store at `addr`
+/// as it exited (see `comm::mpi`).
+fn first_reported_failure(addr: &str, attempt: u32) -> Option<String> {
+    let (_, prefix) = crate::comm::mpi::failure_keys(&attempt.to_string());
+    let mut client = Client::connect(addr, Duration::from_secs(1)).ok()?;
+    let value = client.try_get(&format!("{prefix}1")).ok()??;
+    Some(String::from_utf8_lossy(&value).into_owned())
+}
+
 impl Launcher for MpiLauncher {
     fn plan(&mut self, spec: &LaunchSpec) -> PluginResult<RVec<ProcessPlan>> {
         rank_process(spec).map(|r| plans(&[r])).into()
@@ -152,16 +162,25 @@ impl Launcher for MpiLauncher {
             let mut spec = spec.clone();
             spec.main_process_port = store.local_addr().port();
             let process = rank_process_with(&spec, &opts)?;
-            let outcome = supervise(&[process], &supervision(&opts)?, None)
-                .map_err(|e| PluginError::other("accel", e.to_string()))?;
-            let message = if outcome.exit_code == 0 {
-                format!("all {} rank(s) finished successfully", spec.num_processes)
-            } else {
-                outcome.message.replacen("rank 0", "mpirun", 1)
+            let store_addr = format!("{}:{}", spec.main_process_ip, spec.main_process_port);
+            let supervision = Supervision {
+                starter: Some(Starter {
+                    name: process.program.clone(),
+                    world_size: spec.num_processes,
+                    // The ranks of this machine are mpirun's descendants;
+                    // all of them when there is no hostfile.
+                    local_ranks: Some(opts.mpirun_hostfile.is_none().then_some(spec.num_processes)),
+                    report: Some(FailureReport(Arc::new(move |attempt| {
+                        first_reported_failure(&store_addr, attempt)
+                    }))),
+                }),
+                ..supervision(&spec, &opts)?
             };
+            let outcome = supervise(&[process], &supervision, None)
+                .map_err(|e| PluginError::other("accel", e.to_string()))?;
             Ok(LaunchOutcome {
                 exit_code: outcome.exit_code,
-                message: message.into(),
+                message: outcome.message.into(),
             })
         };
         RResult::from(run())

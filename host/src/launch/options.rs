@@ -5,7 +5,7 @@
 use accel_sdk::{LaunchSpec, PluginError};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use std::path::PathBuf;
+use std::{path::PathBuf, time::Duration};
 
 /// Launcher options from `accel launch`'s flags.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -43,4 +43,25 @@ pub fn from_spec(spec: &LaunchSpec, launcher: &str) -> Result<LaunchOptions, Plu
     })?;
     serde_json::from_value(v.get("launch").cloned().unwrap_or(Value::Null))
         .map_err(|e| PluginError::config("accel", format!("{launcher}: bad launch options: {e}")))
+}
+
+/// The collective timeout of the job in `spec` (`accel.collective_timeout`
+/// in its config, else [`crate::comm::DEFAULT_COLLECTIVE_TIMEOUT`]): how
+/// long a rank may wait in a collective, and how long the supervisor lets a
+/// rank be stopped or without CPU time.
+pub fn collective_timeout(spec: &LaunchSpec) -> Result<Duration, PluginError> {
+    let v: Value = serde_json::from_str(&spec.config_json).unwrap_or(Value::Null);
+    match v.pointer("/config/accel/collective_timeout") {
+        None | Some(Value::Null) => Ok(crate::comm::DEFAULT_COLLECTIVE_TIMEOUT),
+        Some(t) => match t {
+            Value::String(text) => crate::comm::parse_timeout(text),
+            other => crate::comm::parse_timeout(&other.to_string()),
+        }
+        .ok_or_else(|| {
+            PluginError::config(
+                "accel",
+                format!("accel.collective_timeout {t}: expected a number of seconds above 0"),
+            )
+        }),
+    }
 }

@@ -7,7 +7,7 @@
 use super::{
     local::{plans, supervision},
     options::from_spec,
-    supervisor::{supervise, RankProcess},
+    supervisor::{supervise, RankProcess, Starter, Supervision},
 };
 use accel_sdk::{
     abi_stable::std_types::{RResult, RVec, Tuple2},
@@ -78,11 +78,21 @@ impl Launcher for SlurmLauncher {
     fn launch(&mut self, spec: &LaunchSpec) -> PluginResult<LaunchOutcome> {
         let run = || -> Result<LaunchOutcome, PluginError> {
             let opts = from_spec(spec, "slurm")?;
-            let outcome = supervise(&[process(spec)?], &supervision(&opts)?, None)
+            let supervision = Supervision {
+                // srun's tasks run under slurmd, not below srun.
+                starter: Some(Starter {
+                    name: "srun".into(),
+                    world_size: spec.num_processes,
+                    local_ranks: None,
+                    report: None,
+                }),
+                ..supervision(spec, &opts)?
+            };
+            let outcome = supervise(&[process(spec)?], &supervision, None)
                 .map_err(|e| PluginError::other("accel", e.to_string()))?;
             Ok(LaunchOutcome {
                 exit_code: outcome.exit_code,
-                message: outcome.message.replacen("rank 0", "srun", 1).into(),
+                message: outcome.message.into(),
             })
         };
         RResult::from(run())

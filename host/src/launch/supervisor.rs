@@ -5,15 +5,27 @@
 //! * When a rank exits non-zero or dies, every other rank gets SIGTERM, then
 //!   SIGKILL after the grace period; the job ends with that rank's status.
 //! * SIGINT / SIGTERM sent to accel is forwarded to every rank (same grace).
+//! * With a watchdog timeout (the collective timeout), a rank that has been
+//!   stopped (state `T`) or has used no CPU time for longer than that ends
+//!   the job, with a message naming it.
+//! * When the supervised process is a starter (`mpirun`), its ranks on this
+//!   machine are found below it in `/proc` and watched the same way; when it
+//!   fails, the message names the rank that failed first (the rank's own
+//!   report, else what `/proc` showed) before the starter.
 //! * `max_restarts` restarts the whole group after a failure.
 //! * Output: streams selected by `tee` are prefixed with `[rank N]: `; with a
 //!   `log_dir` both streams of each rank are also written to
 //!   `<log_dir>/attempt_<k>/rank_<N>/{stdout,stderr}.log`.
 
+use super::watch::{self, Watch};
 use std::{
+    fmt,
     fs::{self, File},
     io::{self, BufRead, BufReader, Read, Write},
-    os::unix::process::{CommandExt, ExitStatusExt},
+    os::{
+        fd::{AsRawFd, OwnedFd},
+        unix::process::{CommandExt, ExitStatusExt},
+    },
     path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
     sync::{
@@ -86,6 +98,11 @@ pub struct Supervision {
     pub grace: Duration,
     /// No messages from accel itself.
     pub quiet: bool,
+    /// End the job when a rank has been stopped, or has used no CPU time,
+    /// for longer than this (the collective timeout); `None`: never.
+    pub watchdog: Option<Duration>,
+    /// The supervised process starts the ranks itself (mpirun, srun).
+    pub starter: Option<Starter>,
 }
 
 impl Default for Supervision {
@@ -97,8 +114,35 @@ impl Default for Supervision {
             max_restarts: 0,
             grace: Duration::from_secs(5),
             quiet: false,
+            watchdog: None,
+            starter: None,
         }
     }
+}
+
+/// The ranks' own word on which of them failed first, for an attempt
+/// (the launcher's store): e.g. `rank 1 (pid 42) exited with status 3`.
+#[derive(Clone)]
+pub struct FailureReport(pub Arc<dyn Fn(u32) -> Option<String> + Send + Sync>);
+
+impl fmt::Debug for FailureReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FailureReport")
+    }
+}
+
+/// A supervised process that starts the job's ranks (mpirun, srun).
+#[derive(Debug, Clone)]
+pub struct Starter {
+    /// Its name in messages (`mpirun`).
+    pub name: String,
+    /// Ranks in the whole job.
+    pub world_size: u32,
+    /// Its ranks on this machine are its descendants (mpirun, not srun),
+    /// `Some(n)` when there are `n` of them, `Some(None)` when unknown.
+    pub local_ranks: Option<Option<u32>>,
+    /// The ranks' own report of the first failure.
+    pub report: Option<FailureReport>,
 }
 
 /// Other machines of the job, seen by this machine's supervisor.
@@ -155,6 +199,8 @@ fn signal_name(sig: i32) -> &'static str {
 struct Running {
     rank: u32,
     child: Child,
+    /// Readable once the child ends.
+    fd: Option<OwnedFd>,
     status: Option<ExitStatus>,
     pumps: Vec<JoinHandle<()>>,
 }
@@ -272,28 +318,34 @@ fn spawn(rank: &RankProcess, attempt: u32, opts: &Supervision) -> io::Result<Run
     }
     Ok(Running {
         rank: rank.rank,
+        fd: super::procfs::pidfd(child.id() as i32),
         child,
         status: None,
         pumps,
     })
 }
 
-/// Sends `sig` to every rank still running, waits up to `grace`, then
-/// SIGKILLs what is left (and every rank's process group, for stragglers).
-fn stop_all(running: &mut [Running], sig: i32, grace: Duration) {
+/// Sends `sig` to every rank still running (and SIGCONT, so that a stopped
+/// rank acts on it; ranks below a starter directly too), waits up to
+/// `grace`, then SIGKILLs what is left (and every rank's process group, for
+/// stragglers).
+fn stop_all(running: &mut [Running], watch: &Watch, sig: i32, grace: Duration) {
+    watch.signal_ranks(sig);
     for r in running.iter_mut() {
         if r.poll().is_none() {
             r.signal_group(sig);
+            r.signal_group(libc::SIGCONT);
         }
     }
     let deadline = Instant::now() + grace;
     while Instant::now() < deadline && running.iter_mut().any(|r| r.poll().is_none()) {
         thread::sleep(Duration::from_millis(20));
     }
-    finish(running);
+    finish(running, watch);
 }
 
-fn finish(running: &mut [Running]) {
+fn finish(running: &mut [Running], watch: &Watch) {
+    watch.signal_ranks(libc::SIGKILL);
     for r in running.iter_mut() {
         r.signal_group(libc::SIGKILL);
         if r.status.is_none() {
@@ -313,6 +365,36 @@ enum AttemptEnd {
     Signalled(i32),
 }
 
+/// Why the starter's failure happened: the first rank that failed (the
+/// ranks' report, else `/proc`), then the starter, then stopped ranks.
+fn starter_failure(
+    starter: &Starter,
+    attempt: u32,
+    r: &Running,
+    status: ExitStatus,
+    watch: &Watch,
+) -> String {
+    let first = starter
+        .report
+        .as_ref()
+        .and_then(|report| (report.0)(attempt))
+        .or_else(|| watch.first_failure());
+    let own = format!(
+        "{} (pid {}) {}",
+        starter.name,
+        r.child.id(),
+        describe_status(status)
+    );
+    let mut message = match first {
+        Some(first) => format!("{first}; {own}, ending the job"),
+        None => own,
+    };
+    if let Some(stopped) = watch.stopped() {
+        message = format!("{message}; {stopped}");
+    }
+    message
+}
+
 fn run_attempt(
     ranks: &[RankProcess],
     attempt: u32,
@@ -321,11 +403,23 @@ fn run_attempt(
     peers: &mut Option<&mut dyn Peers>,
 ) -> io::Result<AttemptEnd> {
     let mut running = Vec::with_capacity(ranks.len());
+    let mut watch = Watch::new(opts.watchdog);
     for r in ranks {
         match spawn(r, attempt, opts) {
-            Ok(child) => running.push(child),
+            Ok(child) => {
+                let pid = child.child.id() as i32;
+                match &opts.starter {
+                    None => watch.add_rank(r.rank, pid),
+                    Some(Starter {
+                        local_ranks: Some(expected),
+                        ..
+                    }) => watch.add_starter(pid, *expected),
+                    Some(_) => {}
+                }
+                running.push(child);
+            }
             Err(e) => {
-                stop_all(&mut running, libc::SIGTERM, opts.grace);
+                stop_all(&mut running, &watch, libc::SIGTERM, opts.grace);
                 return Err(e);
             }
         }
@@ -333,24 +427,30 @@ fn run_attempt(
     loop {
         let sig = signal.swap(0, Ordering::SeqCst);
         if sig != 0 {
-            stop_all(&mut running, sig as i32, opts.grace);
+            stop_all(&mut running, &watch, sig as i32, opts.grace);
             return Ok(AttemptEnd::Signalled(sig as i32));
         }
+        watch.observe();
         let mut all_done = true;
         for r in running.iter_mut() {
             match r.poll() {
                 Some(status) if !status.success() => {
-                    let message = format!(
-                        "rank {} (pid {}) {}",
-                        r.rank,
-                        r.child.id(),
-                        describe_status(status)
-                    );
+                    // What /proc shows of the ranks as the starter ends.
+                    watch.observe();
+                    let message = match &opts.starter {
+                        Some(starter) => starter_failure(starter, attempt, r, status, &watch),
+                        None => format!(
+                            "rank {} (pid {}) {}",
+                            r.rank,
+                            r.child.id(),
+                            describe_status(status)
+                        ),
+                    };
                     let code = exit_code(status);
                     if let Some(p) = peers.as_mut() {
                         p.announce_failure(&message);
                     }
-                    stop_all(&mut running, libc::SIGTERM, opts.grace);
+                    stop_all(&mut running, &watch, libc::SIGTERM, opts.grace);
                     return Ok(AttemptEnd::Failed { code, message });
                 }
                 Some(_) => {}
@@ -358,17 +458,32 @@ fn run_attempt(
             }
         }
         if all_done {
-            finish(&mut running);
+            finish(&mut running, &watch);
             return Ok(AttemptEnd::Success);
         }
+        if let Some(message) = watch.hung() {
+            if let Some(p) = peers.as_mut() {
+                p.announce_failure(&message);
+            }
+            stop_all(&mut running, &watch, libc::SIGTERM, opts.grace);
+            return Ok(AttemptEnd::Failed { code: 1, message });
+        }
         if let Some(remote) = peers.as_mut().and_then(|p| p.remote_failure()) {
-            stop_all(&mut running, libc::SIGTERM, opts.grace);
+            stop_all(&mut running, &watch, libc::SIGTERM, opts.grace);
             return Ok(AttemptEnd::Failed {
                 code: 1,
                 message: format!("another machine failed: {remote}"),
             });
         }
-        thread::sleep(opts.monitor_interval);
+        // Woken early when a child or a watched rank ends, or by a signal.
+        let mut fds = watch.fds();
+        fds.extend(
+            running
+                .iter()
+                .filter(|r| r.status.is_none())
+                .filter_map(|r| r.fd.as_ref().map(AsRawFd::as_raw_fd)),
+        );
+        watch::wait_any(&fds, opts.monitor_interval);
     }
 }
 
@@ -389,22 +504,25 @@ pub fn supervise(
     mut peers: Option<&mut dyn Peers>,
 ) -> io::Result<JobOutcome> {
     let signal = signal_flag()?;
+    let world = opts
+        .starter
+        .as_ref()
+        .map_or(ranks.len(), |s| s.world_size as usize);
     let mut attempt = 0;
     loop {
         match run_attempt(ranks, attempt, opts, &signal, &mut peers)? {
             AttemptEnd::Success => {
                 return Ok(JobOutcome {
                     exit_code: 0,
-                    message: format!("all {} rank(s) finished successfully", ranks.len()),
+                    message: format!("all {world} rank(s) finished successfully"),
                 })
             }
             AttemptEnd::Signalled(sig) => {
                 return Ok(JobOutcome {
                     exit_code: 128 + sig,
                     message: format!(
-                        "accel received {}; stopped all {} rank(s)",
+                        "accel received {}; stopped all {world} rank(s)",
                         signal_name(sig),
-                        ranks.len()
                     ),
                 })
             }
