@@ -113,7 +113,11 @@ fn mpi_launcher_gives_four_ranks_the_env_contract() {
 }
 
 fn hanging_job(dir: &Path, extra: &[&str]) -> Child {
-    let mut args = vec!["--cpu", "--num_processes", "4", "--launcher", "local"];
+    hanging_job_under("local", dir, extra)
+}
+
+fn hanging_job_under(launcher: &str, dir: &Path, extra: &[&str]) -> Child {
+    let mut args = vec!["--cpu", "--num_processes", "4", "--launcher", launcher];
     args.extend_from_slice(extra);
     let probe = probe();
     args.extend([
@@ -182,6 +186,130 @@ fn sigint_to_accel_reaches_every_rank() {
     assert_eq!(out.status.code(), Some(130), "{}", describe(&out));
     assert!(String::from_utf8_lossy(&out.stderr).contains("accel received SIGINT"));
     assert_no_leftovers(&marker);
+}
+
+/// Under mpirun, accel supervises one process (mpirun), not the ranks: the
+/// message still counts the job's ranks.
+#[test]
+fn sigint_under_mpi_counts_every_rank_of_the_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().to_str().unwrap().to_owned();
+    let child = hanging_job_under("mpi", dir.path(), &[]);
+    // SAFETY: plain kill(2) of the accel process this test started.
+    assert_eq!(
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) },
+        0
+    );
+    let out = wait_within(child, Duration::from_secs(20));
+    assert_eq!(out.status.code(), Some(130), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("accel received SIGINT; stopped all 4 rank(s)"),
+        "{err}"
+    );
+    assert_no_leftovers(&marker);
+}
+
+/// A job under `--collective_timeout SECS` whose rank 1 does `action`
+/// (`--stop`, `--hang`) while the others spin; returns how it ended, the
+/// pid of rank 1 and how long after rank 1 started the job ended.
+fn rank_1_stalls(launcher: &str, action: &str, timeout: &str) -> (Output, i64, Duration) {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().to_str().unwrap().to_owned();
+    let probe = probe();
+    let child = launch(&[
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--launcher",
+        launcher,
+        "--collective_timeout",
+        timeout,
+        probe.to_str().unwrap(),
+        "--write-dir",
+        &marker,
+        action,
+        "--only-rank",
+        "1",
+        "--others-spin",
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    wait_for_files(dir.path(), 2);
+    let started = Instant::now();
+    let victim = ranks(dir.path())[1]["pid"].as_i64().unwrap();
+    let out = wait_within(child, Duration::from_secs(60));
+    let took = started.elapsed();
+    assert_no_leftovers(&marker);
+    (out, victim, took)
+}
+
+#[test]
+fn the_watchdog_ends_a_job_whose_rank_is_stopped() {
+    for launcher in ["local", "mpi"] {
+        let (out, victim, took) = rank_1_stalls(launcher, "--stop", "2");
+        assert_eq!(out.status.code(), Some(1), "{launcher}: {}", describe(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(&format!(
+                "accel launch: rank 1 (pid {victim}) has been stopped (state T"
+            )) && err.contains("longer than the collective timeout (2.0 s)"),
+            "{launcher}: {err}"
+        );
+        // The timeout, a monitor interval, and the teardown.
+        assert!(took < Duration::from_secs(8), "{launcher}: took {took:?}");
+    }
+}
+
+#[test]
+fn the_watchdog_ends_a_job_whose_rank_uses_no_cpu() {
+    let (out, victim, took) = rank_1_stalls("local", "--hang", "2");
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "accel launch: rank 1 (pid {victim}) has used no CPU time for"
+        )),
+        "{err}"
+    );
+    assert!(took < Duration::from_secs(8), "took {took:?}");
+}
+
+#[test]
+fn the_collective_timeout_reaches_every_rank_and_bad_values_are_refused() {
+    let out = output(launch(&[
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--launcher",
+        "mpi",
+        "--collective_timeout",
+        "7",
+        "--dry-run",
+        probe().to_str().unwrap(),
+    ]));
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("ACCEL_COLLECTIVE_TIMEOUT=7"),
+        "{}",
+        describe(&out)
+    );
+    for bad in ["0", "soon"] {
+        let out = output(launch(&[
+            "--cpu",
+            "--collective_timeout",
+            bad,
+            probe().to_str().unwrap(),
+        ]));
+        assert_eq!(out.status.code(), Some(1), "{bad}: {}", describe(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("accel.collective_timeout"),
+            "{bad}: {}",
+            describe(&out)
+        );
+    }
 }
 
 #[test]

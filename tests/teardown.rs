@@ -28,6 +28,17 @@ fn teardown_probe() -> PathBuf {
 /// `accel launch --cpu --num_processes 2 --launcher mpi PROGRAM ARGS`, with
 /// the job killed if it runs past `LIMIT` (then this panics).
 fn launch_mpi_within_limit(program: &PathBuf, args: &[&str]) -> Output {
+    launch_mpi_with(&[], program, args, |_| {})
+}
+
+/// As [`launch_mpi_within_limit`], with `flags` for `accel launch`, and
+/// `watch` called with accel's pid once the job runs.
+fn launch_mpi_with(
+    flags: &[&str],
+    program: &PathBuf,
+    args: &[&str],
+    watch: impl FnOnce(u32),
+) -> Output {
     let mut child = Command::new(accel_bin())
         .args([
             "launch",
@@ -37,6 +48,7 @@ fn launch_mpi_within_limit(program: &PathBuf, args: &[&str]) -> Output {
             "--launcher",
             "mpi",
         ])
+        .args(flags)
         .arg(program)
         .args(args)
         .env_remove("ACCEL_PLUGIN_DIR")
@@ -59,6 +71,7 @@ fn launch_mpi_within_limit(program: &PathBuf, args: &[&str]) -> Output {
     };
     let stdout = drain(Box::new(child.stdout.take().unwrap()));
     let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    watch(child.id());
     let start = Instant::now();
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -102,6 +115,13 @@ fn rank_1_fails(mode: &str, code: i32) -> String {
     );
     assert!(
         !String::from_utf8_lossy(&out.stdout).contains("passed the barrier"),
+        "{}",
+        describe(&out)
+    );
+    // accel's own last word names the rank, not only mpirun.
+    assert!(
+        err.contains("accel launch: rank 1 (pid ")
+            && err.contains(&format!(") exited with status {code}; mpirun (pid ")),
         "{}",
         describe(&out)
     );
@@ -174,6 +194,172 @@ fn a_rank_failing_outside_mpi_takes_the_mpi_job_down() {
     assert!(
         err.contains("mpirun detected that one or more processes exited with non-zero status"),
         "{err}"
+    );
+    // accel names the rank too (its status, when accel saw it before
+    // mpirun reaped it).
+    assert!(err.contains("accel launch: rank 1 (pid "), "{err}");
+    assert_no_leftovers(marker);
+}
+
+/// The processes of `accel_pid`'s job (its descendants) that run `name`,
+/// with their `RANK` and their state (`/proc/PID/stat`).
+fn job_ranks(accel_pid: u32, name: &str) -> Vec<(u32, i32, char)> {
+    let stat = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+    let field = |text: &str, i: usize| -> Option<String> {
+        let rest = &text[text.rfind(')')? + 1..];
+        rest.split_whitespace().nth(i).map(str::to_owned)
+    };
+    let mut parents = std::collections::HashMap::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() {
+            if let Some(pp) = stat(pid).and_then(|t| field(&t, 1)?.parse::<i32>().ok()) {
+                parents.insert(pid, pp);
+            }
+        }
+    }
+    let below = |mut pid: i32| {
+        while let Some(pp) = parents.get(&pid) {
+            if *pp == accel_pid as i32 {
+                return true;
+            }
+            pid = *pp;
+        }
+        false
+    };
+    let mut found = Vec::new();
+    for (&pid, _) in parents.iter().filter(|(p, _)| below(**p)) {
+        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        if !String::from_utf8_lossy(&cmd)
+            .split('\0')
+            .next()
+            .unwrap_or("")
+            .ends_with(name)
+        {
+            continue;
+        }
+        let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        let rank = env
+            .split(|b| *b == 0)
+            .find_map(|kv| {
+                kv.strip_prefix(b"RANK=")
+                    .map(|v| String::from_utf8_lossy(v).parse().ok())
+            })
+            .flatten();
+        let state = stat(pid).and_then(|t| field(&t, 0)?.chars().next());
+        if let (Some(rank), Some(state)) = (rank, state) {
+            found.push((rank, pid, state));
+        }
+    }
+    found
+}
+
+/// A rank stopped (SIGSTOP) before a barrier: the other rank's barrier
+/// times out after `--collective_timeout` (not never), naming the barrier
+/// and rank 1, and the job ends with no process left.
+#[test]
+fn a_stopped_rank_fails_the_job_within_the_collective_timeout() {
+    let marker = tempfile::tempdir().unwrap();
+    let marker = marker.path().to_str().unwrap();
+    let mut stopped: Option<(i32, Instant)> = None;
+    let out = launch_mpi_with(
+        &["--collective_timeout", "3"],
+        &teardown_probe(),
+        &["stop", marker],
+        |accel| {
+            let deadline = Instant::now() + LIMIT;
+            while Instant::now() < deadline {
+                if let Some((_, pid, _)) = job_ranks(accel, "teardown-probe")
+                    .into_iter()
+                    .find(|(rank, _, state)| *rank == 1 && *state == 'T')
+                {
+                    stopped = Some((pid, Instant::now()));
+                    return;
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+        },
+    );
+    let (victim, since) = stopped.expect("rank 1 was never seen stopped");
+    let took = since.elapsed();
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    // The rank that waited says which collective, how long, and for whom
+    // (before the supervisor's watchdog, which gives it a second more).
+    assert!(
+        err.contains("barrier")
+            && err.contains("rank 0 waited 3 s (the collective timeout) and rank 1 did not arrive"),
+        "{}",
+        describe(&out)
+    );
+    // So does accel's last line, and it names the stopped rank's pid.
+    let last = err
+        .lines()
+        .rfind(|l| l.starts_with("accel launch: "))
+        .unwrap_or_default();
+    assert!(
+        last.contains("barrier timed out (3 s) waiting for rank 1")
+            && last.contains(&format!("rank 1 (pid {victim}) was stopped (state T)")),
+        "{}",
+        describe(&out)
+    );
+    // 3 s of timeout, then the teardown.
+    assert!(took < Duration::from_secs(8), "took {took:?}");
+    assert_no_leftovers(marker);
+}
+
+/// The CPU time `pid` used, in seconds.
+fn cpu_seconds(pid: i32) -> f64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &text[text.rfind(')').unwrap() + 1..];
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .map(|x| x.parse().unwrap())
+        .collect();
+    // SAFETY: sysconf has no preconditions.
+    let tck = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (f[0] + f[1]) as f64 / tck
+}
+
+/// A rank waiting in a collective for a late rank sleeps between tests of
+/// the request instead of spinning (a blocking MPI_Barrier burns a whole
+/// core for as long as it waits).
+#[test]
+fn a_rank_waiting_in_a_collective_does_not_burn_a_core() {
+    let marker = tempfile::tempdir().unwrap();
+    let dir = marker.path().to_owned();
+    let marker = marker.path().to_str().unwrap();
+    let mut used = None;
+    let out = launch_mpi_with(&[], &teardown_probe(), &["late:6", marker], |accel| {
+        // Rank 1 writes `late` as it starts sleeping; rank 0 is then in
+        // the barrier (or about to be).
+        let deadline = Instant::now() + LIMIT;
+        while !dir.join("late").exists() && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(20));
+        }
+        thread::sleep(Duration::from_millis(500));
+        let Some((_, pid, _)) = job_ranks(accel, "teardown-probe")
+            .into_iter()
+            .find(|(rank, _, _)| *rank == 0)
+        else {
+            return;
+        };
+        let (cpu, at) = (cpu_seconds(pid), Instant::now());
+        thread::sleep(Duration::from_secs(3));
+        used = Some((cpu_seconds(pid) - cpu) / at.elapsed().as_secs_f64());
+    });
+    assert!(out.status.success(), "{}", describe(&out));
+    let used = used.expect("rank 0 was not found");
+    eprintln!("rank 0 used {:.1} % of a core while waiting", used * 100.0);
+    assert!(
+        used < 0.15,
+        "rank 0 used {:.0} % of a core while waiting",
+        used * 100.0
     );
     assert_no_leftovers(marker);
 }
