@@ -261,3 +261,38 @@ fn a_shuffled_run_resumed_mid_epoch_equals_the_uninterrupted_one() {
         "{text}"
     );
 }
+
+#[test]
+fn an_evaluation_loop_inside_an_epoch_does_not_end_the_training_loader() {
+    use accel::accelerator::{Accelerator, DataLoader};
+    let acc = Accelerator::builder().config("use_cpu", true).build().unwrap();
+    let rows = |n: i64| {
+        let x = tch::Tensor::arange(n, (tch::Kind::Float, tch::Device::Cpu));
+        DataLoader::new(x.shallow_clone(), x, 2).unwrap()
+    };
+    let train = acc.prepare_data_loader(rows(6)).unwrap();
+    let eval = acc.prepare_data_loader(rows(3)).unwrap();
+    let mut seen = Vec::new();
+    for (step, batch) in train.iter().unwrap().enumerate() {
+        batch.unwrap();
+        if step == 0 {
+            for _ in eval.iter().unwrap() {
+                let gs = acc.gradient_state();
+                seen.push(("eval", gs.end_of_dataloader, gs.remainder));
+            }
+        }
+        let gs = acc.gradient_state();
+        seen.push(("train", gs.end_of_dataloader, gs.remainder));
+    }
+    assert_eq!(
+        seen,
+        vec![
+            ("eval", false, 1),
+            ("eval", true, 1),
+            ("train", false, 0),
+            ("train", false, 0),
+            ("train", true, 0),
+        ]
+    );
+    assert!(!acc.gradient_state().end_of_dataloader, "no loader is active");
+}

@@ -20,6 +20,7 @@ use crate::comm::Communicator;
 pub use accel_data::{shard_indices, DataLoader, Sharding};
 use accel_data::{Batch, Epoch, Loaded, Shard};
 use serde_json::{json, Value};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tch::{Device, Kind, Tensor};
 
@@ -309,15 +310,11 @@ impl ShardedLoader {
             r.position.advance_if_finished();
             (r.position.epoch, r.position.batches)
         };
-        {
-            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            st.end_of_dataloader = false;
-            st.remainder = match self.feed {
-                // Known at the last batch (Accelerate's dispatcher).
-                Feed::Dispatch(_) => -1,
-                Feed::Local => self.shard.remainder().unwrap_or(-1),
-            };
-        }
+        let remainder = match self.feed {
+            // Known at the last batch (Accelerate's dispatcher).
+            Feed::Dispatch(_) => -1,
+            Feed::Local => self.shard.remainder().unwrap_or(-1),
+        };
         let source = match &self.feed {
             Feed::Local => Source::Local(self.shard.epoch(epoch, skip)?),
             Feed::Dispatch(d) => Source::Dispatch(Box::new(DispatchEpoch {
@@ -337,11 +334,67 @@ impl ShardedLoader {
                 over: false,
             })),
         };
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        self.lock_state().begin(ActiveLoader {
+            id,
+            end: false,
+            remainder,
+        });
         Ok(Batches {
             loader: self,
             source,
             failed: false,
+            id,
         })
+    }
+
+    fn lock_state(&self) -> std::sync::MutexGuard<'_, GradientState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A data loader being iterated: what `end_of_dataloader` and `remainder`
+/// say while it is the innermost one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ActiveLoader {
+    id: u64,
+    end: bool,
+    remainder: i64,
+}
+
+impl GradientState {
+    /// A loader starts an iteration: it becomes the innermost.
+    fn begin(&mut self, loader: ActiveLoader) {
+        self.active.push(loader);
+        self.refresh();
+    }
+
+    /// The loader `id` yielded its last batch.
+    fn reach_end(&mut self, id: u64, remainder: Option<i64>) {
+        if let Some(a) = self.active.iter_mut().find(|a| a.id == id) {
+            a.end = true;
+            if let Some(r) = remainder {
+                a.remainder = r;
+            }
+        }
+        self.refresh();
+    }
+
+    /// The loader `id`'s iteration is over (finished or dropped): the next
+    /// outer one is the innermost again.
+    fn finish(&mut self, id: u64) {
+        self.active.retain(|a| a.id != id);
+        self.refresh();
+    }
+
+    fn refresh(&mut self) {
+        let (end, remainder) = self
+            .active
+            .last()
+            .map_or((false, -1), |a| (a.end, a.remainder));
+        self.end_of_dataloader = end;
+        self.remainder = remainder;
     }
 }
 
@@ -355,6 +408,14 @@ pub struct Batches<'a> {
     loader: &'a ShardedLoader,
     source: Source<'a>,
     failed: bool,
+    /// This iteration in the gradient state's stack of active loaders.
+    id: u64,
+}
+
+impl Drop for Batches<'_> {
+    fn drop(&mut self) {
+        self.loader.lock_state().finish(self.id);
+    }
 }
 
 impl Iterator for Batches<'_> {
@@ -382,11 +443,9 @@ impl Iterator for Batches<'_> {
                 record.position.batches += 1;
                 if loaded.last {
                     record.position.finished = true;
-                    let mut st = self.loader.state.lock().unwrap_or_else(|p| p.into_inner());
-                    st.end_of_dataloader = true;
-                    if let Some(r) = loaded.remainder {
-                        st.remainder = r;
-                    }
+                    self.loader
+                        .lock_state()
+                        .reach_end(self.id, loaded.remainder);
                 }
                 Some(Ok(loaded
                     .batch

@@ -144,6 +144,10 @@ pub struct GradientState {
     pub end_of_dataloader: bool,
     /// Samples in the data set beyond the last full round (`-1`: unknown).
     pub remainder: i64,
+    /// The data loaders being iterated, innermost last (an evaluation loop
+    /// inside a training epoch): the two fields above are the innermost
+    /// one's, as Accelerate's `GradientState.active_dataloader`.
+    active: Vec<data::ActiveLoader>,
 }
 
 /// How `reduce` combines ranks.
@@ -645,6 +649,7 @@ impl Accelerator {
                 sync_gradients: true,
                 end_of_dataloader: false,
                 remainder: -1,
+                active: Vec::new(),
             })),
             accumulation_steps,
             micro_step: 0,
