@@ -34,7 +34,7 @@ pub use dataset::{Dataset, IterableDataset, SampleIter, TensorDataset};
 pub use error::DataError;
 pub use jsonl::{JsonLines, TokenizeResult};
 pub use loader::{DataLoader, Epoch, Shard};
-pub use safetensors_file::SafetensorsDataset;
+pub use safetensors_file::{torch_kind, SafetensorsDataset};
 pub use sample::{Batch, Sample};
 pub use sampler::{batches, Sampler, SeedableRandomSampler, SequentialSampler};
 pub use shard::{batch_sampler_shard, check_split_batches, shard_indices, Sharding};

@@ -41,7 +41,9 @@ struct Column {
     row_bytes: usize,
 }
 
-fn kind_of(dtype: Dtype) -> Option<Kind> {
+/// The libtorch kind of a safetensors dtype (`None`: one libtorch cannot
+/// hold, such as fp8 or complex).
+pub fn torch_kind(dtype: Dtype) -> Option<Kind> {
     Some(match dtype {
         Dtype::BOOL => Kind::Bool,
         Dtype::U8 => Kind::Uint8,
@@ -83,7 +85,7 @@ impl SafetensorsDataset {
             let view = st
                 .tensor(name)
                 .map_err(|e| format(format!("tensor `{name}`: {e}")))?;
-            let kind = kind_of(view.dtype()).ok_or_else(|| {
+            let kind = torch_kind(view.dtype()).ok_or_else(|| {
                 format(format!(
                     "tensor `{name}` has dtype {:?}, which libtorch cannot hold",
                     view.dtype()

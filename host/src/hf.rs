@@ -307,7 +307,7 @@ impl Checkpoint {
             let st = SafeTensors::deserialize(&bytes).map_err(|e| io_err("reading", file, e))?;
             for name in wanted {
                 let view = st.tensor(name).map_err(|e| io_err("reading", file, e))?;
-                let kind = kind_of(view.dtype()).ok_or_else(|| {
+                let kind = accel_data::torch_kind(view.dtype()).ok_or_else(|| {
                     err(format!(
                         "{}: `{name}` has dtype {:?}, which accel cannot load",
                         file.display(),
@@ -601,22 +601,6 @@ impl LoadReport {
         }
         (!s.is_empty()).then(|| s.trim_end().to_owned())
     }
-}
-
-fn kind_of(dtype: Dtype) -> Option<Kind> {
-    Some(match dtype {
-        Dtype::BOOL => Kind::Bool,
-        Dtype::U8 => Kind::Uint8,
-        Dtype::I8 => Kind::Int8,
-        Dtype::I16 => Kind::Int16,
-        Dtype::I32 => Kind::Int,
-        Dtype::I64 => Kind::Int64,
-        Dtype::BF16 => Kind::BFloat16,
-        Dtype::F16 => Kind::Half,
-        Dtype::F32 => Kind::Float,
-        Dtype::F64 => Kind::Double,
-        _ => return None,
-    })
 }
 
 fn dtype_of(kind: Kind) -> Option<Dtype> {
