@@ -312,6 +312,101 @@ fn the_collective_timeout_reaches_every_rank_and_bad_values_are_refused() {
     }
 }
 
+/// Counts the machine cannot start are refused before anything starts,
+/// naming the limit (100000 ranks used to run mpirun out of pipes and leave
+/// processes behind).
+#[test]
+fn absurd_process_counts_are_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = probe();
+    for launcher in ["mpi", "local"] {
+        let start = Instant::now();
+        let out = output(launch(&[
+            "--cpu",
+            "--num_processes",
+            "100000",
+            "--launcher",
+            launcher,
+            probe.to_str().unwrap(),
+            "--write-dir",
+            dir.path().to_str().unwrap(),
+        ]));
+        assert_eq!(out.status.code(), Some(1), "{launcher}: {}", describe(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(&format!(
+                "{launcher} launcher: 100000 processes on this machine"
+            )) && ["RLIMIT_NOFILE", "RLIMIT_NPROC", "per core"]
+                .iter()
+                .any(|limit| err.contains(limit)),
+            "{launcher}: {err}"
+        );
+        assert_eq!(ranks_written(dir.path()), 0, "{launcher}: a rank started");
+        assert!(start.elapsed() < Duration::from_secs(20));
+    }
+    // The open-file limit, named with the value that would do.
+    let mut cmd = launch(&[
+        "--cpu",
+        "--num_processes",
+        "20",
+        "--launcher",
+        "mpi",
+        probe.to_str().unwrap(),
+        "--write-dir",
+        dir.path().to_str().unwrap(),
+    ]);
+    // SAFETY: setrlimit in the child before exec; no allocation.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(|| {
+            let r = libc::rlimit {
+                rlim_cur: 64,
+                rlim_max: 64,
+            };
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+            Ok(())
+        });
+    }
+    let out = output(cmd);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("(RLIMIT_NOFILE, `ulimit -n`: 64)") && err.contains("`ulimit -n 152`"),
+        "{err}"
+    );
+    assert_eq!(ranks_written(dir.path()), 0);
+}
+
+/// mpirun runs every rank from the machine it runs on: several machines
+/// without a hostfile are refused with what to do, not run here silently.
+#[test]
+fn several_machines_under_mpi_need_a_hostfile() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = output(launch(&[
+        "--cpu",
+        "--num_processes",
+        "4",
+        "--num_machines",
+        "2",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--launcher",
+        "mpi",
+        probe().to_str().unwrap(),
+        "--write-dir",
+        dir.path().to_str().unwrap(),
+    ]));
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(
+            "--num_machines 2 needs a hostfile naming the machines (--mpirun_hostfile FILE"
+        ),
+        "{err}"
+    );
+    assert_eq!(ranks_written(dir.path()), 0);
+}
+
 #[test]
 fn a_crashing_rank_is_named_with_its_signal() {
     let out = output(launch(&[

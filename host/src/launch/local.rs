@@ -9,7 +9,7 @@ use super::{
 };
 use accel_rendezvous::{Client, Server};
 use accel_sdk::{
-    abi_stable::std_types::{RResult, RVec, Tuple2},
+    abi_stable::std_types::{RVec, Tuple2},
     Component, ErrorKind, LaunchOutcome, LaunchSpec, Launcher, LauncherBox, PluginError,
     PluginResult, ProcessPlan,
 };
@@ -144,7 +144,13 @@ impl Peers for StorePeers {
     }
 }
 
+/// Refuses more ranks on this machine than it can start.
+fn check_count(spec: &LaunchSpec) -> Result<(), PluginError> {
+    super::limits::check_here(spec.num_processes / spec.num_machines.max(1), "local")
+}
+
 fn run(spec: &LaunchSpec) -> Result<LaunchOutcome, PluginError> {
+    check_count(spec)?;
     let opts = from_spec(spec, "local")?;
     let supervision = supervision(spec, &opts)?;
     let multi = spec.num_machines > 1;
@@ -204,7 +210,9 @@ fn run(spec: &LaunchSpec) -> Result<LaunchOutcome, PluginError> {
 
 impl Launcher for LocalLauncher {
     fn plan(&mut self, spec: &LaunchSpec) -> PluginResult<RVec<ProcessPlan>> {
-        RResult::ROk(plans(&local_ranks(spec, spec.main_process_port)))
+        check_count(spec)
+            .map(|()| plans(&local_ranks(spec, spec.main_process_port)))
+            .into()
     }
 
     fn launch(&mut self, spec: &LaunchSpec) -> PluginResult<LaunchOutcome> {

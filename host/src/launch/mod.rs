@@ -3,6 +3,7 @@
 //! like a third-party one.
 
 pub mod env;
+mod limits;
 mod local;
 pub mod mpi;
 pub mod options;

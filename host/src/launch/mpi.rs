@@ -118,7 +118,67 @@ fn rank_process(spec: &LaunchSpec) -> Result<RankProcess, PluginError> {
     rank_process_with(spec, &opts)
 }
 
+/// The distinct hosts of an Open MPI / MPICH hostfile (`host [slots=N]`,
+/// `host:N`; `#` comments).
+pub fn hostfile_hosts(text: &str) -> Vec<String> {
+    let mut hosts: Vec<String> = Vec::new();
+    for line in text.lines() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        let Some(host) = line.split_whitespace().next() else {
+            continue;
+        };
+        let host = host.split(':').next().unwrap_or(host).to_owned();
+        if !hosts.contains(&host) {
+            hosts.push(host);
+        }
+    }
+    hosts
+}
+
+/// mpirun starts every rank of the job from the machine it runs on: with
+/// several machines it needs a hostfile naming them, and runs on machine 0
+/// only.
+fn check_machines(spec: &LaunchSpec, opts: &LaunchOptions) -> Result<(), PluginError> {
+    let refuse = |m: String| Err(PluginError::config("accel", format!("mpi launcher: {m}")));
+    let machines = spec.num_machines;
+    if machines <= 1 {
+        return Ok(());
+    }
+    let Some(path) = &opts.mpirun_hostfile else {
+        return refuse(format!(
+            "--num_machines {machines} needs a hostfile naming the machines (--mpirun_hostfile FILE, or mpirun_config.mpirun_hostfile in the config), which mpirun starts the ranks on from this machine; without one every rank would run here. Or use --launcher slurm inside an allocation"
+        ));
+    };
+    if spec.machine_rank != 0 {
+        return refuse(format!(
+            "--machine_rank {}: mpirun starts the ranks of every machine in the hostfile from machine 0; run `accel launch` there only",
+            spec.machine_rank
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        PluginError::config(
+            "accel",
+            format!("mpi launcher: hostfile {}: {e}", path.display()),
+        )
+    })?;
+    let hosts = hostfile_hosts(&text);
+    if hosts.len() < machines as usize {
+        return refuse(format!(
+            "--num_machines {machines}, but the hostfile {} names {} host(s) ({}); list one line per machine",
+            path.display(),
+            hosts.len(),
+            hosts.join(", ")
+        ));
+    }
+    Ok(())
+}
+
 fn rank_process_with(spec: &LaunchSpec, opts: &LaunchOptions) -> Result<RankProcess, PluginError> {
+    check_machines(spec, opts)?;
+    // Without a hostfile every rank runs here, started by mpirun.
+    if opts.mpirun_hostfile.is_none() {
+        super::limits::check_here(spec.num_processes, "mpi")?;
+    }
     let flavor = detect_flavor()?;
     // SAFETY: geteuid has no preconditions.
     let as_root = unsafe { libc::geteuid() } == 0;
@@ -226,6 +286,32 @@ mod tests {
             text.ends_with("/bin/accel __rank-exec -- train --lr 0.1"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn hostfile_hosts_are_distinct_and_comments_ignored() {
+        let text = "# cluster\nnode1 slots=4\nnode2:2\n\nnode1 # again\n";
+        assert_eq!(hostfile_hosts(text), ["node1", "node2"]);
+    }
+
+    #[test]
+    fn several_machines_need_a_hostfile_and_machine_0() {
+        let mut s = spec();
+        s.num_machines = 2;
+        let mut opts = LaunchOptions::default();
+        let err = check_machines(&s, &opts).unwrap_err().to_string();
+        assert!(err.contains("--num_machines 2 needs a hostfile"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let hostfile = dir.path().join("hosts");
+        std::fs::write(&hostfile, "node1 slots=2\n").unwrap();
+        opts.mpirun_hostfile = Some(hostfile.clone());
+        let err = check_machines(&s, &opts).unwrap_err().to_string();
+        assert!(err.contains("names 1 host(s) (node1)"), "{err}");
+        std::fs::write(&hostfile, "node1 slots=2\nnode2 slots=2\n").unwrap();
+        assert!(check_machines(&s, &opts).is_ok());
+        s.machine_rank = 1;
+        let err = check_machines(&s, &opts).unwrap_err().to_string();
+        assert!(err.contains("run `accel launch` there only"), "{err}");
     }
 
     #[test]
