@@ -283,6 +283,30 @@ fn fp16_skips_exactly_the_step_with_an_injected_inf_and_halves_the_scale() {
     }
     // 2 clean steps, the inf halves 1024, then 3 clean steps double it.
     assert_eq!(scales, vec![1024.0, 1024.0, 512.0, 512.0, 512.0, 1024.0]);
+    // Counted for trackers (and warned about on stderr).
+    let health = acc.training_health();
+    assert_eq!((health.skipped_steps, health.non_finite_losses), (1, 1));
+}
+
+#[test]
+fn a_non_finite_loss_without_fp16_is_counted() {
+    let (mut acc, vs) = tiny("no", json!({}));
+    let mut opt = acc.prepare_optimizer(OptimizerConfig::sgd(0.1)).unwrap();
+    let x = Tensor::ones([8, 4], (Kind::Float, tch::Device::Cpu));
+    let w = vs.variables()["fc.weight"].shallow_clone();
+    for step in 0..4 {
+        let mut loss = x.matmul(&w.tr()).square().mean(Kind::Float);
+        if step == 1 {
+            loss *= f64::NAN;
+        }
+        acc.backward(&loss).unwrap();
+        acc.step(&mut opt).unwrap();
+        acc.zero_grad(&mut opt);
+    }
+    // The NaN step poisons the weights (no fp16 scaler skips it), so every
+    // loss after it is NaN too: 3 of 4.
+    let health = acc.training_health();
+    assert_eq!((health.skipped_steps, health.non_finite_losses), (0, 3));
 }
 
 #[test]

@@ -150,6 +150,24 @@ pub struct GradientState {
     active: Vec<data::ActiveLoader>,
 }
 
+/// What went wrong in training so far, for a look or a tracker: fp16 steps
+/// skipped on inf/NaN gradients, and losses that were not finite. Each is
+/// also a warning on the main process (the first time, then at every power
+/// of two).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TrainingHealth {
+    /// Optimizer steps skipped because a gradient held inf or NaN (fp16).
+    pub skipped_steps: u64,
+    /// Backward passes whose loss was inf or NaN (on this rank).
+    pub non_finite_losses: u64,
+}
+
+/// Whether a counter that just reached `n` is worth a warning: the first
+/// time, then at 2, 4, 8, ... so a long run does not drown in them.
+fn worth_warning(n: u64) -> bool {
+    n.is_power_of_two()
+}
+
 /// How `reduce` combines ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reduction {
@@ -408,6 +426,8 @@ pub struct Accelerator {
     /// holds whether inf/NaN was found.
     unscaled: Option<bool>,
     step_was_skipped: bool,
+    /// Skipped steps and non-finite losses so far.
+    health: TrainingHealth,
     /// Experiment trackers (`log_with`, `init_trackers`, `log`).
     tracking: tracking::Tracking,
     /// Optimizer steps taken (sync steps, skipped ones included).
@@ -656,6 +676,7 @@ impl Accelerator {
             dataloader: b.dataloader,
             unscaled: None,
             step_was_skipped: false,
+            health: TrainingHealth::default(),
             tracking,
             optimizer_steps: 0,
             checkpoints: checkpoint::Checkpoints::new(b.checkpoint),
@@ -946,6 +967,12 @@ impl Accelerator {
         Ok(self.precision.loss_scale().into_result()?)
     }
 
+    /// Skipped steps and non-finite losses so far (log them with a tracker:
+    /// `acc.log(json!({"skipped_steps": h.skipped_steps, ...}), step)`).
+    pub fn training_health(&self) -> TrainingHealth {
+        self.health
+    }
+
     /// Whether the last optimizer step was skipped (fp16 found inf/NaN).
     pub fn optimizer_step_was_skipped(&self) -> bool {
         self.step_was_skipped
@@ -1032,6 +1059,20 @@ impl Accelerator {
     /// (skipped on accumulation micro-steps).
     pub fn backward(&mut self, loss: &Tensor) -> Result<(), AccelError> {
         self.params()?;
+        // A NaN/Inf loss would otherwise go on silently (no fp16 scaler to
+        // skip the step): count it and say so.
+        if loss.numel() == 1 && loss.detach().isfinite().all().int64_value(&[]) == 0 {
+            self.health.non_finite_losses += 1;
+            let n = self.health.non_finite_losses;
+            if worth_warning(n) {
+                tracing::warn!(
+                    "rank {}: the loss is {} ({n} non-finite loss(es) so far): the gradients \
+                     and the update of this step are not finite either",
+                    self.rank,
+                    loss.double_value(&[])
+                );
+            }
+        }
         if let Some(p) = &self.prepared {
             p.units.begin_backward();
         }
@@ -1101,6 +1142,21 @@ impl Accelerator {
         }
         self.precision.update(found_inf).into_result()?;
         self.step_was_skipped = found_inf;
+        if found_inf {
+            self.health.skipped_steps += 1;
+            let n = self.health.skipped_steps;
+            if self.rank == 0 && worth_warning(n) {
+                tracing::warn!(
+                    "optimizer step {} skipped: inf/NaN in the fp16 gradients ({n} skipped so \
+                     far; the loss scale is now {})",
+                    self.optimizer_steps,
+                    self.precision
+                        .loss_scale()
+                        .into_result()
+                        .unwrap_or(f64::NAN)
+                );
+            }
+        }
         optimizer.set_step_was_skipped(found_inf);
         Ok(!found_inf)
     }
