@@ -265,7 +265,10 @@ fn a_shuffled_run_resumed_mid_epoch_equals_the_uninterrupted_one() {
 #[test]
 fn an_evaluation_loop_inside_an_epoch_does_not_end_the_training_loader() {
     use accel::accelerator::{Accelerator, DataLoader};
-    let acc = Accelerator::builder().config("use_cpu", true).build().unwrap();
+    let acc = Accelerator::builder()
+        .config("use_cpu", true)
+        .build()
+        .unwrap();
     let rows = |n: i64| {
         let x = tch::Tensor::arange(n, (tch::Kind::Float, tch::Device::Cpu));
         DataLoader::new(x.shallow_clone(), x, 2).unwrap()
@@ -294,5 +297,8 @@ fn an_evaluation_loop_inside_an_epoch_does_not_end_the_training_loader() {
             ("train", true, 0),
         ]
     );
-    assert!(!acc.gradient_state().end_of_dataloader, "no loader is active");
+    assert!(
+        !acc.gradient_state().end_of_dataloader,
+        "no loader is active"
+    );
 }
