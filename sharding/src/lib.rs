@@ -459,7 +459,17 @@ impl Sharded {
         if self.plan.shard_grads {
             self.reduce_scatter_unit(u)?;
         }
-        self.reshard(u)
+        // Every trainable parameter having its gradient ends the unit's
+        // backward only when none is frozen: the gradient of the unit's
+        // input may still flow through a frozen weight after that (LoRA's
+        // `x @ W + x @ A @ B`: A's and B's gradients come first, then W is
+        // needed for x's). Such a unit stays gathered until the backward
+        // ends (`finish_backward`), as units with no trainable parameter do.
+        if self.trainable(&self.units[u].params).len() == self.units[u].params.len() {
+            self.reshard(u)
+        } else {
+            Ok(())
+        }
     }
 
     fn finish_backward(&mut self, sync: bool) -> Result<(), PluginError> {
