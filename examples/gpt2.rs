@@ -31,6 +31,15 @@
 //!   gradient), until `--steps` optimizer steps or `--epochs` passes.
 //!   The loss is the mean token cross-entropy of the logits against the
 //!   window's labels.
+//! * LoRA: `--lora-r R` adds rank-R adapters beside every block's `c_attn`
+//!   (`transformer.h.<i>.attn.c_attn.lora_A` [n_embd, R], initialised as
+//!   PEFT does — kaiming-uniform, or normal(0, 1/R) with `--lora-init
+//!   gaussian` — and `lora_B` [R, 3 n_embd], zeros): `c_attn(x) + (x @ A
+//!   @ B) * alpha / R`, `--lora-alpha` defaulting to 2R. Every base
+//!   parameter is frozen; only the adapters train. `--save DIR` writes the
+//!   merged model (each c_attn weight plus A·B·alpha/R, computed in f64
+//!   and rounded once) that `GPT2LMHeadModel.from_pretrained` loads;
+//!   `--save-adapters FILE` writes the adapters alone (safetensors).
 //! * Output: `--loss-log FILE` (one JSON line per optimizer step: `step`
 //!   from 1, `loss` averaged over the step's micro-batches and the ranks,
 //!   `lr`, `grad_norm` with --max-grad-norm); `--eval-every N` with
@@ -57,7 +66,10 @@ use accel_sdk::{
 };
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
-use model::{lm_loss, Gpt2, Gpt2Config, BLOCK_CLASS, IGNORED_SUFFIXES};
+use model::{
+    is_adapter, lm_loss, merge_adapters, Gpt2, Gpt2Config, LoraConfig, LoraInit, BLOCK_CLASS,
+    IGNORED_SUFFIXES,
+};
 use regex::Regex;
 use std::{
     fs::File,
@@ -74,6 +86,14 @@ enum Sched {
     Linear,
     /// Warmup, then cosine decay to 0 at --steps.
     Cosine,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LoraInitArg {
+    /// PEFT's default: kaiming-uniform, uniform(±1/sqrt(n_embd)).
+    Kaiming,
+    /// PEFT's "gaussian": normal(0, 1/r).
+    Gaussian,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -159,6 +179,22 @@ struct Args {
     /// Freeze the parameters whose name matches this regex (repeatable).
     #[arg(long)]
     freeze: Vec<String>,
+    /// LoRA: train rank-R adapters beside every block's c_attn
+    /// (`transformer.h.<i>.attn.c_attn.lora_A` [n_embd, R], `lora_B`
+    /// [R, 3 n_embd]); every base parameter is frozen.
+    #[arg(long = "lora-r")]
+    lora_r: Option<i64>,
+    /// LoRA's alpha: the adapters' update is scaled by alpha / R (default 2R).
+    #[arg(long = "lora-alpha")]
+    lora_alpha: Option<f64>,
+    /// How lora_A starts (lora_B starts at zero), as PEFT's init_lora_weights.
+    #[arg(long = "lora-init", value_enum, default_value = "kaiming")]
+    lora_init: LoraInitArg,
+    /// Write the LoRA adapters alone to this safetensors file (names as the
+    /// model's, `transformer.h.<i>.attn.c_attn.lora_A`/`lora_B`, stored
+    /// [in, out]); --save still writes the merged model when given.
+    #[arg(long = "save-adapters")]
+    save_adapters: Option<PathBuf>,
     /// Mixed precision (default: what `accel launch` or the config set, else no).
     #[arg(long = "mixed-precision", value_enum)]
     mixed_precision: Option<Precision>,
@@ -178,7 +214,8 @@ struct Args {
     #[arg(long = "eval-log")]
     eval_log: Option<PathBuf>,
     /// Write the final model here as Hugging Face does (config.json +
-    /// model.safetensors).
+    /// model.safetensors); with --lora-r, the merged weights
+    /// (W + A·B·alpha/R for every c_attn), which GPT2LMHeadModel loads.
     #[arg(long)]
     save: Option<PathBuf>,
     /// With --save: cut the weights into shards of at most this size
@@ -335,6 +372,22 @@ fn check_args(args: &Args, c: &Gpt2Config) -> Result<usize> {
     }
     if args.eval_every.is_some() && args.eval_windows == 0 {
         bail!("--eval-windows 0: evaluation needs at least one window");
+    }
+    if let Some(r) = args.lora_r {
+        if r < 1 {
+            bail!("--lora-r {r}: a rank is at least 1");
+        }
+    }
+    if let Some(a) = args.lora_alpha {
+        if args.lora_r.is_none() {
+            bail!("--lora-alpha needs --lora-r");
+        }
+        if !(a.is_finite() && a > 0.0) {
+            bail!("--lora-alpha {a}: must be > 0");
+        }
+    }
+    if args.save_adapters.is_some() && args.lora_r.is_none() {
+        bail!("--save-adapters needs --lora-r (there are no adapters without it)");
     }
     if args.logits_out.is_some() != args.logits_input.is_some() {
         bail!("--logits-out and --logits-input go together");
@@ -498,6 +551,53 @@ fn evaluate(
     Ok(totals[0] / totals[1])
 }
 
+/// Writes a LoRA run's outputs: `--save DIR`, the merged model (every
+/// c_attn weight plus its adapters' update, the adapters dropped) in
+/// Hugging Face's layout; `--save-adapters FILE`, the adapters alone.
+/// Every rank gathers; the main process writes.
+fn save_lora(acc: &mut Accelerator, args: &Args, config: &Gpt2Config, scale: f64) -> Result<()> {
+    let state = acc.get_state_dict()?;
+    if acc.is_main_process() {
+        if let Some(file) = &args.save_adapters {
+            let adapters: Vec<(String, Tensor)> = state
+                .iter()
+                .filter(|(n, _)| is_adapter(n))
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect();
+            if let Some(parent) = file.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent)
+                    .with_context(|| format!("--save-adapters: creating {}", parent.display()))?;
+            }
+            hf::write_safetensors(file, &adapters)
+                .with_context(|| format!("--save-adapters {}", file.display()))?;
+            acc.print(format!(
+                "gpt2: saved {} LoRA adapters to {}",
+                adapters.len(),
+                file.display()
+            ));
+        }
+        if let Some(dir) = &args.save {
+            let merged = merge_adapters(state, scale)?;
+            let max = parse_size(&args.max_shard_size)
+                .map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
+            let files =
+                hf::save(dir, &merged, max).with_context(|| format!("--save {}", dir.display()))?;
+            hf::save_config(dir, &config.to_json())
+                .with_context(|| format!("--save {}", dir.display()))?;
+            acc.print(format!(
+                "gpt2: saved {} (LoRA merged into c_attn; {} weights file(s))",
+                dir.display(),
+                files
+                    .iter()
+                    .filter(|f| f.extension().is_some_and(|e| e == "safetensors"))
+                    .count()
+            ));
+        }
+    }
+    acc.wait_for_everyone()?;
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let config = configuration(&args)?;
@@ -547,9 +647,25 @@ fn main() -> Result<()> {
     let mut acc = builder.build()?;
     acc.set_seed(args.seed, false);
     let mut vs = nn::VarStore::new(acc.device());
-    let model = Gpt2::new(&vs.root(), config);
+    let mut model = Gpt2::new(&vs.root(), config);
+    let lora = args.lora_r.map(|r| LoraConfig {
+        r,
+        alpha: args.lora_alpha.unwrap_or(2.0 * r as f64),
+        init: match args.lora_init {
+            LoraInitArg::Kaiming => LoraInit::Kaiming,
+            LoraInitArg::Gaussian => LoraInit::Gaussian,
+        },
+    });
+    if let Some(l) = &lora {
+        model.add_lora(&vs.root(), l);
+    }
     if let (Some(dir), Some(ck)) = (&args.model, &checkpoint) {
-        let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        // The checkpoint holds the base model; adapters keep their init.
+        let mut params: Vec<(String, Tensor)> = vs
+            .variables()
+            .into_iter()
+            .filter(|(n, _)| !is_adapter(n))
+            .collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
         let options = hf::LoadOptions {
             strict: !args.non_strict,
@@ -577,7 +693,19 @@ fn main() -> Result<()> {
             }
         }
     }
-    let frozen = freeze(&vs, &args.freeze)?;
+    let mut frozen = freeze(&vs, &args.freeze)?;
+    if lora.is_some() {
+        // LoRA: the base model is frozen; only the adapters train.
+        frozen = 0;
+        for (name, t) in vs.variables() {
+            if !is_adapter(&name) {
+                let _ = t.set_requires_grad(false);
+            }
+            if !t.requires_grad() {
+                frozen += 1;
+            }
+        }
+    }
     acc.declare_layer_class(BLOCK_CLASS, model.block_paths())?;
     acc.prepare_model(&mut vs)?;
     let mut opt =
@@ -610,6 +738,20 @@ fn main() -> Result<()> {
         acc.strategy_name(),
         acc.precision_name()
     ));
+    if let Some(l) = &lora {
+        let adapters: usize = vs
+            .variables()
+            .iter()
+            .filter(|(n, _)| is_adapter(n))
+            .map(|(_, t)| t.numel())
+            .sum();
+        acc.print(format!(
+            "gpt2: LoRA r {} alpha {} (scale {}) beside c_attn: {adapters} trainable adapter parameters, the base frozen",
+            l.r,
+            l.alpha,
+            l.scale()
+        ));
+    }
 
     let mut log = match (&args.loss_log, acc.is_main_process()) {
         (Some(p), true) => Some(create(p, "--loss-log")?),
@@ -713,7 +855,9 @@ fn main() -> Result<()> {
     if let Some(mut l) = eval_log.take() {
         l.flush()?;
     }
-    if let Some(dir) = &args.save {
+    if let Some(l) = lora.filter(|_| args.save.is_some() || args.save_adapters.is_some()) {
+        save_lora(&mut acc, &args, &model.config, l.scale())?;
+    } else if let Some(dir) = &args.save {
         let files = acc
             .save_model(dir, &args.max_shard_size)
             .with_context(|| format!("--save {}", dir.display()))?;

@@ -376,6 +376,129 @@ fn dropout(x: Tensor, p: f64, train: bool) -> Tensor {
     }
 }
 
+/// How `lora_A` starts, as PEFT's `init_lora_weights` (`lora_B` starts at
+/// zero either way, so the adapted model starts as the base model).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoraInit {
+    /// PEFT's default (`True`): `kaiming_uniform_(a=sqrt(5))` of the
+    /// `[r, in]` Linear weight, i.e. uniform(±1/sqrt(n_embd)).
+    Kaiming,
+    /// PEFT's `"gaussian"`: normal(0, 1/r).
+    Gaussian,
+}
+
+/// LoRA adapters of every block's `c_attn` (`--lora-r`, `--lora-alpha`).
+#[derive(Debug, Clone, Copy)]
+pub struct LoraConfig {
+    /// The rank r.
+    pub r: i64,
+    /// lora_alpha; the update is scaled by alpha / r.
+    pub alpha: f64,
+    pub init: LoraInit,
+}
+
+impl LoraConfig {
+    /// alpha / r, PEFT's `scaling`.
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.r as f64
+    }
+}
+
+/// The suffixes of the adapters beside `c_attn`: `transformer.h.<i>.attn.c_attn.lora_A`
+/// `[n_embd, r]` and `.lora_B` `[r, 3 n_embd]` (stored `[in, out]` as Conv1D's weight).
+pub const LORA_A: &str = "lora_A";
+pub const LORA_B: &str = "lora_B";
+
+/// Whether a parameter name is a LoRA adapter's.
+pub fn is_adapter(name: &str) -> bool {
+    name.ends_with(&format!(".{LORA_A}")) || name.ends_with(&format!(".{LORA_B}"))
+}
+
+/// A rank-r update beside a Conv1D: `(x @ A @ B) * alpha / r`.
+struct Lora {
+    a: Tensor,
+    b: Tensor,
+    scale: f64,
+}
+
+impl Lora {
+    fn new(p: nn::Path, nx: i64, nf: i64, c: &LoraConfig) -> Self {
+        let a_init = match c.init {
+            LoraInit::Kaiming => {
+                let bound = 1.0 / (nx as f64).sqrt();
+                Init::Uniform {
+                    lo: -bound,
+                    up: bound,
+                }
+            }
+            LoraInit::Gaussian => Init::Randn {
+                mean: 0.0,
+                stdev: 1.0 / c.r as f64,
+            },
+        };
+        Self {
+            a: p.var(LORA_A, &[nx, c.r], a_init),
+            b: p.var(LORA_B, &[c.r, nf], Init::Const(0.0)),
+            scale: c.scale(),
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        x.matmul(&self.a).matmul(&self.b) * self.scale
+    }
+}
+
+/// The update `A @ B * scale` a merge adds to the base weight, in f64:
+/// the rank-1 terms summed in order, each an element-wise product, so the
+/// result is the same bits on every machine and thread count (a reader can
+/// recompute it exactly).
+pub fn lora_delta(a: &Tensor, b: &Tensor, scale: f64) -> Tensor {
+    let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+    let (n, r, m) = (a.size()[0], a.size()[1], b.size()[1]);
+    let mut delta = Tensor::zeros([n, m], (Kind::Double, a.device()));
+    for k in 0..r {
+        delta += a.narrow(1, k, 1) * b.narrow(0, k, 1);
+    }
+    delta * scale
+}
+
+/// `weight + lora_delta(a, b, scale)`, added in f64 and rounded once to
+/// the weight's precision.
+pub fn lora_merge(weight: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Tensor {
+    (weight.to_kind(Kind::Double) + lora_delta(a, b, scale)).to_kind(weight.kind())
+}
+
+/// A state dict with adapters (names and order of the model's variables)
+/// as the merged model's: every `X.weight` with adapters `X.lora_A`,
+/// `X.lora_B` becomes `weight + A @ B * scale`; the adapters are dropped.
+pub fn merge_adapters(state: Vec<(String, Tensor)>, scale: f64) -> Result<Vec<(String, Tensor)>> {
+    let find = |name: &str| {
+        state
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.shallow_clone())
+    };
+    let mut merged = Vec::with_capacity(state.len());
+    for (name, t) in &state {
+        if is_adapter(name) {
+            continue;
+        }
+        let t = match name.strip_suffix(".weight") {
+            Some(module) => match (
+                find(&format!("{module}.{LORA_A}")),
+                find(&format!("{module}.{LORA_B}")),
+            ) {
+                (Some(a), Some(b)) => lora_merge(t, &a, &b, scale),
+                (None, None) => t.shallow_clone(),
+                _ => bail!("`{module}` has one of its two LoRA adapters only"),
+            },
+            None => t.shallow_clone(),
+        };
+        merged.push((name.clone(), t));
+    }
+    Ok(merged)
+}
+
 /// One `GPT2Block`: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
 struct Block {
     ln_1: LayerNorm,
@@ -390,6 +513,8 @@ struct Block {
     attn_pdrop: f64,
     resid_pdrop: f64,
     activation: Activation,
+    /// LoRA adapters beside `c_attn` (`--lora-r`).
+    lora: Option<Lora>,
 }
 
 impl Block {
@@ -417,13 +542,18 @@ impl Block {
             attn_pdrop: c.attn_pdrop,
             resid_pdrop: c.resid_pdrop,
             activation: c.activation,
+            lora: None,
         }
     }
 
     fn attention(&self, x: &Tensor, train: bool) -> Tensor {
         let (b, t, e) = x.size3().expect("hidden states are [B, T, E]");
         let d = e / self.n_head;
-        let qkv = self.c_attn.forward(x).split(e, 2);
+        let qkv = match &self.lora {
+            Some(l) => self.c_attn.forward(x) + l.forward(x),
+            None => self.c_attn.forward(x),
+        };
+        let qkv = qkv.split(e, 2);
         let heads = |t_: &Tensor| t_.view([b, t, self.n_head, d]).transpose(1, 2);
         let (q, k, v) = (heads(&qkv[0]), heads(&qkv[1]), heads(&qkv[2]));
         let scores = q.matmul(&k.transpose(-1, -2)) * self.scaling;
@@ -501,6 +631,17 @@ impl Gpt2 {
             blocks,
             ln_f,
             lm_head,
+        }
+    }
+
+    /// Adds LoRA adapters beside every block's `c_attn` under `root`
+    /// (`transformer.h.<i>.attn.c_attn.lora_A` / `lora_B`), drawn after the
+    /// base model's initialisation (which they leave as it was).
+    pub fn add_lora(&mut self, root: &nn::Path, lora: &LoraConfig) {
+        let e = self.config.n_embd;
+        for (i, block) in self.blocks.iter_mut().enumerate() {
+            let p = root / "transformer" / "h" / i / "attn" / "c_attn";
+            block.lora = Some(Lora::new(p, e, 3 * e, lora));
         }
     }
 
