@@ -116,13 +116,14 @@ fn a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable() {
     child.wait().unwrap();
 
     let checkpoints = proj.join("checkpoints");
-    let mut names: Vec<String> = std::fs::read_dir(&checkpoints)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
+    let names = entries(&checkpoints);
     // checkpoint_0 whole; the killed save only in its hidden partial directory.
-    assert_eq!(names, vec![".checkpoint_1.partial", "checkpoint_0"]);
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert!(
+        names[0].starts_with(".checkpoint_1.") && names[0].ends_with(".partial"),
+        "{names:?}"
+    );
+    assert_eq!(names[1], "checkpoint_0");
     assert!(checkpoints.join("checkpoint_0/accel_state.json").exists());
 
     let out = run_ok(
@@ -139,15 +140,107 @@ fn a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable() {
     );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("at step 5"), "{}", describe(&out));
-    let mut names: Vec<String> = std::fs::read_dir(&checkpoints)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
     assert_eq!(
-        names,
+        entries(&checkpoints),
         vec!["checkpoint_0", "checkpoint_1"],
         "tidy after the resumed run"
+    );
+}
+
+/// The entries of a checkpoints directory but its lock file, sorted.
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != ".accel.lock")
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_second_job_saving_into_the_same_project_directory_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let proj = dir.path().join("proj");
+    for trial in 0..3 {
+        // Job A holds the directory (paused inside the save of
+        // checkpoint_1; after the first trial it resumes from checkpoint_0).
+        let mut a = Command::new(mlp())
+            .args(["--steps", "10", "--checkpoint-every", "5", "--project-dir"])
+            .arg(&proj)
+            .args(if trial > 0 {
+                &["--resume"][..]
+            } else {
+                &[][..]
+            })
+            .env("ACCEL_TEST_PAUSE_IN_SAVE", "checkpoint_1")
+            .env_remove("ACCEL_PLUGIN_DIR")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = BufReader::new(a.stderr.take().unwrap());
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l.unwrap().contains("test pause in save")),
+            "trial {trial}: job A never reached its save"
+        );
+        let b = Command::new(mlp())
+            .args(["--steps", "10", "--checkpoint-every", "5", "--project-dir"])
+            .arg(&proj)
+            .env_remove("ACCEL_PLUGIN_DIR")
+            .output()
+            .unwrap();
+        let text = describe(&b);
+        assert!(
+            !b.status.success(),
+            "trial {trial}: job B saved too: {text}"
+        );
+        assert!(
+            text.contains("in use by another job") && text.contains(&format!("pid {}", a.id())),
+            "trial {trial}: {text}"
+        );
+        // SAFETY: plain kill(2) of our own child.
+        unsafe { libc::kill(a.id() as i32, libc::SIGKILL) };
+        a.wait().unwrap();
+        // Every checkpoint reported saved is whole.
+        for name in entries(&proj.join("checkpoints")) {
+            if !name.starts_with('.') {
+                let state = proj
+                    .join("checkpoints")
+                    .join(&name)
+                    .join("accel_state.json");
+                assert!(state.exists(), "trial {trial}: {name} is not whole");
+            }
+        }
+        // With A gone, the directory is free again (resume: next numbers).
+        if trial == 2 {
+            run_ok(
+                Command::new(mlp())
+                    .args(["--steps", "10", "--checkpoint-every", "5", "--resume"])
+                    .arg("--project-dir")
+                    .arg(&proj),
+            );
+        }
+    }
+}
+
+#[test]
+fn a_truncated_newest_checkpoint_falls_back_to_the_previous_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let proj = dir.path().join("proj");
+    let args = ["--steps", "10", "--checkpoint-every", "5", "--project-dir"];
+    run_ok(Command::new(mlp()).args(args).arg(&proj));
+    let newest = proj.join("checkpoints/checkpoint_1/model.safetensors");
+    let bytes = std::fs::read(&newest).unwrap();
+    std::fs::write(&newest, &bytes[..bytes.len() / 2]).unwrap();
+    let out = run_ok(Command::new(mlp()).args(args).arg(&proj).arg("--resume"));
+    let text = describe(&out);
+    assert!(text.contains("at step 5"), "{text}");
+    assert!(
+        text.contains("skipping") && text.contains("checkpoint_1") && text.contains("truncated"),
+        "{text}"
     );
 }
 
@@ -173,14 +266,7 @@ fn automatic_naming_keeps_total_limit_and_resumes_the_iteration() {
             .arg("--project-dir")
             .arg(&proj),
     );
-    let list = || {
-        let mut v: Vec<String> = std::fs::read_dir(proj.join("checkpoints"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
-    };
+    let list = || entries(&proj.join("checkpoints"));
     assert_eq!(list(), vec!["checkpoint_1", "checkpoint_2"]);
     // Resuming continues the numbering instead of overwriting checkpoint_0..
     run_ok(

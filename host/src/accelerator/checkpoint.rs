@@ -36,6 +36,7 @@
 //! ranks that have one); a SHARDED one needs the same strategy and world
 //! size, and anything else is refused with both sides named.
 
+use super::checkpoint_safety::{self, DirLock};
 use super::{units::lock, AccelError, AcceleratedScheduler, Accelerator};
 use accel_sdk::{
     optim::Optimizer,
@@ -107,6 +108,9 @@ pub(crate) struct Checkpoints {
     /// The next automatic checkpoint's number.
     pub iteration: u64,
     pub registered: Vec<Registered>,
+    /// The directories this job saves checkpoints into, locked (main
+    /// process) for as long as the job runs.
+    locks: Vec<DirLock>,
 }
 
 impl Checkpoints {
@@ -115,6 +119,7 @@ impl Checkpoints {
             options,
             iteration: 0,
             registered: Vec::new(),
+            locks: Vec::new(),
         }
     }
 }
@@ -154,13 +159,47 @@ fn nth(name: &str, i: usize) -> String {
     }
 }
 
-/// The hidden directory a checkpoint is written into before it is renamed.
-fn partial_of(target: &Path) -> PathBuf {
+/// The hidden directory a checkpoint is written into before it is renamed,
+/// unique to this save (`token`).
+fn partial_of(target: &Path, token: u64) -> PathBuf {
     let name = target
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "checkpoint".into());
-    target.with_file_name(format!(".{name}.partial"))
+    target.with_file_name(format!(".{name}.{token:x}.partial"))
+}
+
+/// Renames the written `partial` to `target` (replacing it), then checks
+/// that it reads back; a checkpoint that does not is moved aside
+/// (`.<name>.failed`) and never reported saved.
+fn move_into_place(partial: &Path, target: &Path) -> Result<(), String> {
+    if target.exists() {
+        fs::remove_dir_all(target).map_err(|e| format!("replacing {}: {e}", target.display()))?;
+    }
+    fs::rename(partial, target).map_err(|e| format!("renaming into {}: {e}", target.display()))?;
+    if let Err(why) = checkpoint_safety::verify(target) {
+        let aside = set_aside(target, "failed");
+        return Err(format!(
+            "it did not read back ({why}); moved aside to {}",
+            aside.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Renames checkpoint `dir` to the hidden `.<name>.<why>` beside it (no
+/// longer a `checkpoint_<n>`), replacing an older one of that name.
+fn set_aside(dir: &Path, why: &str) -> PathBuf {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let aside = dir.with_file_name(format!(".{name}.{why}"));
+    let _ = fs::remove_dir_all(&aside);
+    if let Err(e) = fs::rename(dir, &aside) {
+        tracing::warn!("checkpoint: could not move {} aside: {e}", dir.display());
+    }
+    aside
 }
 
 /// Removes `.*.partial` directories a crashed save left in `dir`.
@@ -308,19 +347,20 @@ impl Accelerator {
                 ))
             }
         };
+        let parent = target
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."));
+        self.lock_checkpoints_dir(&parent)?;
         if target.exists() && !options.overwrite {
             return Err(AccelError::Usage(format!(
                 "checkpoint {} exists; pass SaveOptions {{ overwrite: true }} to replace it",
                 target.display()
             )));
         }
-        let parent = target
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_else(|| PathBuf::from("."));
-        let partial = partial_of(&target);
+        let partial = partial_of(&target, self.save_token()?);
         if self.is_main_process() {
-            fs::create_dir_all(&parent).map_err(|e| io_err("creating", &parent, e))?;
+            // The lock is ours: any partial left here is a crashed save's.
             remove_partials(&parent);
             fs::create_dir_all(&partial).map_err(|e| io_err("creating", &partial, e))?;
         }
@@ -328,17 +368,23 @@ impl Accelerator {
         self.write_state(&partial, objects)?;
         test_pause_point(&target);
         self.wait_for_everyone()?;
-        if self.is_main_process() {
-            if target.exists() {
-                fs::remove_dir_all(&target).map_err(|e| io_err("replacing", &target, e))?;
-            }
-            fs::rename(&partial, &target).map_err(|e| io_err("renaming into", &target, e))?;
-            if dir.is_none() {
-                if let Some(limit) = self.checkpoints.options.total_limit {
-                    let all = numbered_checkpoints(&parent);
-                    for (_, old) in all.iter().take(all.len().saturating_sub(limit)) {
-                        fs::remove_dir_all(old).map_err(|e| io_err("removing", old, e))?;
-                    }
+        let renamed = if self.is_main_process() {
+            move_into_place(&partial, &target)
+        } else {
+            Ok(())
+        };
+        self.agree(renamed, "saving the checkpoint")?;
+        if let (true, None, Some(limit)) = (
+            self.is_main_process(),
+            dir,
+            self.checkpoints.options.total_limit,
+        ) {
+            // Not an error: the new checkpoint is saved, and the other ranks
+            // are already waiting at the barrier below.
+            let all = numbered_checkpoints(&parent);
+            for (_, old) in all.iter().take(all.len().saturating_sub(limit)) {
+                if let Err(e) = fs::remove_dir_all(old) {
+                    tracing::warn!("total_limit: could not remove {}: {e}", old.display());
                 }
             }
         }
@@ -347,6 +393,53 @@ impl Accelerator {
             self.checkpoints.iteration += 1;
         }
         Ok(target)
+    }
+
+    /// Locks `dir` for this job (once; the main process holds the lock), so
+    /// that another job saving there is refused instead of mixing
+    /// checkpoints.
+    fn lock_checkpoints_dir(&mut self, dir: &Path) -> Result<(), AccelError> {
+        if self.checkpoints.locks.iter().any(|l| l.dir() == dir) {
+            return Ok(());
+        }
+        let mut lock = None;
+        let outcome = if self.is_main_process() {
+            fs::create_dir_all(dir)
+                .map_err(|e| format!("creating {}: {e}", dir.display()))
+                .and_then(|()| DirLock::acquire(dir))
+                .map(|l| lock = Some(l))
+        } else {
+            Ok(())
+        };
+        self.agree(outcome, "locking the checkpoint directory")?;
+        self.checkpoints.locks.extend(lock);
+        Ok(())
+    }
+
+    /// A number unique to this save, the same on every rank (names the
+    /// partial directory, so two saves never share one).
+    fn save_token(&self) -> Result<u64, AccelError> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let mine = (u64::from(std::process::id()) << 32 | u64::from(nanos)) as i64;
+        let t = self.broadcast(&Tensor::from_slice(&[mine]), 0)?;
+        Ok(t.int64_value(&[0]) as u64)
+    }
+
+    /// Every rank learns whether the main process's `outcome` of `what` was
+    /// a success; on failure every rank returns an error (the main process
+    /// with the reason).
+    fn agree(&self, outcome: Result<(), String>, what: &str) -> Result<(), AccelError> {
+        let flag = i64::from(outcome.is_ok());
+        let agreed = self.broadcast(&Tensor::from_slice(&[flag]), 0)?;
+        match (outcome, agreed.int64_value(&[0]) == 1) {
+            (Err(why), _) => Err(AccelError::Usage(format!("checkpoint: {what}: {why}"))),
+            (Ok(()), true) => Ok(()),
+            (Ok(()), false) => Err(AccelError::Usage(format!(
+                "checkpoint: {what} failed on the main process (its error says why)"
+            ))),
+        }
     }
 
     fn write_state(&mut self, out: &Path, objects: TrainingObjects<'_>) -> Result<(), AccelError> {
@@ -435,16 +528,40 @@ impl Accelerator {
             Some(d) => (d.to_path_buf(), None),
             None => {
                 let root = self.checkpoints_dir();
+                self.lock_checkpoints_dir(&root)?;
                 if self.is_main_process() {
                     remove_partials(&root);
                 }
-                let (n, path) = numbered_checkpoints(&root).pop().ok_or_else(|| {
+                // The newest checkpoint that reads back; a damaged one (a
+                // truncated file) is passed over, and said so.
+                let mut found = None;
+                for (n, path) in numbered_checkpoints(&root).into_iter().rev() {
+                    match checkpoint_safety::verify(&path) {
+                        Ok(()) => {
+                            found = Some((path, Some(n)));
+                            break;
+                        }
+                        Err(why) => {
+                            if self.is_main_process() {
+                                // Out of the way of the saves to come, kept
+                                // for a look.
+                                let aside = set_aside(&path, "damaged");
+                                tracing::warn!(
+                                    "load_state: skipping {} ({why}; moved to {}); falling back \
+                                     to the previous checkpoint",
+                                    path.display(),
+                                    aside.display()
+                                );
+                            }
+                        }
+                    }
+                }
+                found.ok_or_else(|| {
                     AccelError::Usage(format!(
-                        "load_state: no checkpoint_<n> directory in {}",
+                        "load_state: no complete checkpoint_<n> directory in {}",
                         root.display()
                     ))
-                })?;
-                (path, Some(n))
+                })?
             }
         };
         let meta = read_json(&source.join("accel_state.json"))?;
@@ -626,8 +743,8 @@ mod tests {
     #[test]
     fn partial_dirs_are_hidden_siblings() {
         assert_eq!(
-            partial_of(Path::new("/p/checkpoints/checkpoint_3")),
-            PathBuf::from("/p/checkpoints/.checkpoint_3.partial")
+            partial_of(Path::new("/p/checkpoints/checkpoint_3"), 0xab),
+            PathBuf::from("/p/checkpoints/.checkpoint_3.ab.partial")
         );
     }
 

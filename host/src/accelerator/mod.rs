@@ -26,6 +26,7 @@
 //! ```
 
 mod checkpoint;
+mod checkpoint_safety;
 mod data;
 mod tracking;
 mod units;
