@@ -384,7 +384,7 @@ fn what_accel_fsdp_does_not_do_is_refused_by_name() {
             2,
             "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: BertLayer\n",
         ),
-        &["`BertLayer` matches no parameter path"],
+        &["`BertLayer` is not a layer class of this model"],
     );
     refused(
         &fsdp_config(d, "bogus.yaml", 2, "  fsdp_sharding_strategy: BOGUS\n"),
