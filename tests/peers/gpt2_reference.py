@@ -36,6 +36,7 @@ import json
 import os
 import re
 import sys
+import time
 import warnings
 
 os.environ.setdefault("ACCELERATE_USE_CPU", "1")
@@ -131,6 +132,7 @@ def cmd_train(a):
 
     log = open(a.loss_log, "w") if (a.loss_log and acc.is_main_process) else None
     step, epoch, window = 0, 0, []
+    started = time.perf_counter()
     while step < a.steps and (a.epochs is None or epoch < a.epochs):
         for batch in dl:
             lr = opt.param_groups[0]["lr"]
@@ -158,6 +160,10 @@ def cmd_train(a):
             if step >= a.steps:
                 break
         epoch += 1
+    secs = time.perf_counter() - started
+    if acc.is_main_process:
+        # The same summary line as accel's gpt2, for the benchmarks.
+        print(f"gpt2-reference: {step} steps, {step / max(secs, 1e-9):.2f} steps/s", flush=True)
     if log:
         log.close()
     acc.wait_for_everyone()
