@@ -5,7 +5,9 @@
 //! of a checkpoint that does not fit and of bad flags.
 
 use accel_integration_tests::{
-    accel_bin, build_bin, describe, loss_records, read_weights, run_ok, venv_bin, workspace_root,
+    accel_bin, describe,
+    gpt2::{gpt2, logits, max_diff, peer, write_tokens, LOGITS_INPUT, SIZES},
+    loss_records, read_weights, run_ok, venv_bin, workspace_root,
 };
 use serde_json::Value;
 use std::{
@@ -13,54 +15,6 @@ use std::{
     process::{Command, Output},
 };
 use tch::Tensor;
-
-/// The tiny model every test uses.
-const SIZES: &[&str] = &[
-    "--n-layer",
-    "2",
-    "--n-embd",
-    "64",
-    "--n-head",
-    "4",
-    "--vocab-size",
-    "512",
-    "--n-positions",
-    "64",
-];
-const LOGITS_INPUT: &str = "1,8,43,218,67,338,459,500,3,0,511,77";
-
-fn gpt2() -> PathBuf {
-    build_bin("accel-examples", "gpt2")
-}
-
-fn peer() -> Command {
-    let mut cmd = Command::new(venv_bin("python"));
-    cmd.arg(workspace_root().join("tests/peers/gpt2_reference.py"));
-    cmd
-}
-
-/// 5000 u16 tokens below 512: mostly a fixed next-token rule (so the loss
-/// falls), one in five drawn at random.
-fn write_tokens(path: &Path) {
-    let mut state: u64 = 0x2545_f491_4f6c_dd1d;
-    let mut next = || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
-    let mut t: u16 = 1;
-    let mut bytes = Vec::new();
-    for _ in 0..5000 {
-        bytes.extend(t.to_le_bytes());
-        t = if next() % 5 == 0 {
-            (next() % 512) as u16
-        } else {
-            (t * 5 + 3) % 512
-        };
-    }
-    std::fs::write(path, bytes).unwrap();
-}
 
 /// Runs gpt2 with `args`, expecting failure; returns stderr.
 fn refused(args: &[&str]) -> String {
@@ -78,19 +32,6 @@ fn refused(args: &[&str]) -> String {
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(!err.contains("panicked"), "gpt2 {args:?} panicked: {err}");
     err
-}
-
-fn logits(path: &Path) -> Tensor {
-    read_weights(path)
-        .into_iter()
-        .find(|(n, _)| n == "logits")
-        .unwrap_or_else(|| panic!("no logits in {}", path.display()))
-        .1
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.size(), b.size());
-    (a - b).abs().max().double_value(&[])
 }
 
 /// The largest difference of `loss`, `lr` and `grad_norm` between two loss

@@ -2,6 +2,8 @@
 //! (the `accel` binary, plugin libraries, example programs) with cargo and
 //! running them.
 
+pub mod gpt2;
+
 use serde_json::Value;
 use std::{
     fs::File,

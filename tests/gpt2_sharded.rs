@@ -1,0 +1,430 @@
+//! The gpt2 example under the sharded strategies on 2 CPU ranks: FSDP
+//! (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) and ZeRO 1-3 reach DDP's
+//! weights with frozen embeddings; a LoRA fine-tune (`--lora-r`) under DDP
+//! and FSDP trains the adapters only, and its merged model loads in
+//! transformers; the README's worked example runs as written.
+
+use accel_integration_tests::{
+    accel_bin, describe,
+    gpt2::{
+        gpt2, logits, max_diff, save_tiny_model, transformers_logits, write_tokens, LOGITS_INPUT,
+        SIZES,
+    },
+    loss_log, max_abs_diff, read_weights, run_ok, venv_bin, workspace_root, write_config,
+};
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::Instant,
+};
+use tch::{Kind, Tensor};
+
+/// `fsdp_transformer_layer_cls_to_wrap`: the layer class gpt2 declares for
+/// its blocks.
+const WRAP_CLASS: &str = "GPT2Block";
+
+/// An `fsdp_config` sharding with `strategy`, one unit per gpt2 block.
+fn fsdp(strategy: &str) -> String {
+    format!(
+        "fsdp_config:\n  fsdp_sharding_strategy: {strategy}\n  \
+         fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
+         fsdp_transformer_layer_cls_to_wrap: {WRAP_CLASS}\n"
+    )
+}
+
+/// `accel launch -q --config_file <dir>/<name>.yaml gpt2 <args>`, run;
+/// returns the seconds it took.
+fn launch(dir: &Path, name: &str, distributed_type: &str, rest: &str, args: &[&str]) -> f64 {
+    let config = write_config(dir, &format!("{name}.yaml"), distributed_type, 2, rest);
+    let started = Instant::now();
+    run_ok(
+        Command::new(accel_bin())
+            .args(["launch", "-q", "--config_file"])
+            .arg(&config)
+            .arg(gpt2())
+            .args(args),
+    );
+    started.elapsed().as_secs_f64()
+}
+
+fn tensor<'a>(weights: &'a [(String, Tensor)], name: &str) -> &'a Tensor {
+    &weights
+        .iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("no `{name}`"))
+        .1
+}
+
+#[test]
+fn sharded_strategies_reach_ddps_weights_with_frozen_embeddings() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |name: &str| dir.path().join(name);
+    write_tokens(&d("tokens.bin"));
+    // Dropout stays on (GPT2Config's 0.1): every strategy draws the same masks.
+    save_tiny_model(&d("init"), 11);
+    let init = read_weights(&d("init/model.safetensors"));
+    let frozen = ["transformer.wpe.weight", "transformer.wte.weight"];
+    let zero = |stage: u32| format!("deepspeed_config:\n  zero_stage: {stage}\n");
+    let runs = [
+        ("ddp", "MULTI_CPU", String::new()),
+        ("fsdp-full-shard", "FSDP", fsdp("FULL_SHARD")),
+        ("fsdp-shard-grad-op", "FSDP", fsdp("SHARD_GRAD_OP")),
+        // One machine of 2 ranks: HYBRID_SHARD shards within it.
+        ("fsdp-hybrid-shard", "FSDP", fsdp("HYBRID_SHARD")),
+        ("zero1", "DEEPSPEED", zero(1)),
+        ("zero2", "DEEPSPEED", zero(2)),
+        ("zero3", "DEEPSPEED", zero(3)),
+    ];
+    // 156 windows of 32, batches of 4 per rank, 2 micro-batches a step:
+    // 10 steps an epoch; 24 steps cross two epoch boundaries.
+    let (init_dir, tokens) = (d("init"), d("tokens.bin"));
+    let mut reference: Option<Vec<(String, Tensor)>> = None;
+    let mut report = Vec::new();
+    for (name, distributed_type, rest) in &runs {
+        let out = d(name);
+        let secs = launch(
+            dir.path(),
+            name,
+            distributed_type,
+            rest,
+            &[
+                "--model",
+                init_dir.to_str().unwrap(),
+                "--data",
+                tokens.to_str().unwrap(),
+                "--block-size",
+                "32",
+                "--batch-size",
+                "4",
+                "--grad-accum",
+                "2",
+                "--max-grad-norm",
+                "0.5",
+                "--steps",
+                "24",
+                "--lr",
+                "1e-3",
+                "--weight-decay",
+                "0.1",
+                "--scheduler",
+                "linear",
+                "--warmup",
+                "4",
+                "--data-seed",
+                "5",
+                "--freeze",
+                r"transformer\.(wte|wpe)\.weight",
+                "--save",
+                out.to_str().unwrap(),
+            ],
+        );
+        let weights = read_weights(&out.join("model.safetensors"));
+        for ((n, after), (m, before)) in weights.iter().zip(&init) {
+            assert_eq!(n, m);
+            if frozen.contains(&n.as_str()) {
+                assert!(after.equal(before), "{name}: frozen `{n}` changed");
+            } else {
+                assert!(!after.equal(before), "{name}: `{n}` did not train");
+            }
+        }
+        match &reference {
+            None => {
+                report.push(format!("{name} {secs:.1} s"));
+                reference = Some(weights);
+            }
+            Some(r) => {
+                let diff = max_abs_diff(r, &weights);
+                report.push(format!("{name} {secs:.1} s, |Δweights| {diff:e}"));
+                assert!(diff <= 1e-5, "{name}: {diff} from DDP's weights");
+            }
+        }
+    }
+    println!(
+        "gpt2 on 2 ranks, 24 steps, frozen wte/wpe bit-identical: {}",
+        report.join("; ")
+    );
+}
+
+/// As `lora_delta` of examples/gpt2/model.rs: `A @ B * scale` in f64 as a
+/// sum of rank-1 element-wise products in order (the same bits anywhere).
+fn lora_merge(weight: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Tensor {
+    let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+    let (n, r, m) = (a.size()[0], a.size()[1], b.size()[1]);
+    let mut delta = Tensor::zeros([n, m], (Kind::Double, a.device()));
+    for k in 0..r {
+        delta += a.narrow(1, k, 1) * b.narrow(0, k, 1);
+    }
+    (weight.to_kind(Kind::Double) + delta * scale).to_kind(weight.kind())
+}
+
+/// What a LoRA run left: the merged model, the adapters, accel's logits
+/// and where transformers' go, the loss log.
+struct LoraRun {
+    merged: PathBuf,
+    adapters: PathBuf,
+    accel_logits: PathBuf,
+    transformers_logits: PathBuf,
+    losses: Vec<(u64, f64)>,
+}
+
+#[test]
+fn lora_trains_the_adapters_only_and_the_merged_model_loads_in_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |name: &str| dir.path().join(name);
+    write_tokens(&d("tokens.bin"));
+    let (init_dir, tokens) = (d("init"), d("tokens.bin"));
+    // The base: a new model trained 40 steps (one process, no dropout), so
+    // that the fine-tune starts from a model that knows something.
+    run_ok(
+        Command::new(gpt2())
+            .args(SIZES)
+            .args(["--seed", "5", "--dropout", "0", "--data"])
+            .arg(&tokens)
+            .args(["--block-size", "32", "--batch-size", "8", "--steps", "40"])
+            .args(["--lr", "1e-2", "--save"])
+            .arg(&init_dir)
+            .env("OMP_NUM_THREADS", "1"),
+    );
+    let init = read_weights(&d("init/model.safetensors"));
+    let (r, alpha) = (4, 8.0); // alpha defaults to 2r
+    let mut runs = Vec::new();
+    for (name, distributed_type, rest) in [
+        ("ddp", "MULTI_CPU", String::new()),
+        ("fsdp", "FSDP", fsdp("FULL_SHARD")),
+    ] {
+        let run = LoraRun {
+            merged: d(&format!("{name}-merged")),
+            adapters: d(&format!("{name}-adapters.safetensors")),
+            accel_logits: d(&format!("{name}-accel-logits.safetensors")),
+            transformers_logits: d(&format!("{name}-transformers-logits.safetensors")),
+            losses: Vec::new(),
+        };
+        let log = d(&format!("{name}.jsonl"));
+        let secs = launch(
+            dir.path(),
+            name,
+            distributed_type,
+            &rest,
+            &[
+                "--model",
+                init_dir.to_str().unwrap(),
+                "--data",
+                tokens.to_str().unwrap(),
+                "--block-size",
+                "32",
+                "--batch-size",
+                "4",
+                "--steps",
+                "20",
+                "--lr",
+                "1e-2",
+                "--lora-r",
+                &r.to_string(),
+                "--save",
+                run.merged.to_str().unwrap(),
+                "--save-adapters",
+                run.adapters.to_str().unwrap(),
+                "--loss-log",
+                log.to_str().unwrap(),
+                "--logits-input",
+                LOGITS_INPUT,
+                "--logits-out",
+                run.accel_logits.to_str().unwrap(),
+            ],
+        );
+        println!("LoRA under {name}: {secs:.1} s");
+        runs.push(LoraRun {
+            losses: loss_log(&log),
+            ..run
+        });
+    }
+    for (run, name) in runs.iter().zip(["ddp", "fsdp"]) {
+        let merged = read_weights(&run.merged.join("model.safetensors"));
+        let adapters = read_weights(&run.adapters);
+        // The merged model has the base model's tensors, and only those.
+        assert_eq!(
+            merged.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            init.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            "{name}"
+        );
+        assert_eq!(adapters.len(), 4, "{name}: {adapters:?}");
+        for ((n, after), (_, before)) in merged.iter().zip(&init) {
+            match n.strip_suffix(".weight") {
+                Some(module) if module.ends_with(".attn.c_attn") => {
+                    // W + A·B·alpha/r with W the init's: the base did not move.
+                    let a = tensor(&adapters, &format!("{module}.lora_A"));
+                    let b = tensor(&adapters, &format!("{module}.lora_B"));
+                    assert_eq!(a.size(), [64, r]);
+                    assert_eq!(b.size(), [r, 192]);
+                    assert!(
+                        b.abs().max().double_value(&[]) > 0.0,
+                        "{name}: `{module}.lora_B` is still zero"
+                    );
+                    let expected = lora_merge(before, a, b, alpha / r as f64);
+                    assert!(
+                        after.equal(&expected),
+                        "{name}: `{n}` is not the init's weight plus its adapters' update (max diff {})",
+                        max_diff(after, &expected)
+                    );
+                    assert!(!after.equal(before), "{name}: `{n}` holds no update");
+                }
+                _ => assert!(after.equal(before), "{name}: frozen `{n}` changed"),
+            }
+        }
+        // The adapters learn: the loss falls.
+        let mean = |l: &[(u64, f64)]| l.iter().map(|(_, x)| x).sum::<f64>() / l.len() as f64;
+        let (first, last) = (
+            mean(&run.losses[..5]),
+            mean(&run.losses[run.losses.len() - 5..]),
+        );
+        assert_eq!(run.losses.len(), 20, "{name}");
+        assert!(
+            last < first - 0.05,
+            "{name}: loss {first} over the first 5 steps, {last} over the last 5"
+        );
+        println!("LoRA under {name}: loss {first:.5} (first 5 steps) -> {last:.5} (last 5)");
+    }
+    let adapters_diff = max_abs_diff(
+        &read_weights(&runs[0].adapters),
+        &read_weights(&runs[1].adapters),
+    );
+    assert!(
+        adapters_diff <= 1e-5,
+        "FSDP's adapters are {adapters_diff} from DDP's"
+    );
+    // transformers loads the merged models: its logits are accel's (which
+    // ran the adapters beside c_attn).
+    transformers_logits(
+        &runs
+            .iter()
+            .map(|r| (r.merged.as_path(), r.transformers_logits.as_path()))
+            .collect::<Vec<_>>(),
+    );
+    let diffs: Vec<f64> = runs
+        .iter()
+        .map(|r| max_diff(&logits(&r.accel_logits), &logits(&r.transformers_logits)))
+        .collect();
+    println!(
+        "LoRA: |Δadapters| FSDP vs DDP {adapters_diff:e}; merged models in transformers: \
+         |Δlogits| DDP {:e}, FSDP {:e}",
+        diffs[0], diffs[1]
+    );
+    for (d, name) in diffs.iter().zip(["ddp", "fsdp"]) {
+        assert!(*d <= 1e-4, "{name}: logits differ by {d}");
+    }
+    // Flags that cannot work are refused by name.
+    for (args, expect) in [
+        (vec!["--lora-r", "0"], "--lora-r 0"),
+        (
+            vec!["--save-adapters", "a.safetensors"],
+            "--save-adapters needs --lora-r",
+        ),
+        (vec!["--lora-alpha", "4"], "--lora-alpha needs --lora-r"),
+        (vec!["--lora-r", "2", "--lora-alpha", "0"], "--lora-alpha 0"),
+    ] {
+        let out = Command::new(gpt2())
+            .args(["--model", init_dir.to_str().unwrap(), "--steps", "0"])
+            .args(&args)
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(expect) && !err.contains("panicked"),
+            "gpt2 {args:?}: {}",
+            describe(&out)
+        );
+    }
+}
+
+/// The README's worked example (the bash block after its marker), run as
+/// written except: no `cargo build --release` (the test's own build of the
+/// same programs), PATH to those and to the project's venv, and 6 steps
+/// instead of 200. accel's eval losses must be transformers' on the saved
+/// models.
+#[test]
+fn the_readme_gpt2_fsdp_example_runs_as_written() {
+    let readme = std::fs::read_to_string(workspace_root().join("README.md")).unwrap();
+    let marker = "<!-- tests/gpt2_sharded.rs runs the next block -->";
+    let at = readme
+        .find(marker)
+        .expect("the README marks its gpt2 example")
+        + marker.len();
+    let body = readme[at..]
+        .trim_start()
+        .strip_prefix("```bash\n")
+        .expect("a ```bash block follows the marker");
+    let block = &body[..body.find("\n```").expect("the block ends")];
+    let bins = gpt2().parent().unwrap().to_path_buf();
+    assert_eq!(accel_bin().parent().unwrap(), bins, "accel beside gpt2");
+    let venv = venv_bin("python").parent().unwrap().to_path_buf();
+    let mut script = vec!["set -euo pipefail".to_owned()];
+    let (mut built, mut path) = (false, false);
+    for line in block.lines() {
+        if line.starts_with("cargo build --release") {
+            built = true;
+        } else if line.starts_with("export PATH=") {
+            path = true;
+            script.push(format!(
+                "export PATH=\"{}:{}:$PATH\"",
+                bins.display(),
+                venv.display()
+            ));
+        } else {
+            script.push(line.to_owned());
+        }
+    }
+    assert!(built && path, "the block builds and sets PATH:\n{block}");
+    let mut script = script.join("\n") + "\n";
+    for (from, to) in [
+        ("--steps 200", "--steps 6"),
+        ("--eval-every 200", "--eval-every 6"),
+    ] {
+        assert_eq!(
+            script.matches(from).count(),
+            2,
+            "`{from}` twice in:\n{block}"
+        );
+        script = script.replace(from, to);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let started = Instant::now();
+    let out = run_ok(
+        Command::new("bash")
+            .arg("-c")
+            .arg(&script)
+            .current_dir(dir.path())
+            .env("HF_HUB_OFFLINE", "1")
+            .env("RUST_BACKTRACE", "0"),
+    );
+    let secs = started.elapsed().as_secs_f64();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let value = |line: &str| -> f64 { line.rsplit(' ').next().unwrap().parse().unwrap() };
+    let accel: Vec<f64> = stdout
+        .lines()
+        .filter(|l| l.starts_with("gpt2: step 6: eval_loss "))
+        .map(value)
+        .collect();
+    let transformers: Vec<f64> = stdout
+        .lines()
+        .filter(|l| l.starts_with("transformers: ") && l.contains(" eval_loss "))
+        .map(value)
+        .collect();
+    assert_eq!(accel.len(), 2, "{}", describe(&out));
+    assert_eq!(transformers.len(), 2, "{}", describe(&out));
+    let run = dir.path().join("runs/gpt2-fsdp");
+    for file in [
+        "gpt2-tuned/model.safetensors",
+        "gpt2-tuned/config.json",
+        "gpt2-lora/model.safetensors",
+        "lora-adapters.safetensors",
+    ] {
+        assert!(run.join(file).is_file(), "no {file}: {}", describe(&out));
+    }
+    println!(
+        "README gpt2 example ({secs:.1} s): eval_loss accel {accel:?}, transformers {transformers:?}"
+    );
+    for (a, t) in accel.iter().zip(&transformers) {
+        assert!((a - t).abs() <= 1e-4, "accel {a} vs transformers {t}");
+    }
+}

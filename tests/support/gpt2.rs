@@ -1,0 +1,100 @@
+//! What the gpt2 tests share: the example program, the Python reference
+//! (`tests/peers/gpt2_reference.py`), the tiny model and its token file.
+
+use crate::{build_bin, read_weights, run_ok, venv_bin, workspace_root};
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+use tch::Tensor;
+
+/// The tiny model the tests train: 2 blocks, width 64, 4 heads, 512 tokens,
+/// 64 positions.
+pub const SIZES: &[&str] = &[
+    "--n-layer",
+    "2",
+    "--n-embd",
+    "64",
+    "--n-head",
+    "4",
+    "--vocab-size",
+    "512",
+    "--n-positions",
+    "64",
+];
+
+/// The token ids the tests compare logits on (`--logits-input`).
+pub const LOGITS_INPUT: &str = "1,8,43,218,67,338,459,500,3,0,511,77";
+
+/// The `gpt2` example program.
+pub fn gpt2() -> PathBuf {
+    build_bin("accel-examples", "gpt2")
+}
+
+/// `python tests/peers/gpt2_reference.py`, not yet run.
+pub fn peer() -> Command {
+    let mut cmd = Command::new(venv_bin("python"));
+    cmd.arg(workspace_root().join("tests/peers/gpt2_reference.py"));
+    cmd
+}
+
+/// 5000 u16 tokens below 512: mostly a fixed next-token rule (so the loss
+/// falls), one in five drawn at random.
+pub fn write_tokens(path: &Path) {
+    let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut t: u16 = 1;
+    let mut bytes = Vec::new();
+    for _ in 0..5000 {
+        bytes.extend(t.to_le_bytes());
+        t = if next() % 5 == 0 {
+            (next() % 512) as u16
+        } else {
+            (t * 5 + 3) % 512
+        };
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// The `logits` tensor of a `--logits-out` file (or the reference's).
+pub fn logits(path: &Path) -> Tensor {
+    read_weights(path)
+        .into_iter()
+        .find(|(n, _)| n == "logits")
+        .unwrap_or_else(|| panic!("no logits in {}", path.display()))
+        .1
+}
+
+/// The largest absolute difference of two tensors of the same shape.
+pub fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    (a - b).abs().max().double_value(&[])
+}
+
+/// Loads every `(model dir, logits file)` in transformers (one Python
+/// start: `GPT2LMHeadModel.from_pretrained`, eval mode) and writes its
+/// logits for [`LOGITS_INPUT`] to the file.
+pub fn transformers_logits(models: &[(&Path, &Path)]) {
+    let mut cmd = peer();
+    cmd.args(["logits", "--ids", LOGITS_INPUT]);
+    for (dir, out) in models {
+        cmd.arg("--model").arg(dir).arg(out);
+    }
+    run_ok(&mut cmd);
+}
+
+/// A new tiny model (accel's init, transformers' scheme) from `seed`,
+/// saved to `dir` in Hugging Face's layout.
+pub fn save_tiny_model(dir: &Path, seed: u64) {
+    run_ok(
+        Command::new(gpt2())
+            .args(SIZES)
+            .args(["--seed", &seed.to_string(), "--steps", "0", "--save"])
+            .arg(dir),
+    );
+}
