@@ -209,6 +209,15 @@ const NONNEG: Kind = Kind::Int {
     min: 0,
     max: i64::MAX,
 };
+/// [`POS`] and [`NONNEG`] for the keys that [`Config`] holds as `u32`.
+const POS_U32: Kind = Kind::Int {
+    min: 1,
+    max: u32::MAX as i64,
+};
+const NONNEG_U32: Kind = Kind::Int {
+    min: 0,
+    max: u32::MAX as i64,
+};
 
 /// Keys of `deepspeed_config`.
 pub const DEEPSPEED_KEYS: &[KeySpec] = &[
@@ -326,12 +335,12 @@ pub const TOP_LEVEL_KEYS: &[KeySpec] = &[
     k("use_cpu", Kind::Bool),
     k("debug", Kind::Bool),
     k("enable_cpu_affinity", Kind::Bool),
-    k("num_machines", POS),
+    k("num_machines", POS_U32),
     k("gpu_ids", Kind::GpuIds),
     k("dynamo_config", Kind::Section(DYNAMO_KEYS)),
     // ClusterConfig
-    kc("num_processes", POS),
-    kc("machine_rank", NONNEG),
+    kc("num_processes", POS_U32),
+    kc("machine_rank", NONNEG_U32),
     kc("main_process_ip", Kind::Str),
     kc("main_process_port", Kind::Int { min: 0, max: 65535 }),
     kc("rdzv_backend", Kind::Str),

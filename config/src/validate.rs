@@ -120,10 +120,12 @@ pub(crate) fn check_value(
                 Some(Scalar::Str(s)) => crate::parse::resolve_int(s.trim()),
                 _ => None,
             };
-            let range = if max == i64::MAX {
-                format!("an integer of at least {min}")
-            } else {
-                format!("an integer from {min} to {max}")
+            // Counts bounded only by their type say the bound that was crossed.
+            let huge = max >= i64::from(u32::MAX);
+            let range = match i {
+                Some(i) if huge && i > max => format!("an integer of at most {max}"),
+                _ if huge => format!("an integer of at least {min}"),
+                _ => format!("an integer from {min} to {max}"),
             };
             match i {
                 Some(i) if i >= min && i <= max => Ok(Value::from(i)),

@@ -119,12 +119,12 @@ fn inline(v: &Value) -> String {
         Value::Null => "null".into(),
         Value::Bool(b) => b.to_string(),
         Value::Number(n) => n.to_string(),
-        Value::String(s) => scalar_str(s),
+        Value::String(s) => flow_scalar_str(s),
         Value::Array(a) => format!("[{}]", a.iter().map(inline).collect::<Vec<_>>().join(", ")),
         Value::Object(o) => format!(
             "{{{}}}",
             o.iter()
-                .map(|(k, v)| format!("{}: {}", scalar_str(k), inline(v)))
+                .map(|(k, v)| format!("{}: {}", flow_scalar_str(k), inline(v)))
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
@@ -152,6 +152,17 @@ fn scalar_str(s: &str) -> String {
         format!("'{}'", s.replace('\'', "''"))
     } else {
         s.to_string()
+    }
+}
+
+/// A string inside a flow collection (`[a, b]`, `{k: v}`), where `,[]{}`
+/// end a plain scalar: quoted when it holds one.
+fn flow_scalar_str(s: &str) -> String {
+    let written = scalar_str(s);
+    if !written.starts_with(['\'', '"']) && s.contains([',', '[', ']', '{', '}']) {
+        format!("'{}'", s.replace('\'', "''"))
+    } else {
+        written
     }
 }
 

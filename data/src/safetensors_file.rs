@@ -59,6 +59,39 @@ pub fn torch_kind(dtype: Dtype) -> Option<Kind> {
     })
 }
 
+/// What `SafeTensors::deserialize` takes on trust: the 8-byte header length
+/// fits in the file, and no tensor ends past its end. (The safetensors crate
+/// adds the end offset to the header length unchecked: a header claiming a
+/// tensor of `u64::MAX` bytes panics in a debug build.) The header's other
+/// faults are left for `deserialize` to name.
+fn check_layout(bytes: &[u8]) -> Result<(), String> {
+    let len = bytes.len();
+    let Some(n) = bytes.get(..8) else {
+        return Err(format!(
+            "{len} bytes, shorter than the 8-byte header length"
+        ));
+    };
+    let n = u64::from_le_bytes(n.try_into().expect("8 bytes"));
+    let data = (len as u64 - 8).checked_sub(n).ok_or_else(|| {
+        format!("its first 8 bytes give a {n}-byte header, the file has {len} bytes")
+    })?;
+    let header = &bytes[8..8 + n as usize];
+    let Ok(serde_json::Value::Object(tensors)) = serde_json::from_slice(header) else {
+        return Ok(());
+    };
+    for (name, info) in &tensors {
+        if let Some(end) = info["data_offsets"][1].as_u64() {
+            if end > data {
+                return Err(format!(
+                    "tensor `{name}` ends at byte {end} of the data, which has {data} bytes \
+                     (a truncated file?)"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl SafetensorsDataset {
     /// Maps `path` and checks that every tensor has the same number of rows.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, DataError> {
@@ -74,6 +107,7 @@ impl SafetensorsDataset {
         let file = File::open(&path).map_err(io)?;
         // SAFETY: read-only map of a file nobody should change meanwhile.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        check_layout(&map).map_err(|e| format(format!("not a safetensors file: {e}")))?;
         let st = SafeTensors::deserialize(&map)
             .map_err(|e| format(format!("not a safetensors file: {e}")))?;
         let base = map.as_ptr() as usize;
@@ -107,7 +141,15 @@ impl SafetensorsDataset {
                 }
                 _ => {}
             }
-            let row_bytes = row_shape.iter().product::<usize>() * view.dtype().size();
+            // A tensor of 0 rows may claim rows of any size: no overflow.
+            let row_bytes = row_shape
+                .iter()
+                .try_fold(view.dtype().size(), |a, &d| a.checked_mul(d))
+                .ok_or_else(|| {
+                    format(format!(
+                        "tensor `{name}` has rows of shape {row_shape:?}, more bytes than memory holds"
+                    ))
+                })?;
             columns.push(Column {
                 name: name.to_string(),
                 kind,

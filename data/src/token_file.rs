@@ -96,11 +96,11 @@ impl TokenFile {
             )));
         }
         let tokens = bytes / width;
-        if tokens < block_size + 1 {
+        if tokens <= block_size {
             return Err(format(format!(
                 "{tokens} tokens, fewer than one window of block size {block_size} needs \
                  ({} with its shifted label)",
-                block_size + 1
+                block_size.saturating_add(1)
             )));
         }
         // SAFETY: the file is opened read-only; like every reader of a

@@ -159,10 +159,11 @@ fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>, AccelError> {
             },
         ));
     }
-    if 8 + n + end > len {
+    // n <= len - 8 (checked above); the offsets may be anything.
+    if end > len - 8 - n {
         return Err(bad(format!(
             "truncated: its tensors end at byte {}, the file has {len}",
-            8 + n + end
+            (8 + n).saturating_add(end)
         )));
     }
     Ok(out)

@@ -147,6 +147,10 @@ fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), AccelE
 }
 
 fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>, AccelError> {
+    // The header first: the safetensors crate adds up the offsets it reads
+    // unchecked (a tensor said to end near u64::MAX panics a debug build).
+    checkpoint_safety::check_safetensors(path)
+        .map_err(|why| AccelError::Usage(format!("checkpoint: reading {why}")))?;
     Tensor::read_safetensors(path).map_err(|e| io_err("reading", path, e))
 }
 
