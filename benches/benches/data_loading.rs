@@ -7,7 +7,8 @@
 //! * `compute_only`: the steps alone;
 //! * `load_only`: the batches alone (`num_workers = 0`);
 //! * `workers_0`: both in one thread, one after the other (≈ the sum);
-//! * `workers_2`: two background workers (target: ≤ max(compute, load) + 10 %).
+//! * `workers_1`, `workers_2`: one and two background workers (target:
+//!   ≤ max(compute, load) + 10 %).
 //!
 //! `cargo bench -p accel-benches --bench data_loading`
 
@@ -72,27 +73,24 @@ fn bench(c: &mut Criterion) {
     group.bench_function("load_only", |b| {
         b.iter(|| serial.epoch(0, 0).expect("epoch").count())
     });
-    group.bench_function("workers_0", |b| {
-        b.iter(|| {
-            for batch in serial.epoch(0, 0).expect("epoch") {
-                let x = batch.expect("batch").batch["x"].shallow_clone();
-                let _ = work(&(x.sum(Kind::Float) + &seed))
-                    .sum(Kind::Float)
-                    .double_value(&[]);
-            }
-        })
-    });
+    let one = loader(1);
     let parallel = loader(2);
-    group.bench_function("workers_2", |b| {
-        b.iter(|| {
-            for batch in parallel.epoch(0, 0).expect("epoch") {
-                let x = batch.expect("batch").batch["x"].shallow_clone();
-                let _ = work(&(x.sum(Kind::Float) + &seed))
-                    .sum(Kind::Float)
-                    .double_value(&[]);
-            }
-        })
-    });
+    for (name, shard) in [
+        ("workers_0", &serial),
+        ("workers_1", &one),
+        ("workers_2", &parallel),
+    ] {
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                for batch in shard.epoch(0, 0).expect("epoch") {
+                    let x = batch.expect("batch").batch["x"].shallow_clone();
+                    let _ = work(&(x.sum(Kind::Float) + &seed))
+                        .sum(Kind::Float)
+                        .double_value(&[]);
+                }
+            })
+        });
+    }
     group.finish();
 }
 

@@ -112,6 +112,18 @@ impl Maker {
     }
 }
 
+/// Gives this thread a lower scheduling priority (nice 10): when the
+/// cores are shared, the training step keeps its core and the workers fill
+/// what it leaves, instead of slowing the step they are meant to hide
+/// behind. Best effort (without permission it stays as it is).
+fn lower_priority() {
+    // SAFETY: plain syscalls on this thread's own id.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        let _ = libc::setpriority(libc::PRIO_PROCESS, tid, 10);
+    }
+}
+
 /// One epoch's work for one worker.
 struct Assignment {
     jobs: Receiver<Job>,
@@ -132,6 +144,7 @@ impl Pool {
                 std::thread::Builder::new()
                     .name(format!("accel-data-{w}"))
                     .spawn(move || {
+                        lower_priority();
                         while let Ok(a) = rx.recv() {
                             while let Ok(job) = a.jobs.recv() {
                                 if a.results.send(maker.make(job)).is_err() {
