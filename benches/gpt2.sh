@@ -60,7 +60,7 @@ measure() {
     while kill -0 "$pid" 2>/dev/null; do
         for s in /proc/[0-9]*/status; do
             local p=${s#/proc/}; p=${p%/status}
-            if tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q -- "$match"; then
+            if { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | grep -q -- "$match"; then
                 local kb; kb=$(awk '/^VmHWM:/ {print $2}' "$s" 2>/dev/null || true)
                 if [ -n "$kb" ] && [ "$kb" -gt "$peak" ]; then peak=$kb; fi
             fi
