@@ -93,24 +93,7 @@ fn ddp_resume_is_bit_identical_to_a_straight_run() {
 fn a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable() {
     let dir = tempfile::tempdir().unwrap();
     let proj = dir.path().join("proj");
-    let mut child = Command::new(mlp())
-        .args(["--steps", "10", "--checkpoint-every", "5", "--project-dir"])
-        .arg(&proj)
-        .env("ACCEL_TEST_PAUSE_IN_SAVE", "checkpoint_1")
-        .env_remove("ACCEL_PLUGIN_DIR")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut paused = false;
-    for line in stderr.lines() {
-        if line.unwrap().contains("test pause in save") {
-            paused = true;
-            break;
-        }
-    }
-    assert!(paused, "the save never reached its pause point");
+    let mut child = paused_in_save(&proj, &[]).expect("the save never reached its pause point");
     // SAFETY: plain kill(2) of our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
     child.wait().unwrap();
@@ -147,6 +130,27 @@ fn a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable() {
     );
 }
 
+/// `mlp` saving a checkpoint every 5 of 10 steps into `proj` (with
+/// `extra` flags), stopped inside the save of `checkpoint_1` (the test
+/// pause point); `None` if it never got there.
+fn paused_in_save(proj: &Path, extra: &[&str]) -> Option<std::process::Child> {
+    let mut child = Command::new(mlp())
+        .args(["--steps", "10", "--checkpoint-every", "5", "--project-dir"])
+        .arg(proj)
+        .args(extra)
+        .env("ACCEL_TEST_PAUSE_IN_SAVE", "checkpoint_1")
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    let paused = stderr
+        .lines()
+        .any(|l| l.is_ok_and(|l| l.contains("test pause in save")));
+    paused.then_some(child)
+}
+
 /// The entries of a checkpoints directory but its lock file, sorted.
 fn entries(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
@@ -165,27 +169,9 @@ fn a_second_job_saving_into_the_same_project_directory_is_refused() {
     for trial in 0..3 {
         // Job A holds the directory (paused inside the save of
         // checkpoint_1; after the first trial it resumes from checkpoint_0).
-        let mut a = Command::new(mlp())
-            .args(["--steps", "10", "--checkpoint-every", "5", "--project-dir"])
-            .arg(&proj)
-            .args(if trial > 0 {
-                &["--resume"][..]
-            } else {
-                &[][..]
-            })
-            .env("ACCEL_TEST_PAUSE_IN_SAVE", "checkpoint_1")
-            .env_remove("ACCEL_PLUGIN_DIR")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = BufReader::new(a.stderr.take().unwrap());
-        assert!(
-            stderr
-                .lines()
-                .any(|l| l.unwrap().contains("test pause in save")),
-            "trial {trial}: job A never reached its save"
-        );
+        let resume: &[&str] = if trial > 0 { &["--resume"] } else { &[] };
+        let mut a = paused_in_save(&proj, resume)
+            .unwrap_or_else(|| panic!("trial {trial}: job A never reached its save"));
         let b = Command::new(mlp())
             .args(["--steps", "10", "--checkpoint-every", "5", "--project-dir"])
             .arg(&proj)

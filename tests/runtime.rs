@@ -5,8 +5,8 @@
 
 use accel::accelerator::{shard_indices, Sharding};
 use accel_integration_tests::{
-    accel_bin, build_bin, build_plugin_into, describe, file_weights_diff, launch_mlp, loss_log,
-    max_abs_diff, mlp, read_weights, run_ok as run, venv_bin,
+    accel_bin, build_bin, build_plugin_into, describe, file_weights_diff, free_port, launch_mlp,
+    loss_log, max_abs_diff, mlp, read_weights, run_ok as run, venv_bin,
 };
 use serde_json::Value;
 use std::{path::Path, process::Command};
@@ -220,11 +220,7 @@ fn collectives_give_what_accelerate_gives_on_1_2_and_3_ranks() {
                 .arg(&script)
                 .arg(theirs.path()));
         } else {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
+            let port = free_port();
             run(Command::new(venv_bin("torchrun"))
                 .args([
                     "--nproc_per_node",

@@ -396,3 +396,12 @@ pub fn assert_no_leftovers(marker: &str) {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }
+
+/// A TCP port free on this machine now (for torchrun's `--master_port`).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
