@@ -21,6 +21,7 @@
 
 use accel::accelerator::{Accelerator, Checkpointable, DataLoader, SaveOptions, TrainingObjects};
 use accel::hf;
+use accel_integration_tests::Rng;
 use accel_sdk::optim::OptimizerConfig;
 use accel_sdk::schedule::{LrScheduler, Schedule};
 use proptest::prelude::*;
@@ -41,31 +42,6 @@ fn cases(n: u32) -> ProptestConfig {
     ProptestConfig {
         failure_persistence: None,
         ..ProptestConfig::with_cases(n.saturating_mul(scale))
-    }
-}
-
-/// A small deterministic random stream (splitmix64); proptest draws the seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    fn chance(&mut self, in_n: usize) -> bool {
-        self.below(in_n) == 0
-    }
-    fn pick<T: Clone>(&mut self, from: &[T]) -> T {
-        from[self.below(from.len())].clone()
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
     }
 }
 

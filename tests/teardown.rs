@@ -8,7 +8,9 @@
 //! (The `local` launcher's side, which stops every other rank when one exits
 //! non-zero and names it, is tested in `launch.rs`.)
 
-use accel_integration_tests::{accel_bin, assert_no_leftovers, build_bin, describe};
+use accel_integration_tests::{
+    assert_no_leftovers, build_bin, describe, job_ranks, launch_mpi_with, LIMIT,
+};
 use std::{
     io::Read,
     path::PathBuf,
@@ -16,10 +18,6 @@ use std::{
     thread,
     time::{Duration, Instant},
 };
-
-/// Far longer than a torn-down job takes (about 2 s): reaching it means the
-/// job hung.
-const LIMIT: Duration = Duration::from_secs(60);
 
 fn teardown_probe() -> PathBuf {
     build_bin("accel-integration-tests", "teardown-probe")
@@ -29,71 +27,6 @@ fn teardown_probe() -> PathBuf {
 /// the job killed if it runs past `LIMIT` (then this panics).
 fn launch_mpi_within_limit(program: &PathBuf, args: &[&str]) -> Output {
     launch_mpi_with(&[], program, args, |_| {})
-}
-
-/// As [`launch_mpi_within_limit`], with `flags` for `accel launch`, and
-/// `watch` called with accel's pid once the job runs.
-fn launch_mpi_with(
-    flags: &[&str],
-    program: &PathBuf,
-    args: &[&str],
-    watch: impl FnOnce(u32),
-) -> Output {
-    let mut child = Command::new(accel_bin())
-        .args([
-            "launch",
-            "--cpu",
-            "--num_processes",
-            "2",
-            "--launcher",
-            "mpi",
-        ])
-        .args(flags)
-        .arg(program)
-        .args(args)
-        .env_remove("ACCEL_PLUGIN_DIR")
-        .env(
-            "HF_HOME",
-            std::env::temp_dir().join("accel-tests-no-hf-home"),
-        )
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("accel starts");
-    // Read while waiting, so a full pipe cannot stall the job.
-    let drain = |mut from: Box<dyn Read + Send>| {
-        thread::spawn(move || {
-            let mut buf = Vec::new();
-            let _ = from.read_to_end(&mut buf);
-            buf
-        })
-    };
-    let stdout = drain(Box::new(child.stdout.take().unwrap()));
-    let stderr = drain(Box::new(child.stderr.take().unwrap()));
-    watch(child.id());
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if start.elapsed() > LIMIT {
-            // accel's death takes mpirun (PR_SET_PDEATHSIG) and so the ranks.
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "the job hung: still running after {LIMIT:?}, killed\n--- stdout\n{}\n--- stderr\n{}",
-                String::from_utf8_lossy(&stdout.join().unwrap()),
-                String::from_utf8_lossy(&stderr.join().unwrap())
-            );
-        }
-        thread::sleep(Duration::from_millis(50));
-    };
-    Output {
-        status,
-        stdout: stdout.join().unwrap(),
-        stderr: stderr.join().unwrap(),
-    }
 }
 
 /// Runs the probe job with rank 1 failing as `mode`; checks that it ended
@@ -199,62 +132,6 @@ fn a_rank_failing_outside_mpi_takes_the_mpi_job_down() {
     // mpirun reaped it).
     assert!(err.contains("accel launch: rank 1 (pid "), "{err}");
     assert_no_leftovers(marker);
-}
-
-/// The processes of `accel_pid`'s job (its descendants) that run `name`,
-/// with their `RANK` and their state (`/proc/PID/stat`).
-fn job_ranks(accel_pid: u32, name: &str) -> Vec<(u32, i32, char)> {
-    let stat = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
-    let field = |text: &str, i: usize| -> Option<String> {
-        let rest = &text[text.rfind(')')? + 1..];
-        rest.split_whitespace().nth(i).map(str::to_owned)
-    };
-    let mut parents = std::collections::HashMap::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        if let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() {
-            if let Some(pp) = stat(pid).and_then(|t| field(&t, 1)?.parse::<i32>().ok()) {
-                parents.insert(pid, pp);
-            }
-        }
-    }
-    let below = |mut pid: i32| {
-        while let Some(pp) = parents.get(&pid) {
-            if *pp == accel_pid as i32 {
-                return true;
-            }
-            pid = *pp;
-        }
-        false
-    };
-    let mut found = Vec::new();
-    for (&pid, _) in parents.iter().filter(|(p, _)| below(**p)) {
-        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-            continue;
-        };
-        if !String::from_utf8_lossy(&cmd)
-            .split('\0')
-            .next()
-            .unwrap_or("")
-            .ends_with(name)
-        {
-            continue;
-        }
-        let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
-            continue;
-        };
-        let rank = env
-            .split(|b| *b == 0)
-            .find_map(|kv| {
-                kv.strip_prefix(b"RANK=")
-                    .map(|v| String::from_utf8_lossy(v).parse().ok())
-            })
-            .flatten();
-        let state = stat(pid).and_then(|t| field(&t, 0)?.chars().next());
-        if let (Some(rank), Some(state)) = (rank, state) {
-            found.push((rank, pid, state));
-        }
-    }
-    found
 }
 
 /// A rank stopped (SIGSTOP) before a barrier: the other rank's barrier

@@ -3,7 +3,9 @@
 //! into another (`--batch-size 0` run as 1), never the same message twice.
 
 use accel::accelerator::Accelerator;
-use accel_integration_tests::{accel_bin, describe, mlp, read_weights, run};
+use accel_integration_tests::{
+    accel_bin, describe, launch_with_config, mlp, read_weights, run, write_config,
+};
 use std::{path::Path, process::Output};
 use tch::{Kind, Tensor};
 
@@ -309,4 +311,103 @@ fn launch_refuses_intervals_it_cannot_wait() {
         let flag = arg.split('=').next().unwrap();
         assert_refused(&out, 2, &[flag]);
     }
+}
+
+/// Resuming a checkpoint into a model of other shapes lists every
+/// parameter that does not fit (not only the first), under DDP (the
+/// replicated strategies' load) and ZeRO-3 (the sharded one's).
+#[test]
+fn resume_into_another_model_lists_every_mismatch() {
+    let dir = tempfile::tempdir().unwrap();
+    let proj = dir.path().join("proj");
+    let proj = proj.to_str().unwrap();
+    let base = [
+        "--steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--project-dir",
+        proj,
+    ];
+    let out = run(&mlp(), &base);
+    assert!(out.status.success(), "{}", describe(&out));
+    // --hidden 16: five of the six change shape; --layers 1 adds two parameters.
+    let other = [&base[..], &["--resume", "--hidden", "16", "--layers", "1"]].concat();
+    let out = run(&mlp(), &other);
+    assert_refused(
+        &out,
+        1,
+        &[
+            "does not fit the model (7 problem(s))",
+            "`l1.weight`: [32, 8] in the state dict, [16, 8] in the model",
+            "`l2.weight`: [32, 32] in the state dict, [16, 16] in the model",
+            "`l3.weight`: [2, 32] in the state dict, [2, 16] in the model",
+            "missing: `layers.0.weight` [16, 16]",
+            "missing: `layers.0.bias` [16]",
+        ],
+    );
+
+    // ZeRO-3 on 2 ranks: the sharded strategy's load reports them all too.
+    let config = write_config(
+        dir.path(),
+        "zero3.yaml",
+        "DEEPSPEED",
+        2,
+        "deepspeed_config:\n  zero_stage: 3\n",
+    );
+    let proj = dir.path().join("proj3");
+    let proj = proj.to_str().unwrap();
+    let base = [
+        "--steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--project-dir",
+        proj,
+    ];
+    let out = launch_with_config(&config, &base).output().unwrap();
+    assert!(out.status.success(), "{}", describe(&out));
+    let other = [&base[..], &["--resume", "--hidden", "16", "--layers", "1"]].concat();
+    let out = launch_with_config(&config, &other).output().unwrap();
+    assert_refused(
+        &out,
+        1,
+        &[
+            "(7 problem(s)",
+            "`l1.weight`",
+            "`l2.bias`",
+            "missing: `layers.0.weight`",
+            "missing: `layers.0.bias`",
+        ],
+    );
+}
+
+/// A second run into a project directory that holds the first one's
+/// checkpoints is told to resume or move; the library's `SaveOptions`
+/// advice is not shown to a command-line user.
+#[test]
+fn a_second_run_into_the_same_project_dir_is_told_to_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let proj = dir.path().join("proj");
+    let args = [
+        "--steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--project-dir",
+        proj.to_str().unwrap(),
+    ];
+    let out = run(&mlp(), &args);
+    assert!(out.status.success(), "{}", describe(&out));
+    let out = run(&mlp(), &args);
+    assert_refused(
+        &out,
+        1,
+        &[
+            "checkpoint_0 already exists",
+            "--resume",
+            "another project directory",
+        ],
+    );
+    assert!(!stderr(&out).contains("SaveOptions"), "{}", describe(&out));
 }

@@ -99,40 +99,21 @@ impl ParamSet {
     }
 
     /// Loads `tensors` into the parameters in place: every parameter must be
-    /// there with its shape, and nothing else may be.
+    /// there with its shape, and nothing else may be; every problem is
+    /// reported at once ([`state_dict_problems`]). Floating-point values are
+    /// converted to the parameter's dtype, as torch's `load_state_dict` does.
     pub fn load(
         &mut self,
         plugin: &str,
         tensors: RSlice<'_, NamedTensorRef<'_>>,
     ) -> Result<(), PluginError> {
+        let expected = self.items.iter().map(|(n, t)| (n.as_str(), t.size()));
+        check_state_dict(plugin, expected, tensors)?;
         for (name, param) in &mut self.items {
-            let entry = tensors
-                .iter()
-                .find(|t| t.name.as_str() == name.as_str())
-                .ok_or_else(|| PluginError::other(plugin, format!("state dict has no `{name}`")))?;
-            let value = entry.tensor.get();
-            if value.size() != param.size() {
-                return Err(PluginError::other(
-                    plugin,
-                    format!(
-                        "`{name}`: checkpoint shape {:?}, model shape {:?}",
-                        value.size(),
-                        param.size()
-                    ),
-                ));
+            if let Some(entry) = tensors.iter().find(|t| t.name.as_str() == name.as_str()) {
+                let value = entry.tensor.get();
+                tch::no_grad(|| param.copy_(&value.to_kind(param.kind())));
             }
-            tch::no_grad(|| param.copy_(&value.to_kind(param.kind())));
-        }
-        if let Some(extra) = tensors.iter().find(|t| {
-            !self
-                .items
-                .iter()
-                .any(|(n, _)| n.as_str() == t.name.as_str())
-        }) {
-            return Err(PluginError::other(
-                plugin,
-                format!("state dict entry `{}` is not a model parameter", extra.name),
-            ));
         }
         Ok(())
     }
@@ -149,6 +130,69 @@ impl ParamSet {
             peak_bytes: param_bytes + grad_bytes + optimizer_bytes + extra_peak,
         }
     }
+}
+
+/// Every reason `given` cannot be loaded into parameters `expected`
+/// (`(name, shape)` in model order), one per entry: parameters missing from
+/// `given`, entries that are no parameter, shapes that differ, and values
+/// that are not floating point. Empty when it fits.
+pub fn state_dict_problems<'a>(
+    expected: impl IntoIterator<Item = (&'a str, Vec<i64>)>,
+    given: RSlice<'_, NamedTensorRef<'_>>,
+) -> Vec<String> {
+    let expected: Vec<(&str, Vec<i64>)> = expected.into_iter().collect();
+    let mut problems = Vec::new();
+    for (name, shape) in &expected {
+        match given.iter().find(|t| t.name.as_str() == *name) {
+            None => problems.push(format!("missing: `{name}` {shape:?}")),
+            Some(entry) => {
+                let value = entry.tensor.get();
+                if value.size() != *shape {
+                    problems.push(format!(
+                        "`{name}`: {:?} in the state dict, {shape:?} in the model",
+                        value.size()
+                    ));
+                }
+                if !value.is_floating_point() {
+                    problems.push(format!(
+                        "`{name}`: dtype {:?}, parameters take floating-point values",
+                        value.kind()
+                    ));
+                }
+            }
+        }
+    }
+    for extra in given
+        .iter()
+        .filter(|t| !expected.iter().any(|(n, _)| *n == t.name.as_str()))
+    {
+        problems.push(format!(
+            "unexpected: `{}` {:?} is not a parameter of the model",
+            extra.name,
+            extra.tensor.get().size()
+        ));
+    }
+    problems
+}
+
+/// [`state_dict_problems`] as an error of `plugin` listing them all.
+pub fn check_state_dict<'a>(
+    plugin: &str,
+    expected: impl IntoIterator<Item = (&'a str, Vec<i64>)>,
+    given: RSlice<'_, NamedTensorRef<'_>>,
+) -> Result<(), PluginError> {
+    let problems = state_dict_problems(expected, given);
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(PluginError::other(
+        plugin,
+        format!(
+            "the state dict does not fit the model ({} problem(s)):\n  {}",
+            problems.len(),
+            problems.join("\n  ")
+        ),
+    ))
 }
 
 /// Whether `grad` is the `param`-shaped slice of the flat `buffer` starting

@@ -39,7 +39,7 @@ use accel_sdk::tch::{self, Device, Kind, Tensor};
 use accel_sdk::{
     abi_stable::std_types::{RErr, ROk, RSlice, RSliceMut, RStr, RVec},
     grad::scale_to_norm,
-    params::{bytes, grad_views_buffer, ParamSet},
+    params::{bytes, check_state_dict, grad_views_buffer, state_dict_problems, ParamSet},
     shim,
     strategy::OptimizerStepRef,
     tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef, OwnedTensor, TensorMut, TensorRef},
@@ -193,6 +193,16 @@ impl Sharded {
         } else {
             self.compute_device()
         }
+    }
+
+    /// The value `tensors` holds for parameter `i` (checked to be there).
+    fn entry(&self, tensors: RSlice<'_, NamedTensorRef<'_>>, i: usize) -> Tensor {
+        let name = self.params.items[i].0.as_str();
+        tensors
+            .iter()
+            .find(|t| t.name.as_str() == name)
+            .map(|t| t.tensor.get().shallow_clone())
+            .expect("checked by state_dict_problems")
     }
 
     fn index_of(&self, name: &str) -> Option<usize> {
@@ -704,29 +714,20 @@ impl Sharded {
         tensors: RSlice<'_, NamedTensorRef<'_>>,
     ) -> Result<(), PluginError> {
         if kind == StateDictKind::Sharded && self.has_chunks() {
-            for t in tensors.iter() {
-                if self.index_of(t.name.as_str()).is_none() {
-                    return Err(self.err(format!(
-                        "sharded state dict entry `{}` is not a model parameter",
-                        t.name
-                    )));
-                }
+            let expected = (0..self.params.items.len())
+                .map(|i| (self.params.items[i].0.as_str(), self.chunks[i].size()));
+            let problems = state_dict_problems(expected, tensors);
+            if !problems.is_empty() {
+                return Err(self.err(format!(
+                    "this rank's shard of the state dict does not fit ({} problem(s); saved \
+                     with another world size or model? a sharded state dict holds each \
+                     rank's flat slice of every parameter):\n  {}",
+                    problems.len(),
+                    problems.join("\n  ")
+                )));
             }
             for i in 0..self.params.items.len() {
-                let name = self.params.items[i].0.clone();
-                let value = tensors
-                    .iter()
-                    .find(|t| t.name.as_str() == name)
-                    .ok_or_else(|| self.err(format!("sharded state dict has no `{name}`")))?
-                    .tensor
-                    .get();
-                let own = self.chunks[i].size();
-                if value.size() != own {
-                    return Err(self.err(format!(
-                        "`{name}`: the checkpoint's shard holds {:?} elements, this rank's {own:?} (saved with another world size or model?)",
-                        value.size()
-                    )));
-                }
+                let value = self.entry(tensors, i);
                 let chunk = &mut self.chunks[i];
                 tch::no_grad(|| chunk.copy_(&value.to_kind(chunk.kind())));
             }
@@ -742,30 +743,12 @@ impl Sharded {
             return Ok(());
         } else {
             // FULL into sharded parameters: check like ParamSet::load, keep the chunks.
-            for t in tensors.iter() {
-                if self.index_of(t.name.as_str()).is_none() {
-                    return Err(self.err(format!(
-                        "state dict entry `{}` is not a model parameter",
-                        t.name
-                    )));
-                }
-            }
+            let expected = self.params.items.iter().map(|(n, p)| (n.as_str(), p.size()));
+            check_state_dict(self.plan.plugin, expected, tensors)?;
             for i in 0..self.params.items.len() {
-                let (name, p) = &self.params.items[i];
-                let value = tensors
-                    .iter()
-                    .find(|t| t.name.as_str() == name.as_str())
-                    .ok_or_else(|| self.err(format!("state dict has no `{name}`")))?
-                    .tensor
-                    .get();
-                if value.size() != p.size() {
-                    return Err(self.err(format!(
-                        "`{name}`: checkpoint shape {:?}, model shape {:?}",
-                        value.size(),
-                        p.size()
-                    )));
-                }
-                let part = self.chunk_of(i, &value.to_kind(p.kind()));
+                let value = self.entry(tensors, i);
+                let kind = self.params.items[i].1.kind();
+                let part = self.chunk_of(i, &value.to_kind(kind));
                 tch::no_grad(|| self.chunks[i].copy_(&part));
             }
         }

@@ -7,8 +7,11 @@ pub mod gpt2;
 use serde_json::Value;
 use std::{
     fs::File,
+    io::Read,
     path::{Path, PathBuf},
-    process::{Command, Output},
+    process::{Command, Output, Stdio},
+    thread,
+    time::{Duration, Instant},
 };
 
 /// The workspace root.
@@ -404,4 +407,160 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// Far longer than a torn-down job takes (about 2 s): reaching it means the
+/// job hung.
+pub const LIMIT: Duration = Duration::from_secs(60);
+
+/// `accel launch --cpu --num_processes 2 --launcher mpi FLAGS PROGRAM ARGS`,
+/// with `watch` called with accel's pid once the job runs, and the job
+/// killed if it runs past [`LIMIT`] (then this panics: the job hung).
+pub fn launch_mpi_with(
+    flags: &[&str],
+    program: &PathBuf,
+    args: &[&str],
+    watch: impl FnOnce(u32),
+) -> Output {
+    let mut child = Command::new(accel_bin())
+        .args([
+            "launch",
+            "--cpu",
+            "--num_processes",
+            "2",
+            "--launcher",
+            "mpi",
+        ])
+        .args(flags)
+        .arg(program)
+        .args(args)
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .env(
+            "HF_HOME",
+            std::env::temp_dir().join("accel-tests-no-hf-home"),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("accel starts");
+    // Read while waiting, so a full pipe cannot stall the job.
+    let drain = |mut from: Box<dyn Read + Send>| {
+        thread::spawn(move || {
+            let mut buf = Vec::new();
+            let _ = from.read_to_end(&mut buf);
+            buf
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    watch(child.id());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > LIMIT {
+            // accel's death takes mpirun (PR_SET_PDEATHSIG) and so the ranks.
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "the job hung: still running after {LIMIT:?}, killed\n--- stdout\n{}\n--- stderr\n{}",
+                String::from_utf8_lossy(&stdout.join().unwrap()),
+                String::from_utf8_lossy(&stderr.join().unwrap())
+            );
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
+    Output {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    }
+}
+
+/// The processes of `accel_pid`'s job (its descendants) that run `name`,
+/// with their `RANK` and their state (`/proc/PID/stat`).
+pub fn job_ranks(accel_pid: u32, name: &str) -> Vec<(u32, i32, char)> {
+    let stat = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+    let field = |text: &str, i: usize| -> Option<String> {
+        let rest = &text[text.rfind(')')? + 1..];
+        rest.split_whitespace().nth(i).map(str::to_owned)
+    };
+    let mut parents = std::collections::HashMap::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() {
+            if let Some(pp) = stat(pid).and_then(|t| field(&t, 1)?.parse::<i32>().ok()) {
+                parents.insert(pid, pp);
+            }
+        }
+    }
+    let below = |mut pid: i32| {
+        while let Some(pp) = parents.get(&pid) {
+            if *pp == accel_pid as i32 {
+                return true;
+            }
+            pid = *pp;
+        }
+        false
+    };
+    let mut found = Vec::new();
+    for (&pid, _) in parents.iter().filter(|(p, _)| below(**p)) {
+        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        if !String::from_utf8_lossy(&cmd)
+            .split('\0')
+            .next()
+            .unwrap_or("")
+            .ends_with(name)
+        {
+            continue;
+        }
+        let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        let rank = env
+            .split(|b| *b == 0)
+            .find_map(|kv| {
+                kv.strip_prefix(b"RANK=")
+                    .map(|v| String::from_utf8_lossy(v).parse().ok())
+            })
+            .flatten();
+        let state = stat(pid).and_then(|t| field(&t, 0)?.chars().next());
+        if let (Some(rank), Some(state)) = (rank, state) {
+            found.push((rank, pid, state));
+        }
+    }
+    found
+}
+
+/// A small deterministic random stream (splitmix64) from a seed.
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next 64 random bits.
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// A number below `n` (0 when `n` is 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+    /// True once in `in_n` draws.
+    pub fn chance(&mut self, in_n: usize) -> bool {
+        self.below(in_n) == 0
+    }
+    /// One element of `from` (not empty).
+    pub fn pick<T: Clone>(&mut self, from: &[T]) -> T {
+        from[self.below(from.len())].clone()
+    }
+    /// `n` random bytes.
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
 }

@@ -108,9 +108,10 @@ pub(crate) struct Checkpoints {
     /// The next automatic checkpoint's number.
     pub iteration: u64,
     pub registered: Vec<Registered>,
-    /// The directories this job saves checkpoints into, locked (main
-    /// process) for as long as the job runs.
-    locks: Vec<DirLock>,
+    /// The directories this job saves checkpoints into (on every rank, so
+    /// that all take the same collectives), with their locks (held by the
+    /// main process) for as long as the job runs.
+    locks: Vec<(PathBuf, Option<DirLock>)>,
 }
 
 impl Checkpoints {
@@ -357,10 +358,21 @@ impl Accelerator {
             .unwrap_or_else(|| PathBuf::from("."));
         self.lock_checkpoints_dir(&parent)?;
         if target.exists() && !options.overwrite {
-            return Err(AccelError::Usage(format!(
-                "checkpoint {} exists; pass SaveOptions {{ overwrite: true }} to replace it",
-                target.display()
-            )));
+            // Automatic naming: an earlier run's checkpoint (Accelerate
+            // refuses this case too); a program's own directory: its choice.
+            return Err(AccelError::Usage(if dir.is_none() {
+                format!(
+                    "checkpoint {} already exists, from an earlier run in this project \
+                     directory: resume that run (load_state; `--resume` in accel's examples) \
+                     or give this one another project directory",
+                    target.display()
+                )
+            } else {
+                format!(
+                    "checkpoint {} exists; pass SaveOptions {{ overwrite: true }} to replace it",
+                    target.display()
+                )
+            }));
         }
         let partial = partial_of(&target, self.save_token()?);
         if self.is_main_process() {
@@ -403,7 +415,7 @@ impl Accelerator {
     /// that another job saving there is refused instead of mixing
     /// checkpoints.
     fn lock_checkpoints_dir(&mut self, dir: &Path) -> Result<(), AccelError> {
-        if self.checkpoints.locks.iter().any(|l| l.dir() == dir) {
+        if self.checkpoints.locks.iter().any(|(d, _)| d == dir) {
             return Ok(());
         }
         let mut lock = None;
@@ -416,7 +428,7 @@ impl Accelerator {
             Ok(())
         };
         self.agree(outcome, "locking the checkpoint directory")?;
-        self.checkpoints.locks.extend(lock);
+        self.checkpoints.locks.push((dir.to_path_buf(), lock));
         Ok(())
     }
 

@@ -5,7 +5,7 @@
 
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The file in a checkpoints directory whose lock says a job saves there.
 pub(crate) const LOCK_FILE: &str = ".accel.lock";
@@ -14,7 +14,6 @@ pub(crate) const LOCK_FILE: &str = ".accel.lock";
 /// end of the job; the kernel drops it if the process dies).
 #[derive(Debug)]
 pub(crate) struct DirLock {
-    dir: PathBuf,
     _file: File,
 }
 
@@ -62,15 +61,7 @@ impl DirLock {
         let _ = file.seek(SeekFrom::Start(0));
         let _ = file.write_all(me.as_bytes());
         let _ = file.flush();
-        Ok(DirLock {
-            dir: dir.to_path_buf(),
-            _file: file,
-        })
-    }
-
-    /// The directory it locks.
-    pub(crate) fn dir(&self) -> &Path {
-        &self.dir
+        Ok(DirLock { _file: file })
     }
 }
 

@@ -179,7 +179,8 @@ pub fn describe_status(status: ExitStatus) -> String {
     }
 }
 
-fn signal_name(sig: i32) -> &'static str {
+/// The name of signal `sig` (`"signal"` for one without a name here).
+pub fn signal_name(sig: i32) -> &'static str {
     match sig {
         libc::SIGHUP => "SIGHUP",
         libc::SIGINT => "SIGINT",
@@ -378,7 +379,7 @@ fn starter_failure(
         .report
         .as_ref()
         .and_then(|report| (report.0)(attempt))
-        .or_else(|| watch.first_failure());
+        .or_else(|| watch.first_failure(exit_code(status)));
     let own = format!(
         "{} (pid {}) {}",
         starter.name,

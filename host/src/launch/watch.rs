@@ -7,7 +7,10 @@
 //! rank will never reach the next collective, and the ranks waiting for it
 //! would otherwise wait for good.
 
-use super::{procfs, supervisor::describe_status};
+use super::{
+    procfs,
+    supervisor::{describe_status, signal_name},
+};
 use std::{
     collections::HashSet,
     os::{
@@ -209,7 +212,10 @@ impl Watch {
     }
 
     /// The rank below a starter that ended first without success, and how.
-    pub fn first_failure(&self) -> Option<String> {
+    /// Where its status went to the starter (its parent), the starter's
+    /// own `starter_code` says more: above 128, a rank died of signal
+    /// `code - 128` (mpirun's convention).
+    pub fn first_failure(&self, starter_code: i32) -> Option<String> {
         self.ranks
             .iter()
             .filter(|r| r.starter.is_some())
@@ -218,6 +224,14 @@ impl Watch {
             .min_by_key(|(_, e)| e.at)
             .map(|(r, e)| match e.status {
                 Some(s) => format!("rank {} (pid {}) {}", r.rank, r.pid, describe_status(s)),
+                None if starter_code > 128 => format!(
+                    "rank {} (pid {}) ended first: it was killed by signal {sig} ({}), as the \
+                     starter's status {starter_code} (128 + {sig}) says",
+                    r.rank,
+                    r.pid,
+                    signal_name(starter_code - 128),
+                    sig = starter_code - 128
+                ),
                 None => format!(
                     "rank {} (pid {}) ended first (its exit status went to mpirun)",
                     r.rank, r.pid
