@@ -12,9 +12,8 @@ use accel_integration_tests::{
     assert_no_leftovers, build_bin, describe, job_ranks, launch_mpi_with, LIMIT,
 };
 use std::{
-    io::Read,
     path::PathBuf,
-    process::{Command, Output, Stdio},
+    process::Output,
     thread,
     time::{Duration, Instant},
 };

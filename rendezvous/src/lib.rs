@@ -30,6 +30,8 @@
 //! assert_eq!(b.add("joined", 1).unwrap(), 2);
 //! ```
 
+pub mod torch;
+
 use std::{
     collections::HashMap,
     io::{self, BufRead, BufReader, Read, Write},

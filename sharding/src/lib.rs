@@ -743,7 +743,11 @@ impl Sharded {
             return Ok(());
         } else {
             // FULL into sharded parameters: check like ParamSet::load, keep the chunks.
-            let expected = self.params.items.iter().map(|(n, p)| (n.as_str(), p.size()));
+            let expected = self
+                .params
+                .items
+                .iter()
+                .map(|(n, p)| (n.as_str(), p.size()));
             check_state_dict(self.plan.plugin, expected, tensors)?;
             for i in 0..self.params.items.len() {
                 let value = self.entry(tensors, i);

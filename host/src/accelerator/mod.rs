@@ -42,14 +42,15 @@ pub use units::ForwardScope;
 use units::{lock, SharedStrategy, Units};
 
 use crate::{
-    comm::{mpi::started_by_mpirun, CommError, Communicator, SingleProcess},
+    comm::{CommError, Communicator, SingleProcess},
     context::ProcessContext,
     plugins::{
         config_check::{claimed_distributed_types, strategy_settings},
+    launch::detect::Join,
         default_search_path, Choice, Plugin, PluginSet, SelectError,
     },
 };
-use accel_config::{resolve_training, ConfigError, ResolvedConfig};
+use accel_config::{resolve_training, ConfigError, DistributedType, ResolvedConfig};
 use accel_sdk::{
     abi_stable::{
         sabi_trait::TD_Opaque,
@@ -504,20 +505,11 @@ impl Accelerator {
         for w in &config.warnings {
             tracing::warn!("{w}");
         }
-        let world = env_u32("WORLD_SIZE")?.unwrap_or(1);
-        if world == 0 {
-            return Err(AccelError::Usage(
-                "environment variable WORLD_SIZE=0: a job has at least one process".into(),
-            ));
-        }
-        let rank = env_u32("RANK")?.unwrap_or(0);
-        let local_rank = env_u32("LOCAL_RANK")?.unwrap_or(0);
-        let local_world = env_u32("LOCAL_WORLD_SIZE")?.unwrap_or(world);
-        if rank >= world {
-            return Err(AccelError::Usage(format!(
-                "RANK {rank} is not below WORLD_SIZE {world}"
-            )));
-        }
+        // Who started this process (accel launch, mpirun, srun, torchrun, a
+        // Kubernetes job) and its place in the job.
+        let detected = crate::launch::detect::detect_here().map_err(AccelError::Usage)?;
+        let (world, rank) = (detected.world_size, detected.rank);
+        let (local_rank, local_world) = (detected.local_rank, detected.local_world_size);
         let use_cpu = config.config.use_cpu.unwrap_or(false);
         let device = if use_cpu || !tch::Cuda::is_available() {
             Device::Cpu
@@ -531,42 +523,57 @@ impl Accelerator {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
             tch::set_num_threads((cores / local_world).max(1) as i32);
         }
-        let comm: Arc<dyn Communicator> = if world == 1 {
-            Arc::new(SingleProcess)
-        } else if device == Device::Cpu {
-            if !started_by_mpirun(&env) {
-                return Err(AccelError::Usage(format!(
-                    "{world} CPU ranks talk through MPI, but this process was not started by mpirun: use `accel launch --launcher mpi` (the default for CPU jobs)"
-                )));
+        let join = detected
+            .join(device != Device::Cpu)
+            .map_err(AccelError::Usage)?;
+        tracing::debug!(
+            starter = %detected.starter,
+            rank,
+            world,
+            "joining the job: {join}"
+        );
+        let comm: Arc<dyn Communicator> = match join {
+            Join::Single => Arc::new(SingleProcess),
+            Join::Mpi => {
+                let mpi = crate::comm::mpi::Mpi::shared()?;
+                if mpi.world_size() != world || mpi.rank() != rank {
+                    return Err(AccelError::Usage(format!(
+                        "MPI says rank {} of {}, {} said rank {rank} of {world} ({})",
+                        mpi.rank(),
+                        mpi.world_size(),
+                        detected.starter,
+                        detected.rank_source
+                    )));
+                }
+                mpi
             }
-            let mpi = crate::comm::mpi::Mpi::shared()?;
-            if mpi.world_size() != world || mpi.rank() != rank {
-                return Err(AccelError::Usage(format!(
-                    "MPI says rank {} of {}, the launcher said rank {rank} of {world}",
-                    mpi.rank(),
-                    mpi.world_size()
-                )));
-            }
-            mpi
-        } else {
-            let (Some(addr), Some(port)) = (env("MASTER_ADDR"), env("MASTER_PORT")) else {
-                return Err(AccelError::Usage(
-                    "GPU ranks exchange the NCCL id through the launcher's store, but MASTER_ADDR/MASTER_PORT are not set: start the job with `accel launch`".into(),
-                ));
-            };
-            let nccl = crate::comm::nccl::Nccl::init(
+            Join::Nccl { addr, store } => Arc::new(crate::comm::nccl::Nccl::init(
                 rank,
                 world,
                 local_rank as usize,
-                &format!("{addr}:{port}"),
-            )?;
-            Arc::new(nccl)
+                &addr,
+                store,
+            )?),
         };
         let spec = match device {
             Device::Cuda(i) => DeviceSpec {
                 kind: DeviceKind::Cuda,
                 index: i as u32,
             },
+        // A job of several ranks started without a config (mpirun, torchrun)
+        // is data parallel, as Accelerate's PartialState decides.
+        if world > 1
+            && matches!(
+                config.config.distributed_type,
+                None | Some(DistributedType::No)
+            )
+        {
+            config.config.distributed_type = Some(if device == Device::Cpu {
+                DistributedType::MultiCpu
+            } else {
+                DistributedType::MultiGpu
+            });
+        }
             _ => DeviceSpec::CPU,
         };
         let ctx = ProcessContext::new(Arc::clone(&comm), local_rank, local_world, spec);

@@ -88,6 +88,39 @@ fn plugin_report(path: &std::path::Path, settings: &str) -> Vec<(String, String)
     rows
 }
 
+/// What started this process and how a training program started the same
+/// way would join its job ([`crate::launch::detect`]).
+fn launcher_rows(out: &mut dyn Write, cuda: bool) -> anyhow::Result<()> {
+    let row = |out: &mut dyn Write, k: &str, v: &str| writeln!(out, "- {k:<22} {v}");
+    match crate::launch::detect::detect_here() {
+        Ok(d) => {
+            row(out, "launcher:", &d.starter.to_string())?;
+            row(
+                out,
+                "rank:",
+                &format!(
+                    "{} of {} (local {} of {}; from {})",
+                    d.rank, d.world_size, d.local_rank, d.local_world_size, d.rank_source
+                ),
+            )?;
+            row(
+                out,
+                "MPI process manager:",
+                d.mpi.unwrap_or("none (MPI cannot join ranks)"),
+            )?;
+            let device = if cuda { "CUDA" } else { "CPU" };
+            let join = match d.join(cuda) {
+                Ok(j @ crate::launch::detect::Join::Single) => j.to_string(),
+                Ok(j) => format!("{device} ranks join through {j}"),
+                Err(e) => format!("refused: {e}"),
+            };
+            row(out, "joins:", &join)?;
+        }
+        Err(e) => row(out, "launcher:", &format!("invalid environment: {e}"))?,
+    }
+    Ok(())
+}
+
 /// Runs `accel env`.
 pub fn run(plugin_dirs: &[PathBuf], out: &mut dyn Write) -> anyhow::Result<i32> {
     let row = |out: &mut dyn Write, k: &str, v: &str| writeln!(out, "- {k:<22} {v}");
@@ -111,6 +144,7 @@ pub fn run(plugin_dirs: &[PathBuf], out: &mut dyn Write) -> anyhow::Result<i32> 
     )?;
     row(out, "MPI:", &mpi_version())?;
     row(out, "NCCL:", &nccl())?;
+    launcher_rows(out, cuda)?;
 
     let dirs = default_search_path(plugin_dirs);
     let search: Vec<String> = dirs.iter().map(|d| d.path.display().to_string()).collect();

@@ -1,7 +1,7 @@
 //! MPI for CPU ranks (rsmpi over the system's OpenMPI or MPICH).
 //!
 //! MPI is initialised once per process, only when the process was started by
-//! mpirun/mpiexec (`OMPI_COMM_WORLD_SIZE` or `PMI_SIZE` set). Calls are
+//! an MPI process manager ([`crate::launch::detect`] decides). Calls are
 //! serialised by a mutex, so any thread may issue them.
 //!
 //! # How a rank ends
@@ -61,11 +61,6 @@ use std::{
     time::{Duration, Instant},
 };
 use tch::{Kind, Tensor};
-
-/// Whether this process was started by an MPI process manager.
-pub fn started_by_mpirun(get: &dyn Fn(&str) -> Option<String>) -> bool {
-    get("OMPI_COMM_WORLD_SIZE").is_some() || get("PMI_SIZE").is_some()
-}
 
 /// The world communicator.
 pub struct Mpi {
@@ -310,9 +305,10 @@ impl Mpi {
         register_exit_handler();
         let env = |k: &str| std::env::var(k).ok();
         let timeout = collective_timeout(&env)?;
-        let addr = env("MASTER_ADDR")
-            .zip(env("MASTER_PORT"))
-            .map(|(a, p)| format!("{a}:{p}"));
+        // Only `accel launch` hosts an accel store at MASTER_ADDR:MASTER_PORT.
+        let addr = crate::launch::detect::detect_here()
+            .ok()
+            .and_then(|d| d.launcher_store().map(str::to_owned));
         let attempt = env("ACCEL_RESTART_COUNT").unwrap_or_else(|| "0".into());
         if let Some(addr) = &addr {
             let _ = REPORT_TO.set((addr.clone(), attempt.clone()));

@@ -3,16 +3,43 @@
 //! libnccl and libcudart are loaded at run time (cudarc's dynamic loading),
 //! so accel builds without CUDA; nothing here runs unless the Accelerator
 //! found a GPU. Rank 0 creates the NCCL unique id and publishes it in the
-//! launcher's rendezvous store (`MASTER_ADDR:MASTER_PORT`); the others read
-//! it there. Collectives run on the default stream, the one libtorch uses
+//! store at `MASTER_ADDR:MASTER_PORT` (`accel launch`'s rendezvous store,
+//! torchrun's TCPStore, or, for ranks started otherwise, an accel store rank
+//! 0 hosts on that port: see [`crate::launch::detect`]); the others read it
+//! there. Collectives run on the default stream, the one libtorch uses
 //! unless told otherwise, so they are ordered with the surrounding kernels.
 
 use super::{write_back, CommError, Communicator};
-use accel_rendezvous::Client;
+use crate::launch::detect::IdStore;
+use accel_rendezvous::{torch::TorchStoreClient, Client, Server, StoreError};
 use accel_sdk::ReduceOp;
 use cudarc::nccl::{result, sys};
 use std::{ffi::c_void, sync::Mutex, time::Duration};
 use tch::{Kind, Tensor};
+
+/// The two calls the unique id exchange needs, over either store protocol.
+trait KeyValue {
+    fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError>;
+    fn get(&mut self, key: &str, wait: Duration) -> Result<Vec<u8>, StoreError>;
+}
+
+impl KeyValue for Client {
+    fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        Client::set(self, key, value)
+    }
+    fn get(&mut self, key: &str, wait: Duration) -> Result<Vec<u8>, StoreError> {
+        Client::get(self, key, wait)
+    }
+}
+
+impl KeyValue for TorchStoreClient {
+    fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        TorchStoreClient::set(self, key, value)
+    }
+    fn get(&mut self, key: &str, wait: Duration) -> Result<Vec<u8>, StoreError> {
+        TorchStoreClient::get(self, key, wait)
+    }
+}
 
 struct Handle(sys::ncclComm_t);
 
@@ -72,24 +99,50 @@ fn cuda_contiguous(op: &'static str, t: &Tensor) -> Result<Tensor, CommError> {
 
 impl Nccl {
     /// Joins the job's NCCL communicator as `rank` of `size` on CUDA device
-    /// `device`, exchanging the unique id through the store at `store_addr`.
-    pub fn init(rank: u32, size: u32, device: usize, store_addr: &str) -> Result<Nccl, CommError> {
+    /// `device`, exchanging the unique id through the store at `store_addr`
+    /// ([`IdStore`]: `accel launch`'s, torchrun's TCPStore, or one rank 0
+    /// hosts on that port).
+    pub fn init(
+        rank: u32,
+        size: u32,
+        device: usize,
+        store_addr: &str,
+        store: IdStore,
+    ) -> Result<Nccl, CommError> {
         cudarc::runtime::result::device::set(device as i32).map_err(|e| err("init", e))?;
-        let mut store = Client::connect(store_addr, Duration::from_secs(300))
-            .map_err(|e| CommError::new("init", e.to_string()))?;
-        let attempt = std::env::var("ACCEL_RESTART_COUNT").unwrap_or_else(|_| "0".into());
+        let store_err = |e: accel_rendezvous::StoreError| CommError::new("init", e.to_string());
+        let wait = Duration::from_secs(300);
+        if store == IdStore::RankZero && rank == 0 {
+            let port = store_addr.rsplit_once(':').map_or(store_addr, |(_, p)| p);
+            // Serves until the process ends.
+            Server::bind(format!("0.0.0.0:{port}")).map_err(|e| {
+                CommError::new(
+                    "init",
+                    format!(
+                        "rank 0 cannot host the NCCL id store on port {port} (MASTER_PORT): {e}"
+                    ),
+                )
+            })?;
+        }
+        let mut kv: Box<dyn KeyValue> = match store {
+            IdStore::TorchAgent => {
+                Box::new(TorchStoreClient::connect(store_addr, wait).map_err(store_err)?)
+            }
+            IdStore::Launcher | IdStore::RankZero => {
+                Box::new(Client::connect(store_addr, wait).map_err(store_err)?)
+            }
+        };
+        let attempt = std::env::var("ACCEL_RESTART_COUNT")
+            .or_else(|_| std::env::var("TORCHELASTIC_RESTART_COUNT"))
+            .unwrap_or_else(|_| "0".into());
         let key = format!("accel/nccl/unique-id/{attempt}");
         let id = if rank == 0 {
             let id = result::get_uniqueid().map_err(|e| err("init", e))?;
             let bytes: Vec<u8> = id.internal.iter().map(|c| *c as u8).collect();
-            store
-                .set(&key, &bytes)
-                .map_err(|e| CommError::new("init", e.to_string()))?;
+            kv.set(&key, &bytes).map_err(store_err)?;
             id
         } else {
-            let bytes = store
-                .get(&key, Duration::from_secs(300))
-                .map_err(|e| CommError::new("init", e.to_string()))?;
+            let bytes = kv.get(&key, wait).map_err(store_err)?;
             let mut id = sys::ncclUniqueId { internal: [0; 128] };
             if bytes.len() != id.internal.len() {
                 return Err(CommError::new(

@@ -55,30 +55,64 @@ impl Topology {
     }
 }
 
-/// `(rank, size, local rank, local size)` variables of each process manager,
-/// tried in order.
-const MANAGERS: &[[&str; 4]] = &[
-    [
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    ],
-    ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
-    [
-        "SLURM_PROCID",
-        "SLURM_NTASKS",
-        "SLURM_LOCALID",
-        "SLURM_NTASKS_PER_NODE",
-    ],
+/// A process manager that starts ranks with its own rank variables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessManager {
+    /// What a user calls it (`mpirun (Open MPI)`, `srun`).
+    pub name: &'static str,
+    /// Its `(rank, size, local rank, local size)` variables.
+    pub vars: [&'static str; 4],
+    /// Whether `MPI_Init` in its ranks joins them into one MPI world.
+    pub mpi: bool,
+}
+
+/// The process managers whose variables are understood, tried in order
+/// (MPI's before srun's: `mpirun` inside a Slurm allocation sees both).
+pub const PROCESS_MANAGERS: &[ProcessManager] = &[
+    ProcessManager {
+        name: "mpirun (Open MPI)",
+        vars: [
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ],
+        mpi: true,
+    },
+    ProcessManager {
+        name: "mpirun (MVAPICH2)",
+        vars: [
+            "MV2_COMM_WORLD_RANK",
+            "MV2_COMM_WORLD_SIZE",
+            "MV2_COMM_WORLD_LOCAL_RANK",
+            "MV2_COMM_WORLD_LOCAL_SIZE",
+        ],
+        mpi: true,
+    },
+    ProcessManager {
+        name: "mpiexec (MPICH/Intel MPI, PMI)",
+        vars: ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
+        mpi: true,
+    },
+    ProcessManager {
+        name: "srun",
+        vars: [
+            "SLURM_PROCID",
+            "SLURM_NTASKS",
+            "SLURM_LOCALID",
+            "SLURM_NTASKS_PER_NODE",
+        ],
+        mpi: false,
+    },
 ];
 
-/// The rank variables of a process started by mpirun (OpenMPI or MPICH) or
-/// srun, from that process manager's own variables; `None` when none is set.
-pub fn rank_env_from_process_manager(
+/// The process manager that started this process (read through `get`) and
+/// the env contract's rank variables from its own; `None` when none did.
+pub fn process_manager(
     get: &dyn Fn(&str) -> Option<String>,
-) -> Option<Vec<(String, String)>> {
-    MANAGERS.iter().find_map(|[rank, size, local, local_size]| {
+) -> Option<(&'static ProcessManager, Vec<(String, String)>)> {
+    PROCESS_MANAGERS.iter().find_map(|pm| {
+        let [rank, size, local, local_size] = pm.vars;
         let rank = get(rank)?;
         let size = get(size)?;
         let local = get(local).unwrap_or_else(|| rank.clone());
@@ -95,14 +129,26 @@ pub fn rank_env_from_process_manager(
             (Ok(r), Ok(l)) if l > 0 => (r / l).to_string(),
             _ => "0".to_owned(),
         };
-        Some(vec![
-            ("RANK".into(), rank),
-            ("LOCAL_RANK".into(), local),
-            ("WORLD_SIZE".into(), size),
-            ("LOCAL_WORLD_SIZE".into(), local_size),
-            ("GROUP_RANK".into(), machine),
-        ])
+        Some((
+            pm,
+            vec![
+                ("RANK".into(), rank),
+                ("LOCAL_RANK".into(), local),
+                ("WORLD_SIZE".into(), size),
+                ("LOCAL_WORLD_SIZE".into(), local_size),
+                ("GROUP_RANK".into(), machine),
+            ],
+        ))
     })
+}
+
+/// The rank variables of a process started by mpirun (Open MPI, MVAPICH2 or
+/// MPICH) or srun, from that process manager's own variables; `None` when
+/// none is set.
+pub fn rank_env_from_process_manager(
+    get: &dyn Fn(&str) -> Option<String>,
+) -> Option<Vec<(String, String)>> {
+    process_manager(get).map(|(_, vars)| vars)
 }
 
 #[cfg(test)]

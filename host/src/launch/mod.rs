@@ -2,6 +2,7 @@
 //! built-in launchers (`local`, `mpi`, `slurm`), each a `Launcher` component
 //! like a third-party one.
 
+pub mod detect;
 pub mod env;
 mod limits;
 mod local;

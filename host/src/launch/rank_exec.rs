@@ -10,7 +10,7 @@ use std::process::Command;
 pub fn exec(program: &str, args: &[String]) -> anyhow::Error {
     let Some(vars) = rank_env_from_process_manager(&|k| std::env::var(k).ok()) else {
         return anyhow::anyhow!(
-            "__rank-exec: no OMPI_COMM_WORLD_*, PMI_* or SLURM_* variables; it runs under mpirun or srun, started by `accel launch`"
+            "__rank-exec: no OMPI_COMM_WORLD_*, MV2_COMM_WORLD_*, PMI_* or SLURM_* variables; it runs under mpirun or srun, started by `accel launch`"
         );
     };
     let err = Command::new(program).args(args).envs(vars).exec();
