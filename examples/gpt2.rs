@@ -724,7 +724,7 @@ fn main() -> Result<()> {
             total,
         },
     };
-    let mut scheduler = acc.prepare_scheduler(LrScheduler::new(schedule, &mut opt));
+    let mut scheduler = acc.prepare_scheduler(LrScheduler::new(schedule, &mut opt))?;
     let params: i64 = vs.variables().values().map(Tensor::numel).sum::<usize>() as i64;
     acc.print(format!(
         "gpt2: {} layers, n_embd {}, {} heads, vocab {}, {} parameters ({} frozen tensors); {} process(es), strategy {}, precision {}",

@@ -548,7 +548,7 @@ fn main() -> Result<()> {
             total: args.steps * u64::from(acc.num_processes()),
         },
     };
-    let mut scheduler = acc.prepare_scheduler(LrScheduler::new(schedule, &mut opt));
+    let mut scheduler = acc.prepare_scheduler(LrScheduler::new(schedule, &mut opt))?;
     let samples = x.size()[0];
     let mut data = DataLoader::new(x, y, args.batch_size)?.num_workers(args.num_workers);
     if args.shuffle || args.data_seed.is_some() {

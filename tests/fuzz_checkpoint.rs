@@ -133,7 +133,7 @@ fn any_json(r: &mut Rng) -> Value {
         0 => Value::Null,
         1 => json!(r.chance(2)),
         2 => number(r),
-        3 => json!(-((r.next() >> 1) as i64)),
+        3 => json!(-((r.next_u64() >> 1) as i64)),
         4 => json!(r.pick(&[
             "",
             "x",
@@ -146,7 +146,7 @@ fn any_json(r: &mut Rng) -> Value {
         ])),
         5 => json!([number(r), "x", null]),
         6 => json!({ "steps": number(r), "n": number(r) }),
-        _ => json!(f64::from_bits(r.next()).is_finite().then_some(1e308)),
+        _ => json!(f64::from_bits(r.next_u64()).is_finite().then_some(1e308)),
     }
 }
 
@@ -555,8 +555,9 @@ impl Fixture {
         let _ = nn::linear(vs.root() / "layer1", 3, 2, Default::default());
         acc.prepare_model(&mut vs).unwrap();
         let mut opt = acc.prepare_optimizer(OptimizerConfig::adamw(1e-3)).unwrap();
-        let mut sched =
-            acc.prepare_scheduler(LrScheduler::new(Schedule::Constant { warmup: 2 }, &mut opt));
+        let mut sched = acc
+            .prepare_scheduler(LrScheduler::new(Schedule::Constant { warmup: 2 }, &mut opt))
+            .unwrap();
         let x = Tensor::arange(8, (Kind::Float, Device::Cpu));
         let loader = acc
             .prepare_data_loader(DataLoader::new(x.shallow_clone(), x, 2).unwrap())

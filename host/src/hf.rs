@@ -24,13 +24,13 @@
 //! * [`save_config`] / [`read_json`]: `config.json`.
 
 use crate::accelerator::AccelError;
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, SafeTensors};
 use serde_json::{json, Value};
 use std::{
     collections::{BTreeMap, HashMap},
     fmt::Write as _,
     fs,
-    io::Read,
+    io::{Read, Write},
     path::{Path, PathBuf},
 };
 use tch::{Device, Kind, Tensor};
@@ -56,8 +56,9 @@ pub fn read_json(path: &Path) -> Result<Value, AccelError> {
     serde_json::from_str(&text).map_err(|e| io_err("parsing", path, e))
 }
 
-/// Writes `path` through a temporary sibling and a rename.
-fn write_atomically(
+/// Writes `path` through a temporary sibling (`.<name>.tmp`) and a
+/// rename; the temporary file is removed when `write` fails.
+pub(crate) fn write_atomically(
     path: &Path,
     write: impl FnOnce(&Path) -> Result<(), AccelError>,
 ) -> Result<(), AccelError> {
@@ -66,7 +67,10 @@ fn write_atomically(
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let tmp = path.with_file_name(format!(".{name}.tmp"));
-    write(&tmp)?;
+    if let Err(e) = write(&tmp) {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
     fs::rename(&tmp, path).map_err(|e| io_err("renaming into", path, e))
 }
 
@@ -105,8 +109,31 @@ pub fn shape_text(shape: &[i64]) -> String {
     )
 }
 
+/// One tensor of a safetensors file with where its bytes lie: `start..end`,
+/// counted from the start of the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct HeaderEntry {
+    /// The tensor's name.
+    pub name: String,
+    /// Its file, dtype and shape.
+    pub info: TensorInfo,
+    /// The first byte of its data in the file.
+    pub start: u64,
+    /// One past its last byte.
+    pub end: u64,
+}
+
 /// The tensors of one safetensors file, from its header only.
 fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>, AccelError> {
+    Ok(read_header_entries(path)?
+        .into_iter()
+        .map(|e| (e.name, e.info))
+        .collect())
+}
+
+/// The tensors of one safetensors file with their byte ranges in it, from
+/// its header only (by name). Every range lies inside the file.
+pub(crate) fn read_header_entries(path: &Path) -> Result<Vec<HeaderEntry>, AccelError> {
     let bad = |m: String| err(format!("{}: not a safetensors file: {m}", path.display()));
     let mut file = fs::File::open(path).map_err(|e| io_err("opening", path, e))?;
     let len = file
@@ -147,17 +174,28 @@ fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>, AccelError> {
             .as_array()
             .and_then(|a| a.iter().map(Value::as_u64).collect())
             .ok_or_else(|| bad(format!("`{name}` has no data_offsets")))?;
-        if let [_, stop] = offsets[..] {
-            end = end.max(stop);
+        let [first, stop] = offsets[..] else {
+            return Err(bad(format!(
+                "`{name}` has data_offsets {offsets:?}, not [begin, end]"
+            )));
+        };
+        if first > stop {
+            return Err(bad(format!(
+                "`{name}` has data_offsets [{first}, {stop}]: begin after end"
+            )));
         }
-        out.push((
+        end = end.max(stop);
+        out.push(HeaderEntry {
             name,
-            TensorInfo {
+            info: TensorInfo {
                 file: path.to_path_buf(),
                 dtype: dtype.to_owned(),
                 shape,
             },
-        ));
+            // Saturating: hostile offsets are refused just below.
+            start: (8 + n).saturating_add(first),
+            end: (8 + n).saturating_add(stop),
+        });
     }
     // n <= len - 8 (checked above); the offsets may be anything.
     if end > len - 8 - n {
@@ -624,35 +662,133 @@ fn byte_size(t: &Tensor) -> u64 {
     (t.numel() * t.kind().elt_size_in_bytes()) as u64
 }
 
+/// A tensor to be written by [`write_safetensors_with`]: its name, dtype
+/// and shape; its bytes come later, from the caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TensorSpec {
+    /// The tensor's name in the file.
+    pub name: String,
+    /// Its safetensors dtype.
+    pub dtype: Dtype,
+    /// Its shape.
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    /// The spec of an existing tensor, or why safetensors cannot hold it.
+    fn of(name: &str, t: &Tensor) -> Result<Self, String> {
+        let dtype = dtype_of(t.kind())
+            .ok_or_else(|| format!("`{name}` is {:?}, which safetensors cannot hold", t.kind()))?;
+        Ok(Self {
+            name: name.to_owned(),
+            dtype,
+            shape: t.size().iter().map(|&d| d as usize).collect(),
+        })
+    }
+
+    /// Bytes of its data.
+    pub fn byte_size(&self) -> u64 {
+        self.shape.iter().product::<usize>() as u64 * self.dtype.size() as u64
+    }
+}
+
+/// Counts the bytes written through it.
+struct Counting<W> {
+    inner: W,
+    written: u64,
+}
+
+impl<W: Write> Write for Counting<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.written += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Writes one safetensors file with transformers' `{"format": "pt"}`
+/// metadata, streaming: the header is made from `specs`, then
+/// `data(i, out)` writes exactly `specs[i].byte_size()` bytes of tensor `i`
+/// (row-major, little-endian), one tensor at a time. Tensors are laid out
+/// by descending dtype alignment, then name, as the safetensors crate lays
+/// them out, so every tensor's data is aligned.
+pub(crate) fn write_safetensors_with(
+    path: &Path,
+    specs: &[TensorSpec],
+    mut data: impl FnMut(usize, &mut dyn Write) -> Result<(), AccelError>,
+) -> Result<(), AccelError> {
+    let mut order: Vec<usize> = (0..specs.len()).collect();
+    order.sort_by(|&a, &b| (specs[b].dtype, &specs[a].name).cmp(&(specs[a].dtype, &specs[b].name)));
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), json!({ "format": "pt" }));
+    let mut offset = 0u64;
+    for &i in &order {
+        let spec = &specs[i];
+        let end = offset + spec.byte_size();
+        let entry = json!({
+            "dtype": spec.dtype,
+            "shape": spec.shape,
+            "data_offsets": [offset, end],
+        });
+        if header.insert(spec.name.clone(), entry).is_some() || spec.name == "__metadata__" {
+            return Err(err(format!(
+                "writing {}: the tensor name `{}` is given twice or reserved",
+                path.display(),
+                spec.name
+            )));
+        }
+        offset = end;
+    }
+    let mut header = serde_json::to_vec(&Value::Object(header)).expect("JSON values serialise");
+    // Data starts 8-byte aligned, as the safetensors crate writes it.
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let file = fs::File::create(path).map_err(|e| io_err("creating", path, e))?;
+    let mut out = Counting {
+        inner: std::io::BufWriter::with_capacity(1 << 20, file),
+        written: 0,
+    };
+    let io = |e: std::io::Error| io_err("writing", path, e);
+    out.write_all(&(header.len() as u64).to_le_bytes())
+        .map_err(io)?;
+    out.write_all(&header).map_err(io)?;
+    for &i in &order {
+        let before = out.written;
+        data(i, &mut out)?;
+        let wrote = out.written - before;
+        if wrote != specs[i].byte_size() {
+            return Err(err(format!(
+                "writing {}: `{}` gave {wrote} bytes, its shape and dtype need {}",
+                path.display(),
+                specs[i].name,
+                specs[i].byte_size()
+            )));
+        }
+    }
+    let file = out
+        .inner
+        .into_inner()
+        .map_err(|e| io_err("writing", path, e.error()))?;
+    file.sync_all().map_err(io)
+}
+
 /// Writes one safetensors file with transformers' `{"format": "pt"}` metadata.
 pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), AccelError> {
-    let mut data = Vec::with_capacity(tensors.len());
-    for (name, t) in tensors {
-        let t = t.to_device(Device::Cpu).contiguous();
-        let dtype = dtype_of(t.kind()).ok_or_else(|| {
-            err(format!(
-                "writing {}: `{name}` is {:?}, which safetensors cannot hold",
-                path.display(),
-                t.kind()
-            ))
-        })?;
+    let specs = tensors
+        .iter()
+        .map(|(name, t)| TensorSpec::of(name, t))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|why| err(format!("writing {}: {why}", path.display())))?;
+    write_safetensors_with(path, &specs, |i, out| {
+        let t = tensors[i].1.to_device(Device::Cpu).contiguous();
         let mut bytes = vec![0u8; byte_size(&t) as usize];
         t.f_copy_data_u8(&mut bytes, t.numel())
             .map_err(|e| io_err("writing", path, e))?;
-        let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();
-        data.push((name.clone(), dtype, shape, bytes));
-    }
-    let views = data
-        .iter()
-        .map(|(name, dtype, shape, bytes)| {
-            TensorView::new(*dtype, shape.clone(), bytes)
-                .map(|v| (name.as_str(), v))
-                .map_err(|e| io_err("writing", path, e))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let metadata: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
-    safetensors::serialize_to_file(views, &Some(metadata), path)
-        .map_err(|e| io_err("writing", path, e))
+        out.write_all(&bytes)
+            .map_err(|e| io_err("writing", path, e))
+    })
 }
 
 /// Cuts `tensors` (in order) into shards of at most `max_shard_size`
@@ -660,10 +796,15 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()
 /// shard starts a new one; a tensor larger than the limit has a shard of
 /// its own.
 pub fn shard_plan(tensors: &[(String, Tensor)], max_shard_size: u64) -> Vec<Vec<usize>> {
+    let sizes: Vec<u64> = tensors.iter().map(|(_, t)| byte_size(t)).collect();
+    shard_plan_sizes(&sizes, max_shard_size)
+}
+
+/// [`shard_plan`] over tensors of `sizes` bytes.
+pub fn shard_plan_sizes(sizes: &[u64], max_shard_size: u64) -> Vec<Vec<usize>> {
     let mut shards: Vec<Vec<usize>> = vec![Vec::new()];
     let mut filled = 0;
-    for (i, (_, t)) in tensors.iter().enumerate() {
-        let s = byte_size(t);
+    for (i, &s) in sizes.iter().enumerate() {
         if filled + s > max_shard_size && !shards.last().is_some_and(Vec::is_empty) {
             shards.push(Vec::new());
             filled = 0;
@@ -672,6 +813,30 @@ pub fn shard_plan(tensors: &[(String, Tensor)], max_shard_size: u64) -> Vec<Vec<
         shards.last_mut().expect("one shard at least").push(i);
     }
     shards
+}
+
+/// The weights files of a `save_pretrained` layout in `dir`:
+/// `model.safetensors`, `model.safetensors.index.json` and
+/// `model-*.safetensors`.
+pub fn weights_files(dir: &Path) -> Result<Vec<PathBuf>, AccelError> {
+    if !dir.exists() {
+        return Ok(Vec::new());
+    }
+    let mut found = Vec::new();
+    for e in fs::read_dir(dir)
+        .map_err(|e| io_err("reading", dir, e))?
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name == WEIGHTS_NAME
+            || name == WEIGHTS_INDEX_NAME
+            || (name.starts_with("model-") && name.ends_with(".safetensors"))
+        {
+            found.push(e.path());
+        }
+    }
+    found.sort();
+    Ok(found)
 }
 
 /// Writes `tensors` into `dir` as `save_pretrained` does: one
@@ -685,19 +850,36 @@ pub fn save(
     tensors: &[(String, Tensor)],
     max_shard_size: u64,
 ) -> Result<Vec<PathBuf>, AccelError> {
-    let shards = shard_plan(tensors, max_shard_size);
+    let specs = tensors
+        .iter()
+        .map(|(name, t)| TensorSpec::of(name, t))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|why| err(format!("saving into {}: {why}", dir.display())))?;
+    save_with(dir, &specs, max_shard_size, |i, out| {
+        let t = tensors[i].1.to_device(Device::Cpu).contiguous();
+        let mut bytes = vec![0u8; byte_size(&t) as usize];
+        t.f_copy_data_u8(&mut bytes, t.numel())
+            .map_err(|e| err(format!("saving `{}`: {e}", tensors[i].0)))?;
+        out.write_all(&bytes)
+            .map_err(|e| err(format!("saving `{}`: {e}", tensors[i].0)))
+    })
+}
+
+/// [`save`], streaming: the layout is planned from `specs`, and
+/// `data(i, out)` writes tensor `i`'s bytes when its file is written (see
+/// [`write_safetensors_with`]), so no more than one tensor need be in
+/// memory at a time.
+pub(crate) fn save_with(
+    dir: &Path,
+    specs: &[TensorSpec],
+    max_shard_size: u64,
+    mut data: impl FnMut(usize, &mut dyn Write) -> Result<(), AccelError>,
+) -> Result<Vec<PathBuf>, AccelError> {
+    let sizes: Vec<u64> = specs.iter().map(TensorSpec::byte_size).collect();
+    let shards = shard_plan_sizes(&sizes, max_shard_size);
     fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
-    for e in fs::read_dir(dir)
-        .map_err(|e| io_err("reading", dir, e))?
-        .flatten()
-    {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let old = name == WEIGHTS_NAME
-            || name == WEIGHTS_INDEX_NAME
-            || (name.starts_with("model-") && name.ends_with(".safetensors"));
-        if old {
-            fs::remove_file(e.path()).map_err(|err| io_err("removing", &e.path(), err))?;
-        }
+    for old in weights_files(dir)? {
+        fs::remove_file(&old).map_err(|e| io_err("removing", &old, e))?;
     }
     let n = shards.len();
     let mut written = Vec::new();
@@ -709,16 +891,15 @@ pub fn save(
         } else {
             format!("model-{:05}-of-{n:05}.safetensors", k + 1)
         };
-        let part: Vec<(String, Tensor)> = shard
-            .iter()
-            .map(|&i| (tensors[i].0.clone(), tensors[i].1.shallow_clone()))
-            .collect();
-        for (name, t) in &part {
-            weight_map.insert(name.clone(), json!(file));
-            total += byte_size(t);
+        let part: Vec<TensorSpec> = shard.iter().map(|&i| specs[i].clone()).collect();
+        for (spec, &i) in part.iter().zip(shard) {
+            weight_map.insert(spec.name.clone(), json!(file));
+            total += sizes[i];
         }
         let path = dir.join(&file);
-        write_atomically(&path, |tmp| write_safetensors(tmp, &part))?;
+        write_atomically(&path, |tmp| {
+            write_safetensors_with(tmp, &part, |j, out| data(shard[j], out))
+        })?;
         written.push(path);
     }
     if n > 1 {

@@ -9,6 +9,7 @@
 //! * [`comm`]: communicators (single process, MPI) and their collectives.
 //! * [`context`]: the host services plugins receive.
 //! * [`hf`]: Hugging Face checkpoints (`model.safetensors`, sharded with an index, `config.json`): read by name with strict checks, written as `save_pretrained` writes them.
+//! * [`merge`]: a SHARDED checkpoint's `model_rank<r>.safetensors` merged into whole weights (`accel merge-weights`).
 //! * [`launch`]: the env contract, the process supervisor and the built-in launchers.
 //! * [`cli`]: the `accel` command line.
 //!
@@ -29,6 +30,7 @@ pub mod comm;
 pub mod context;
 pub mod hf;
 pub mod launch;
+pub mod merge;
 pub mod plugins;
 
 /// Sends accel's and the plugins' `tracing` events (warnings by default;

@@ -37,7 +37,8 @@
 //! * [`registry`]: [`Component`] registration with `inventory`.
 //! * [`root`]: the root module and the export macro.
 //! * [`optim`]: SGD, Adam, AdamW as torch.optim computes them, with state to
-//!   save and shard; [`schedule`]: learning-rate schedules.
+//!   save and shard; [`schedule`]: learning-rate schedules;
+//!   [`deepspeed`]: a DeepSpeed file's `optimizer` and `scheduler` sections.
 //! * [`shim`]: the C++ shim — autocast, GradScaler's unscale, torch.optim's
 //!   update rules and fused kernels.
 
@@ -45,6 +46,7 @@
 #![allow(non_local_definitions)]
 
 pub mod context;
+pub mod deepspeed;
 pub mod error;
 pub mod grad;
 pub mod guard;
@@ -83,7 +85,7 @@ pub use root::private as __private;
 
 /// Version of the plugin ABI. Bumped on any change a built plugin cannot
 /// survive; the host refuses plugins built for another version.
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 
 /// The libtorch version this SDK (and so every plugin built with it) was
 /// compiled against, e.g. `2.13.0`.

@@ -2,7 +2,9 @@
 //! cosine with warmup — the multipliers of transformers'
 //! `get_constant_schedule_with_warmup`, `get_linear_schedule_with_warmup`
 //! and `get_cosine_schedule_with_warmup`, applied as torch's `LambdaLR`
-//! applies them (lr = base lr × factor(step)).
+//! applies them (lr = base lr × factor(step)) — and DeepSpeed's
+//! `WarmupLR`, `WarmupDecayLR` and `WarmupCosineLR` (see
+//! [`crate::deepspeed`]).
 //!
 //! ```
 //! use accel_sdk::schedule::Schedule;
@@ -38,6 +40,50 @@ pub enum Schedule {
         /// Steps until the rate reaches 0.
         total: u64,
     },
+    /// DeepSpeed's `WarmupLR` (`decay_total` `None`) and `WarmupDecayLR`:
+    /// absolute rates, whatever the optimizer's base rate: from `min_lr` up
+    /// to `max_lr` over `warmup` steps (logarithmic or linear), then
+    /// `max_lr`, or — `WarmupDecayLR` — linearly back down to `min_lr` at
+    /// `decay_total`. Stepped once per optimizer step, as DeepSpeed's
+    /// engine steps it (its iteration count is this schedule's steps − 1).
+    DeepSpeedWarmup {
+        /// `warmup_min_lr`.
+        min_lr: f64,
+        /// `warmup_max_lr`.
+        max_lr: f64,
+        /// `warmup_num_steps` (DeepSpeed uses at least 2).
+        warmup: u64,
+        /// `warmup_type: log` (else `linear`).
+        log: bool,
+        /// `WarmupDecayLR`'s `total_num_steps`.
+        decay_total: Option<u64>,
+    },
+    /// DeepSpeed's `WarmupCosineLR`: the base rate times a ratio rising
+    /// from `warmup_min_ratio` to 1 over `warmup` steps (logarithmic or
+    /// linear), then falling along half a cosine to `cos_min_ratio` at
+    /// `total`. Stepped as [`Schedule::DeepSpeedWarmup`].
+    DeepSpeedWarmupCosine {
+        /// `warmup_min_ratio`.
+        warmup_min_ratio: f64,
+        /// `warmup_num_steps` (DeepSpeed uses at least 2).
+        warmup: u64,
+        /// `cos_min_ratio`.
+        cos_min_ratio: f64,
+        /// `total_num_steps`.
+        total: u64,
+        /// `warmup_type: log` (else `linear`).
+        log: bool,
+    },
+}
+
+/// DeepSpeed's warmup fraction at iteration `i` (0-based) of `warmup`.
+fn deepspeed_warmup_gamma(i: u64, warmup: u64, log: bool) -> f64 {
+    let warmup = warmup.max(2);
+    if log {
+        ((i + 1) as f64).ln() / (warmup as f64).ln()
+    } else {
+        i as f64 / warmup as f64
+    }
 }
 
 impl Schedule {
@@ -53,12 +99,72 @@ impl Schedule {
         }
     }
 
-    /// The multiplier of the base rate after `step` scheduler steps.
+    /// The rate after `step` scheduler steps for a base rate `base` (the
+    /// optimizer's rate when the scheduler was made).
+    pub fn lr(&self, base: f64, step: u64) -> f64 {
+        match *self {
+            Schedule::DeepSpeedWarmup {
+                min_lr,
+                max_lr,
+                warmup,
+                log,
+                decay_total,
+            } => {
+                // DeepSpeed's iteration: -1 when made (the minimum), then
+                // one per step.
+                let Some(i) = step.checked_sub(1) else {
+                    return min_lr;
+                };
+                let gamma = if i < warmup.max(2) {
+                    deepspeed_warmup_gamma(i, warmup, log)
+                } else {
+                    match decay_total {
+                        None => 1.0,
+                        Some(total) => ((total as f64 - i as f64)
+                            / (total as f64 - warmup.max(2) as f64).max(1.0))
+                        .max(0.0),
+                    }
+                };
+                min_lr + (max_lr - min_lr) * gamma
+            }
+            _ => base * self.factor(step),
+        }
+    }
+
+    /// The multiplier of the base rate after `step` scheduler steps (for
+    /// [`Schedule::DeepSpeedWarmup`], whose rates are absolute: of
+    /// `max_lr`).
     pub fn factor(&self, step: u64) -> f64 {
         let warmup = match *self {
             Schedule::Constant { warmup }
             | Schedule::Linear { warmup, .. }
             | Schedule::Cosine { warmup, .. } => warmup,
+            Schedule::DeepSpeedWarmup { max_lr, .. } => {
+                return if max_lr == 0.0 {
+                    0.0
+                } else {
+                    self.lr(max_lr, step) / max_lr
+                };
+            }
+            Schedule::DeepSpeedWarmupCosine {
+                warmup_min_ratio,
+                warmup,
+                cos_min_ratio,
+                total,
+                log,
+            } => {
+                let Some(i) = step.checked_sub(1) else {
+                    return 0.0;
+                };
+                let warmup = warmup.max(2);
+                if i < warmup {
+                    let g = deepspeed_warmup_gamma(i, warmup, log);
+                    return warmup_min_ratio + g * (1.0 - warmup_min_ratio);
+                }
+                let done = (i - warmup + 1) as f64 / total.saturating_sub(warmup).max(1) as f64;
+                let wave = (1.0 + (std::f64::consts::PI * done.min(1.0)).cos()) / 2.0;
+                return (cos_min_ratio + (1.0 - cos_min_ratio) * wave).max(0.0);
+            }
         };
         if step < warmup {
             return step as f64 / warmup.max(1) as f64;
@@ -71,6 +177,9 @@ impl Schedule {
             Schedule::Cosine { warmup, total } => {
                 let progress = (step - warmup) as f64 / total.saturating_sub(warmup).max(1) as f64;
                 (0.5 * (1.0 + (std::f64::consts::PI * 0.5 * 2.0 * progress).cos())).max(0.0)
+            }
+            Schedule::DeepSpeedWarmup { .. } | Schedule::DeepSpeedWarmupCosine { .. } => {
+                unreachable!("returned above")
             }
         }
     }
@@ -100,9 +209,8 @@ impl LrScheduler {
     }
 
     fn apply(&self, optimizer: &mut Optimizer) {
-        let f = self.schedule.factor(self.steps);
         for (g, base) in optimizer.groups_mut().iter_mut().zip(&self.base_lrs) {
-            g.hyper.lr = base * f;
+            g.hyper.lr = self.schedule.lr(*base, self.steps);
         }
     }
 
@@ -119,8 +227,10 @@ impl LrScheduler {
 
     /// The rates the schedule gives now, one per group.
     pub fn last_lrs(&self) -> Vec<f64> {
-        let f = self.schedule.factor(self.steps);
-        self.base_lrs.iter().map(|b| b * f).collect()
+        self.base_lrs
+            .iter()
+            .map(|b| self.schedule.lr(*b, self.steps))
+            .collect()
     }
 
     /// Resumes at `steps` and sets the optimizer's rates.

@@ -62,6 +62,16 @@ pub struct RunOverrides {
     pub gradient_accumulation_steps: ROption<u32>,
     /// The precision policy to select (`no`, `fp16`, `bf16`).
     pub mixed_precision: ROption<RString>,
+    /// The optimizer the strategy's config defines (a DeepSpeed file's
+    /// `optimizer` section, as JSON; [`crate::deepspeed::OptimizerSection`]
+    /// reads it): the program must then take it
+    /// (`Accelerator::prepare_dummy_optimizer`), not bring its own.
+    pub optimizer: ROption<RString>,
+    /// The schedule the strategy's config defines (a DeepSpeed file's
+    /// `scheduler` section, as JSON; [`crate::deepspeed::SchedulerSection`]).
+    pub scheduler: ROption<RString>,
+    /// The file those sections come from, for messages.
+    pub config_file: ROption<RString>,
 }
 
 /// Bytes this rank holds, for tests and benchmarks.

@@ -14,7 +14,7 @@
 //! | `random_states_<r>.safetensors` | rank `r`'s libtorch CPU (and CUDA) generator states | every rank |
 //! | `data_loaders.json` | every prepared data loader's epoch and batches consumed | rank 0 |
 //! | `custom_checkpoint_<i>.json` | objects given to [`Accelerator::register_for_checkpointing`] | rank 0 |
-//! | `accel_state.json` | accel version, world size, strategy, state dict kind, optimizer steps, iteration | rank 0 |
+//! | `accel_state.json` | accel version, world size, strategy, state dict kind, optimizer steps, iteration, every parameter's whole shape (`parameter_shapes`, which [`crate::merge`] needs to merge SHARDED state) | rank 0 |
 //!
 //! **Safe by construction**: everything is written into a hidden sibling
 //! directory (`.<name>.partial`), then renamed into place by rank 0 once
@@ -527,8 +527,22 @@ impl Accelerator {
             "iteration": self.checkpoints.iteration,
             "optimizers": objects.optimizers.len(),
             "schedulers": objects.schedulers.len(),
+            // The whole shapes, which a SHARDED checkpoint's flat shards do
+            // not carry: `accel merge-weights` (crate::merge) needs them.
+            "parameter_shapes": self.parameter_shapes(),
         });
         write_json(&out.join("accel_state.json"), &meta)
+    }
+
+    /// Every model parameter's whole shape, by name (none before
+    /// `prepare_model`). Sharding strategies free the parameters' storage,
+    /// not their sizes.
+    fn parameter_shapes(&self) -> serde_json::Map<String, Value> {
+        self.prepared
+            .iter()
+            .flat_map(|p| &p.params)
+            .map(|(name, t)| (name.clone(), json!(t.size())))
+            .collect()
     }
 
     /// Restores what [`Accelerator::save_state`] saved: from `dir`, or —

@@ -27,11 +27,13 @@
 
 mod checkpoint;
 mod checkpoint_safety;
+mod config_optim;
 mod data;
 mod tracking;
 mod units;
 
 pub use checkpoint::{parse_size, Checkpointable, Registered, SaveOptions, TrainingObjects};
+pub use config_optim::{DummyOptim, DummyScheduler};
 use data::LoaderRecord;
 pub use data::{
     shard_indices, Batches, DataLoader, DataLoaderConfiguration, LoaderPosition, ShardedLoader,
@@ -44,9 +46,9 @@ use units::{lock, SharedStrategy, Units};
 use crate::{
     comm::{CommError, Communicator, SingleProcess},
     context::ProcessContext,
+    launch::detect::Join,
     plugins::{
         config_check::{claimed_distributed_types, strategy_settings},
-    launch::detect::Join,
         default_search_path, Choice, Plugin, PluginSet, SelectError,
     },
 };
@@ -420,6 +422,9 @@ pub struct Accelerator {
     precision: PrecisionBox,
     precision_name: String,
     prepared: Option<Prepared>,
+    /// The optimizer and schedule the strategy's config defines (a
+    /// DeepSpeed file's sections).
+    config_optim: config_optim::ConfigOptim,
     state: Arc<Mutex<GradientState>>,
     accumulation_steps: u32,
     micro_step: u32,
@@ -555,11 +560,6 @@ impl Accelerator {
                 store,
             )?),
         };
-        let spec = match device {
-            Device::Cuda(i) => DeviceSpec {
-                kind: DeviceKind::Cuda,
-                index: i as u32,
-            },
         // A job of several ranks started without a config (mpirun, torchrun)
         // is data parallel, as Accelerate's PartialState decides.
         if world > 1
@@ -574,6 +574,11 @@ impl Accelerator {
                 DistributedType::MultiGpu
             });
         }
+        let spec = match device {
+            Device::Cuda(i) => DeviceSpec {
+                kind: DeviceKind::Cuda,
+                index: i as u32,
+            },
             _ => DeviceSpec::CPU,
         };
         let ctx = ProcessContext::new(Arc::clone(&comm), local_rank, local_world, spec);
@@ -609,6 +614,7 @@ impl Accelerator {
         // What the strategy's own config decides (a DeepSpeed config file's
         // fp16/bf16 and gradient_accumulation_steps) wins, as in Accelerate.
         let overrides = strategy.run_overrides().into_result()?;
+        let config_optim = config_optim::ConfigOptim::from_overrides(&overrides, &strategy_name)?;
         if let RSome(mp) = &overrides.mixed_precision {
             let parsed = serde_json::from_value(Value::from(mp.as_str())).map_err(|_| {
                 AccelError::Usage(format!(
@@ -673,6 +679,7 @@ impl Accelerator {
             precision,
             precision_name,
             prepared: None,
+            config_optim,
             state: Arc::new(Mutex::new(GradientState {
                 sync_gradients: true,
                 end_of_dataloader: false,
@@ -881,7 +888,23 @@ impl Accelerator {
     /// })?;
     /// # Ok(()) }
     /// ```
+    ///
+    /// Refused when the strategy's config file defines the optimizer (a
+    /// DeepSpeed file's `optimizer` section): take that one with
+    /// [`Accelerator::prepare_dummy_optimizer`], as Accelerate's
+    /// `DummyOptim`.
     pub fn prepare_optimizer_with(
+        &mut self,
+        config: OptimizerConfig,
+        hyper_for: impl Fn(&str, Hyper) -> Hyper,
+    ) -> Result<Optimizer, AccelError> {
+        self.config_optim.check_own_optimizer()?;
+        self.build_optimizer(config, hyper_for)
+    }
+
+    /// The optimizer over what the strategy hands out, in groups by
+    /// `hyper_for`.
+    fn build_optimizer(
         &mut self,
         config: OptimizerConfig,
         hyper_for: impl Fn(&str, Hyper) -> Hyper,
@@ -911,8 +934,16 @@ impl Accelerator {
     }
 
     /// Wraps `scheduler` to step as Accelerate's `AcceleratedScheduler`.
-    pub fn prepare_scheduler(&self, scheduler: LrScheduler) -> AcceleratedScheduler {
-        AcceleratedScheduler {
+    /// Refused when the strategy's config file defines the schedule (a
+    /// DeepSpeed file's `scheduler` section: take it with
+    /// [`Accelerator::prepare_dummy_scheduler`]) or the optimizer came from
+    /// it, as Accelerate refuses them.
+    pub fn prepare_scheduler(
+        &self,
+        scheduler: LrScheduler,
+    ) -> Result<AcceleratedScheduler, AccelError> {
+        self.config_optim.check_own_scheduler()?;
+        Ok(AcceleratedScheduler {
             inner: scheduler,
             state: Arc::clone(&self.state),
             per_step: if self.dataloader.split_batches {
@@ -920,7 +951,7 @@ impl Accelerator {
             } else {
                 self.world
             },
-        }
+        })
     }
 
     /// Runs `forward` inside the precision policy's autocast region

@@ -2,7 +2,9 @@
 //! returns the process exit status.
 
 mod env;
+mod estimate;
 mod launch;
+mod merge_weights;
 mod plugins;
 
 use crate::plugins::{
@@ -42,6 +44,12 @@ pub enum Command {
     Env,
     /// Run PROGRAM on every rank of a job (local, mpi, slurm or a plugin's launcher).
     Launch(Box<launch::LaunchArgs>),
+    /// Estimate a Hugging Face model's memory: Accelerate's table, and per rank under DDP, ZeRO-1/2/3 and FSDP.
+    #[command(name = "estimate-memory")]
+    EstimateMemory(estimate::EstimateArgs),
+    /// Merge a SHARDED checkpoint's per-rank weights into one model (Accelerate's merge-weights).
+    #[command(name = "merge-weights")]
+    MergeWeights(merge_weights::MergeWeightsArgs),
     /// Internal: how mpirun/srun start a rank (sets RANK etc., then runs PROGRAM).
     #[command(name = "__rank-exec", hide = true)]
     RankExec {
@@ -77,6 +85,8 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> anyhow::Result<i32> {
         }
         Command::Env => env::run(&cli.plugin_dirs, out),
         Command::Launch(args) => launch::run(*args, &cli.plugin_dirs, out),
+        Command::EstimateMemory(args) => estimate::run(args, &cli.plugin_dirs, out),
+        Command::MergeWeights(args) => merge_weights::run(args, out),
         Command::RankExec { program, args } => Err(crate::launch::rank_exec::exec(&program, &args)),
     }
 }

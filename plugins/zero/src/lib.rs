@@ -57,6 +57,9 @@ fn plan(s: &settings::Settings) -> Plan {
         overrides: RunOverrides {
             gradient_accumulation_steps: s.gradient_accumulation_steps.into(),
             mixed_precision: s.mixed_precision.map(RString::from).into(),
+            optimizer: s.optimizer.as_ref().map(|v| v.to_string().into()).into(),
+            scheduler: s.scheduler.as_ref().map(|v| v.to_string().into()).into(),
+            config_file: s.config_file.clone().map(RString::from).into(),
         },
     }
 }

@@ -1,7 +1,11 @@
 //! The ZeRO settings: the `deepspeed_config` section of the Accelerate
 //! config, and the DeepSpeed JSON file it may name.
 
-use accel_sdk::{serde_json::Value, PluginError};
+use accel_sdk::{
+    deepspeed::{OptimizerSection, SchedulerSection, SectionError},
+    serde_json::Value,
+    PluginError,
+};
 use std::path::Path;
 
 use crate::PLUGIN;
@@ -32,6 +36,14 @@ pub struct Settings {
     pub unsupported: Vec<String>,
     /// Keys of `deepspeed_config` accel-zero does not know: shown, ignored.
     pub warnings: Vec<String>,
+    /// The DeepSpeed file's `optimizer` section (checked by
+    /// [`accel_sdk::deepspeed::OptimizerSection`]), handed to the host.
+    pub optimizer: Option<Value>,
+    /// The DeepSpeed file's `scheduler` section (checked by
+    /// [`accel_sdk::deepspeed::SchedulerSection`]), handed to the host.
+    pub scheduler: Option<Value>,
+    /// The DeepSpeed file, when there is one.
+    pub config_file: Option<String>,
 }
 
 /// The keys of Accelerate's `deepspeed_config` section (anything else is a
@@ -141,6 +153,10 @@ pub struct FileValues {
     pub fp16: Option<bool>,
     /// `bf16.enabled` (absent or `"auto"`: `None`).
     pub bf16: Option<bool>,
+    /// The `optimizer` section, checked.
+    pub optimizer: Option<Value>,
+    /// The `scheduler` section, checked.
+    pub scheduler: Option<Value>,
     /// The file, for messages.
     pub file: String,
 }
@@ -216,6 +232,35 @@ pub fn file_values(
             ))),
         }
     };
+    // The optimizer and scheduler the host builds (the program asks for
+    // them, as Accelerate's DummyOptim / DummyScheduler): checked here so
+    // that a type accel lacks is refused when the strategy is made.
+    let section = |key: &str,
+                   check: &dyn Fn(&Value) -> Result<(), SectionError>,
+                   unsupported: &mut Vec<String>|
+     -> Result<Option<Value>, PluginError> {
+        match json.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => match check(v) {
+                Ok(()) => Ok(Some(v.clone())),
+                Err(SectionError::Unsupported(m)) => {
+                    unsupported.push(m);
+                    Ok(None)
+                }
+                Err(SectionError::Invalid(m)) => Err(err(m)),
+            },
+        }
+    };
+    let optimizer = section(
+        "optimizer",
+        &|v| OptimizerSection::parse(v, file).map(drop),
+        unsupported,
+    )?;
+    let scheduler = section(
+        "scheduler",
+        &|v| SchedulerSection::parse(v, file).map(drop),
+        unsupported,
+    )?;
     Ok(FileValues {
         stage,
         clip,
@@ -224,6 +269,8 @@ pub fn file_values(
         offload_param,
         fp16: enabled("fp16")?,
         bf16: enabled("bf16")?,
+        optimizer,
+        scheduler,
         file: file.to_owned(),
     })
 }
@@ -391,6 +438,9 @@ pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, 
         offload_param,
         unsupported,
         warnings,
+        optimizer: file.optimizer,
+        scheduler: file.scheduler,
+        config_file: (!file.file.is_empty()).then_some(file.file),
     })
 }
 
@@ -421,6 +471,9 @@ mod tests {
                 mixed_precision: None,
                 unsupported: Vec::new(),
                 warnings: Vec::new(),
+                optimizer: None,
+                scheduler: None,
+                config_file: None,
             }
         );
         let s = from_section(&json!({"zero_stage": 1, "zero_new_knob": true}), "no").unwrap();

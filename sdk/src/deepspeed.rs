@@ -1,0 +1,598 @@
+//! The `optimizer` and `scheduler` sections of a DeepSpeed JSON config
+//! (`deepspeed_config_file`): parsed here, once, for the strategy plugin
+//! that reads the file (it refuses what accel cannot run) and for the host
+//! that builds them (`Accelerator::prepare_dummy_optimizer` /
+//! `prepare_dummy_scheduler`, Accelerate's `DummyOptim` / `DummyScheduler`).
+//!
+//! | `type` | as | `params` |
+//! | --- | --- | --- |
+//! | `Adam`, `AdamW` (any case) | DeepSpeed's Adam: decoupled weight decay (AdamW) unless `"adam_w_mode": false` for `Adam` | `lr` (1e-3), `betas` ([0.9, 0.999]), `eps` (1e-8), `weight_decay` (0), `adam_w_mode`, `torch_adam`, `bias_correction` (true only), `amsgrad` |
+//! | `SGD` | `torch.optim.SGD`, which DeepSpeed builds for a torch optimizer's name | `lr` (required), `momentum`, `dampening`, `weight_decay`, `nesterov` |
+//!
+//! | scheduler `type` | `params` |
+//! | --- | --- |
+//! | `WarmupLR` | `warmup_min_lr` (0), `warmup_max_lr` (1e-3), `warmup_num_steps` (1000), `warmup_type` (`log`, `linear`) |
+//! | `WarmupDecayLR` | as WarmupLR, plus `total_num_steps` (required) |
+//! | `WarmupCosineLR` | `total_num_steps` (required), `warmup_min_ratio` (0), `warmup_num_steps` (1000), `cos_min_ratio` (1e-4), `warmup_type` |
+//!
+//! Any parameter may be `"auto"`: Accelerate fills `optimizer.params.lr` and
+//! `weight_decay` from its `DummyOptim`, and `warmup_min_lr` (0),
+//! `warmup_max_lr` (the optimizer's rate), `warmup_num_steps` and
+//! `total_num_steps` from its `DummyScheduler`; [`OptimizerSection::config`]
+//! and [`SchedulerSection::schedule`] take those values. Other types
+//! (`Lamb`, `OneBitAdam`, `OneCycle`, `LRRangeTest`, ...) are refused by
+//! name, listing these; an unknown parameter is an error naming it.
+
+use crate::optim::{Algorithm, OptimizerConfig};
+use crate::schedule::Schedule;
+use serde_json::{Map, Value};
+
+/// A parameter that is absent, `"auto"` (to be filled in), or set.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Param<T> {
+    /// Not in the file: DeepSpeed's default.
+    Default,
+    /// `"auto"`: filled from the program's dummy.
+    Auto,
+    /// Set in the file.
+    Set(T),
+}
+
+impl<T: Copy> Param<T> {
+    /// The value: set, else `auto` when `"auto"`, else `default`.
+    pub fn or(self, auto: T, default: T) -> T {
+        match self {
+            Param::Set(v) => v,
+            Param::Auto => auto,
+            Param::Default => default,
+        }
+    }
+}
+
+/// The `optimizer` section, checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptimizerSection {
+    /// The `type` as written.
+    pub type_name: String,
+    /// The update rule.
+    pub algorithm: Algorithm,
+    /// `lr`.
+    pub lr: Param<f64>,
+    /// `weight_decay`.
+    pub weight_decay: Param<f64>,
+    /// `betas`.
+    pub betas: Param<(f64, f64)>,
+    /// `eps`.
+    pub eps: Param<f64>,
+    /// `amsgrad`.
+    pub amsgrad: Param<bool>,
+    /// SGD's `momentum`.
+    pub momentum: Param<f64>,
+    /// SGD's `dampening`.
+    pub dampening: Param<f64>,
+    /// SGD's `nesterov`.
+    pub nesterov: Param<bool>,
+}
+
+/// The `scheduler` section, checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerSection {
+    /// The `type` as written.
+    pub type_name: String,
+    kind: SchedulerKind,
+    /// `warmup_min_lr` (WarmupLR, WarmupDecayLR).
+    pub warmup_min_lr: Param<f64>,
+    /// `warmup_max_lr` (WarmupLR, WarmupDecayLR).
+    pub warmup_max_lr: Param<f64>,
+    /// `warmup_num_steps`.
+    pub warmup_num_steps: Param<u64>,
+    /// `total_num_steps` (WarmupDecayLR, WarmupCosineLR).
+    pub total_num_steps: Param<u64>,
+    /// `warmup_type` is `log` (the default) rather than `linear`.
+    pub log_warmup: bool,
+    /// `warmup_min_ratio` (WarmupCosineLR).
+    pub warmup_min_ratio: Param<f64>,
+    /// `cos_min_ratio` (WarmupCosineLR).
+    pub cos_min_ratio: Param<f64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SchedulerKind {
+    Warmup,
+    WarmupDecay,
+    WarmupCosine,
+}
+
+/// The optimizer types accel runs.
+pub const SUPPORTED_OPTIMIZERS: &str = "Adam, AdamW, SGD";
+/// The scheduler types accel runs.
+pub const SUPPORTED_SCHEDULERS: &str = "WarmupLR, WarmupDecayLR, WarmupCosineLR";
+
+/// Why a section cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SectionError {
+    /// A well-formed request accel does not implement (a type it lacks).
+    Unsupported(String),
+    /// A malformed value.
+    Invalid(String),
+}
+
+impl std::fmt::Display for SectionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SectionError::Unsupported(m) | SectionError::Invalid(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for SectionError {}
+
+/// A section's `params` object.
+type Params<'a> = Option<&'a Map<String, Value>>;
+
+/// The section's `type` and `params` object.
+fn type_and_params<'a>(
+    v: &'a Value,
+    what: &str,
+    at: &str,
+) -> Result<(&'a str, Params<'a>), SectionError> {
+    let obj = v.as_object().ok_or_else(|| {
+        SectionError::Invalid(format!(
+            "{at}: `{what}` must be an object with `type` and `params`, got {v}"
+        ))
+    })?;
+    for key in obj.keys() {
+        if key != "type" && key != "params" {
+            return Err(SectionError::Invalid(format!(
+                "{at}: `{what}.{key}` is not a key of a DeepSpeed {what} section (allowed: type, params)"
+            )));
+        }
+    }
+    let type_name = obj.get("type").and_then(Value::as_str).ok_or_else(|| {
+        SectionError::Invalid(format!(
+            "{at}: `{what}.type` must be a string naming the {what}, got {}",
+            obj.get("type").unwrap_or(&Value::Null)
+        ))
+    })?;
+    let params = match obj.get("params") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(m)) => Some(m),
+        Some(other) => {
+            return Err(SectionError::Invalid(format!(
+                "{at}: `{what}.params` must be an object, got {other}"
+            )))
+        }
+    };
+    Ok((type_name, params))
+}
+
+/// Reads one parameter with `parse`, `"auto"` as [`Param::Auto`].
+fn param<T>(
+    params: Option<&Map<String, Value>>,
+    key: &str,
+    at: &str,
+    what: &str,
+    expected: &str,
+    parse: impl Fn(&Value) -> Option<T>,
+) -> Result<Param<T>, SectionError> {
+    match params.and_then(|p| p.get(key)) {
+        None | Some(Value::Null) => Ok(Param::Default),
+        Some(Value::String(s)) if s == "auto" => Ok(Param::Auto),
+        Some(v) => parse(v).map(Param::Set).ok_or_else(|| {
+            SectionError::Invalid(format!(
+                "{at}: `{what}.params.{key}` must be {expected} (or \"auto\"), got {v}"
+            ))
+        }),
+    }
+}
+
+fn non_negative(v: &Value) -> Option<f64> {
+    v.as_f64().filter(|x| x.is_finite() && *x >= 0.0)
+}
+
+fn flag(v: &Value) -> Option<bool> {
+    v.as_bool()
+}
+
+fn whole(v: &Value) -> Option<u64> {
+    v.as_u64()
+}
+
+/// Refuses parameters outside `known`, naming them and the allowed ones.
+fn known_params(
+    params: Option<&Map<String, Value>>,
+    known: &[&str],
+    at: &str,
+    what: &str,
+    type_name: &str,
+) -> Result<(), SectionError> {
+    let unknown: Vec<&str> = params
+        .into_iter()
+        .flat_map(|p| p.keys())
+        .map(String::as_str)
+        .filter(|k| !known.contains(k))
+        .collect();
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    Err(SectionError::Invalid(format!(
+        "{at}: `{what}.params` of {type_name} has {}, which accel does not know; allowed: {}",
+        unknown
+            .iter()
+            .map(|k| format!("`{k}`"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        known.join(", ")
+    )))
+}
+
+impl OptimizerSection {
+    /// Checks a DeepSpeed `optimizer` section; `at` names the file in
+    /// messages.
+    pub fn parse(v: &Value, at: &str) -> Result<Self, SectionError> {
+        let what = "optimizer";
+        let (type_name, params) = type_and_params(v, what, at)?;
+        let num = |key: &str| param(params, key, at, what, "a number >= 0", non_negative);
+        let boolean = |key: &str| param(params, key, at, what, "true or false", flag);
+        let lowered = type_name.to_ascii_lowercase();
+        let (algorithm, known): (Algorithm, &[&str]) = match lowered.as_str() {
+            "adam" | "adamw" => (
+                Algorithm::AdamW,
+                &[
+                    "lr",
+                    "betas",
+                    "eps",
+                    "weight_decay",
+                    "adam_w_mode",
+                    "torch_adam",
+                    "bias_correction",
+                    "amsgrad",
+                ],
+            ),
+            "sgd" if type_name == "SGD" => (
+                Algorithm::Sgd,
+                &["lr", "momentum", "dampening", "weight_decay", "nesterov"],
+            ),
+            _ => {
+                return Err(SectionError::Unsupported(format!(
+                    "{at}: optimizer type `{type_name}` is not supported by accel; supported: {SUPPORTED_OPTIMIZERS} \
+                     (or remove the `optimizer` section and build the optimizer in the program)"
+                )))
+            }
+        };
+        known_params(params, known, at, what, type_name)?;
+        let mut algorithm = algorithm;
+        if lowered == "adam" && boolean("adam_w_mode")? == Param::Set(false) {
+            algorithm = Algorithm::Adam;
+        }
+        if boolean("bias_correction")? == Param::Set(false) {
+            return Err(SectionError::Unsupported(format!(
+                "{at}: `optimizer.params.bias_correction: false` is not supported by accel (Adam always corrects its moments' bias)"
+            )));
+        }
+        let betas = param(
+            params,
+            "betas",
+            at,
+            what,
+            "two numbers in [0, 1)",
+            |v| match v.as_array().map(Vec::as_slice) {
+                Some([a, b]) => {
+                    let (a, b) = (a.as_f64()?, b.as_f64()?);
+                    ((0.0..1.0).contains(&a) && (0.0..1.0).contains(&b)).then_some((a, b))
+                }
+                _ => None,
+            },
+        )?;
+        if algorithm == Algorithm::Sgd && num("lr")? == Param::Default {
+            return Err(SectionError::Invalid(format!(
+                "{at}: `optimizer.params.lr` is required for SGD (torch.optim.SGD has no default rate)"
+            )));
+        }
+        Ok(Self {
+            type_name: type_name.to_owned(),
+            algorithm,
+            lr: num("lr")?,
+            weight_decay: num("weight_decay")?,
+            betas,
+            eps: num("eps")?,
+            amsgrad: boolean("amsgrad")?,
+            momentum: num("momentum")?,
+            dampening: num("dampening")?,
+            nesterov: boolean("nesterov")?,
+        })
+    }
+
+    /// The optimizer to build, `"auto"` values taken from the program's
+    /// dummy: `lr` and `weight_decay` (Accelerate's `DummyOptim`).
+    pub fn config(&self, lr: f64, weight_decay: f64) -> OptimizerConfig {
+        let mut c = OptimizerConfig::for_algorithm(self.algorithm, self.lr.or(lr, 1e-3));
+        // DeepSpeed's own Adam (FusedAdam, DeepSpeedCPUAdam) and
+        // torch.optim.SGD default to no weight decay.
+        c.hyper.weight_decay = self.weight_decay.or(weight_decay, 0.0);
+        c.hyper.betas = self.betas.or((0.9, 0.999), (0.9, 0.999));
+        c.hyper.eps = self.eps.or(1e-8, 1e-8);
+        c.hyper.amsgrad = self.amsgrad.or(false, false);
+        c.hyper.momentum = self.momentum.or(0.0, 0.0);
+        c.hyper.dampening = self.dampening.or(0.0, 0.0);
+        c.hyper.nesterov = self.nesterov.or(false, false);
+        c
+    }
+}
+
+impl SchedulerSection {
+    /// Checks a DeepSpeed `scheduler` section; `at` names the file in
+    /// messages.
+    pub fn parse(v: &Value, at: &str) -> Result<Self, SectionError> {
+        let what = "scheduler";
+        let (type_name, params) = type_and_params(v, what, at)?;
+        let (kind, known): (SchedulerKind, &[&str]) = match type_name {
+            "WarmupLR" => (
+                SchedulerKind::Warmup,
+                &[
+                    "warmup_min_lr",
+                    "warmup_max_lr",
+                    "warmup_num_steps",
+                    "warmup_type",
+                    "last_batch_iteration",
+                ],
+            ),
+            "WarmupDecayLR" => (
+                SchedulerKind::WarmupDecay,
+                &[
+                    "total_num_steps",
+                    "warmup_min_lr",
+                    "warmup_max_lr",
+                    "warmup_num_steps",
+                    "warmup_type",
+                    "last_batch_iteration",
+                ],
+            ),
+            "WarmupCosineLR" => (
+                SchedulerKind::WarmupCosine,
+                &[
+                    "total_num_steps",
+                    "warmup_min_ratio",
+                    "warmup_num_steps",
+                    "cos_min_ratio",
+                    "warmup_type",
+                    "last_batch_iteration",
+                ],
+            ),
+            _ => {
+                return Err(SectionError::Unsupported(format!(
+                    "{at}: scheduler type `{type_name}` is not supported by accel; supported: {SUPPORTED_SCHEDULERS} \
+                     (or remove the `scheduler` section and build the schedule in the program)"
+                )))
+            }
+        };
+        known_params(params, known, at, what, type_name)?;
+        let num = |key: &str| param(params, key, at, what, "a number >= 0", non_negative);
+        let steps = |key: &str| param(params, key, at, what, "a whole number >= 0", whole);
+        match params.and_then(|p| p.get("last_batch_iteration")) {
+            None | Some(Value::Null) => {}
+            Some(v) if v.as_i64() == Some(-1) => {}
+            Some(v) => {
+                return Err(SectionError::Unsupported(format!(
+                    "{at}: `scheduler.params.last_batch_iteration: {v}` is not supported by accel \
+                     (only -1, a fresh schedule; a resumed run restores its schedule from the checkpoint)"
+                )))
+            }
+        }
+        let log_warmup = match params.and_then(|p| p.get("warmup_type")) {
+            None | Some(Value::Null) => true,
+            Some(Value::String(s)) if s == "log" || s == "auto" => true,
+            Some(Value::String(s)) if s == "linear" => false,
+            Some(other) => {
+                return Err(SectionError::Invalid(format!(
+                "{at}: `scheduler.params.warmup_type` must be \"log\" or \"linear\", got {other}"
+            )))
+            }
+        };
+        let total_num_steps = steps("total_num_steps")?;
+        if kind != SchedulerKind::Warmup && total_num_steps == Param::Default {
+            return Err(SectionError::Invalid(format!(
+                "{at}: `scheduler.params.total_num_steps` is required for {type_name} (a number, or \"auto\" to take the program's)"
+            )));
+        }
+        Ok(Self {
+            type_name: type_name.to_owned(),
+            kind,
+            warmup_min_lr: num("warmup_min_lr")?,
+            warmup_max_lr: num("warmup_max_lr")?,
+            warmup_num_steps: steps("warmup_num_steps")?,
+            total_num_steps,
+            log_warmup,
+            warmup_min_ratio: num("warmup_min_ratio")?,
+            cos_min_ratio: num("cos_min_ratio")?,
+        })
+    }
+
+    /// The schedule to run, `"auto"` values taken from the program's dummy
+    /// as Accelerate fills them: `warmup_min_lr` 0, `warmup_max_lr` the
+    /// optimizer's rate `lr`, `warmup_num_steps` and `total_num_steps`
+    /// (`None`: the dummy gave none, an error when the file asks for it).
+    pub fn schedule(
+        &self,
+        lr: f64,
+        warmup_num_steps: u64,
+        total_num_steps: Option<u64>,
+    ) -> Result<Schedule, SectionError> {
+        let warmup = self.warmup_num_steps.or(warmup_num_steps, 1000);
+        let total = match self.total_num_steps {
+            Param::Set(t) => Some(t),
+            Param::Auto => Some(total_num_steps.ok_or_else(|| {
+                SectionError::Invalid(format!(
+                    "scheduler {}: `total_num_steps` is \"auto\" but the program's DummyScheduler gives no total_num_steps",
+                    self.type_name
+                ))
+            })?),
+            Param::Default => None,
+        };
+        Ok(match self.kind {
+            SchedulerKind::Warmup | SchedulerKind::WarmupDecay => Schedule::DeepSpeedWarmup {
+                min_lr: self.warmup_min_lr.or(0.0, 0.0),
+                max_lr: self.warmup_max_lr.or(lr, 1e-3),
+                warmup,
+                log: self.log_warmup,
+                decay_total: if self.kind == SchedulerKind::WarmupDecay {
+                    total
+                } else {
+                    None
+                },
+            },
+            SchedulerKind::WarmupCosine => Schedule::DeepSpeedWarmupCosine {
+                warmup_min_ratio: self.warmup_min_ratio.or(0.0, 0.0),
+                warmup,
+                cos_min_ratio: self.cos_min_ratio.or(1e-4, 1e-4),
+                total: total.unwrap_or(0),
+                log: self.log_warmup,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn adamw_sgd_and_the_warmup_schedules_are_read() {
+        let o = OptimizerSection::parse(
+            &json!({"type": "AdamW", "params": {"lr": 0.01, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": "auto"}}),
+            "ds.json",
+        )
+        .unwrap();
+        let c = o.config(0.5, 0.25);
+        assert_eq!(c.algorithm, Algorithm::AdamW);
+        assert_eq!(
+            (c.hyper.lr, c.hyper.betas, c.hyper.eps, c.hyper.weight_decay),
+            (0.01, (0.8, 0.99), 1e-6, 0.25)
+        );
+        // DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
+        let adam = |extra: Value| {
+            OptimizerSection::parse(&json!({"type": "Adam", "params": extra}), "f")
+                .unwrap()
+                .algorithm
+        };
+        assert_eq!(adam(json!({})), Algorithm::AdamW);
+        assert_eq!(adam(json!({"adam_w_mode": false})), Algorithm::Adam);
+        let sgd = OptimizerSection::parse(
+            &json!({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}),
+            "f",
+        )
+        .unwrap()
+        .config(1.0, 0.0);
+        assert_eq!(
+            (sgd.algorithm, sgd.hyper.lr, sgd.hyper.momentum),
+            (Algorithm::Sgd, 0.1, 0.9)
+        );
+        let s = SchedulerSection::parse(
+            &json!({"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto", "warmup_num_steps": 4, "warmup_type": "linear"}}),
+            "f",
+        )
+        .unwrap();
+        assert_eq!(
+            s.schedule(0.02, 9, None).unwrap(),
+            Schedule::DeepSpeedWarmup {
+                min_lr: 0.0,
+                max_lr: 0.02,
+                warmup: 4,
+                log: false,
+                decay_total: None
+            }
+        );
+        let cosine = SchedulerSection::parse(
+            &json!({"type": "WarmupCosineLR", "params": {"total_num_steps": "auto"}}),
+            "f",
+        )
+        .unwrap();
+        assert!(cosine.schedule(0.1, 10, None).is_err());
+        assert!(matches!(
+            cosine.schedule(0.1, 10, Some(100)).unwrap(),
+            Schedule::DeepSpeedWarmupCosine {
+                total: 100,
+                warmup: 1000,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn unsupported_types_and_unknown_params_are_named() {
+        let e = OptimizerSection::parse(&json!({"type": "OneBitAdam", "params": {}}), "ds.json")
+            .unwrap_err();
+        assert!(matches!(e, SectionError::Unsupported(_)));
+        let m = e.to_string();
+        assert!(
+            m.contains("ds.json") && m.contains("`OneBitAdam`") && m.contains("Adam, AdamW, SGD"),
+            "{m}"
+        );
+        let m = SchedulerSection::parse(&json!({"type": "OneCycle"}), "ds.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            m.contains("`OneCycle`") && m.contains("WarmupCosineLR"),
+            "{m}"
+        );
+        let m = OptimizerSection::parse(&json!({"type": "AdamW", "params": {"lrr": 1}}), "f")
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("`lrr`") && m.contains("allowed: lr"), "{m}");
+        let m = OptimizerSection::parse(&json!({"type": "AdamW", "params": {"lr": "fast"}}), "f")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            m.contains("optimizer.params.lr") && m.contains("\"fast\""),
+            "{m}"
+        );
+        let m = SchedulerSection::parse(&json!({"type": "WarmupDecayLR"}), "f")
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("total_num_steps` is required"), "{m}");
+    }
+
+    #[test]
+    fn deepspeed_warmup_rates_follow_deepspeeds_formulas() {
+        // WarmupLR, log warmup over 4 steps from 0.1 to 1.0: made at
+        // iteration -1 (the minimum), one iteration per step.
+        let s = Schedule::DeepSpeedWarmup {
+            min_lr: 0.1,
+            max_lr: 1.0,
+            warmup: 4,
+            log: true,
+            decay_total: None,
+        };
+        let ds = |i: f64| 0.1 + 0.9 * (i + 1.0).ln() / 4f64.ln();
+        assert_eq!(s.lr(123.0, 0), 0.1);
+        for step in 1..=4u64 {
+            assert!((s.lr(123.0, step) - ds((step - 1) as f64)).abs() < 1e-12);
+        }
+        assert_eq!(s.lr(123.0, 5), 1.0);
+        assert_eq!(s.lr(123.0, 50), 1.0);
+        // WarmupDecayLR decays linearly back to the minimum at the total.
+        let d = Schedule::DeepSpeedWarmup {
+            min_lr: 0.0,
+            max_lr: 1.0,
+            warmup: 4,
+            log: false,
+            decay_total: Some(8),
+        };
+        assert_eq!(d.lr(1.0, 3), 0.5);
+        assert_eq!(d.lr(1.0, 7), 0.5);
+        assert_eq!(d.lr(1.0, 9), 0.0);
+        assert_eq!(d.lr(1.0, 20), 0.0);
+        let c = Schedule::DeepSpeedWarmupCosine {
+            warmup_min_ratio: 0.0,
+            warmup: 2,
+            cos_min_ratio: 0.0,
+            total: 4,
+            log: false,
+        };
+        assert_eq!(c.lr(2.0, 0), 0.0);
+        assert_eq!(c.lr(2.0, 2), 1.0);
+        assert!((c.lr(2.0, 3) - 1.0).abs() < 1e-12);
+        assert!(c.lr(2.0, 4).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,162 @@
+//! A DeepSpeed file's `optimizer` and `scheduler` sections under ZeRO on 2
+//! ranks: the program takes them as Accelerate's DummyOptim /
+//! DummyScheduler and trains exactly as the same run configured in code;
+//! types accel lacks are refused by name; a program optimizer or schedule
+//! beside the file's, or a dummy without one, is refused with Accelerate's
+//! messages.
+
+use accel_integration_tests::{accel_bin, build_bin, describe, read_weights, write_config};
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+
+/// A 2-rank DEEPSPEED config naming the DeepSpeed file `ds` (JSON text).
+fn config(dir: &Path, name: &str, ds: &str) -> PathBuf {
+    let file = dir.join(format!("{name}.json"));
+    std::fs::write(&file, ds).unwrap();
+    write_config(
+        dir,
+        &format!("{name}.yaml"),
+        "DEEPSPEED",
+        2,
+        &format!(
+            "deepspeed_config:\n  deepspeed_config_file: {}\n",
+            file.display()
+        ),
+    )
+}
+
+/// `accel launch` of ds-optim-probe in `out` (created) with `mode`.
+fn probe(config: &Path, out: &Path, mode: &str) -> Output {
+    std::fs::create_dir_all(out).unwrap();
+    Command::new(accel_bin())
+        .args(["launch", "-q", "--config_file"])
+        .arg(config)
+        .arg(build_bin("accel-integration-tests", "ds-optim-probe"))
+        .arg(out)
+        .arg(mode)
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .output()
+        .unwrap()
+}
+
+fn refused(out: &Output, expect: &[&str]) {
+    let text = describe(out);
+    assert!(!out.status.success(), "{text}");
+    for e in expect {
+        assert!(text.contains(e), "no `{e}` in {text}");
+    }
+    assert!(!text.contains("panicked"), "{text}");
+}
+
+const OPTIMIZER: &str = r#""optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": "auto"}}"#;
+const SCHEDULER: &str = r#""scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.02, "warmup_num_steps": "auto", "warmup_type": "linear"}}"#;
+
+#[test]
+fn a_files_adamw_and_warmup_lr_train_as_the_same_run_configured_in_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let from_file = config(
+        d,
+        "file",
+        &format!(r#"{{"zero_optimization": {{"stage": 2}}, {OPTIMIZER}, {SCHEDULER}}}"#),
+    );
+    let plain = config(d, "plain", r#"{"zero_optimization": {"stage": 2}}"#);
+    let (a, b) = (d.join("a"), d.join("b"));
+    let out = probe(&from_file, &a, "config");
+    assert!(out.status.success(), "{}", describe(&out));
+    let out = probe(&plain, &b, "code");
+    assert!(out.status.success(), "{}", describe(&out));
+    let lrs = |p: &Path| -> Vec<f64> {
+        serde_json::from_str(&std::fs::read_to_string(p.join("lrs.json")).unwrap()).unwrap()
+    };
+    let (la, lb) = (lrs(&a), lrs(&b));
+    assert_eq!(la.len(), 8, "{la:?}");
+    assert_eq!(la, lb);
+    // The warmup ran (0.001 twice, then up by 0.00475 a step) and ended.
+    assert_eq!(la[0], 0.001);
+    assert_eq!(la[7], 0.02);
+    assert!(la[2] > la[1] && la[3] > la[2], "{la:?}");
+    let (wa, wb) = (
+        read_weights(&a.join("out.safetensors")),
+        read_weights(&b.join("out.safetensors")),
+    );
+    assert_eq!(wa.len(), 3);
+    for ((name, x), (_, y)) in wa.iter().zip(&wb) {
+        assert!(x.equal(y), "`{name}` differs: {x} vs {y}");
+    }
+    // A different weight decay in the file gives other weights: the
+    // file's values are what trained.
+    let other = config(
+        d,
+        "other",
+        &format!(
+            r#"{{"zero_optimization": {{"stage": 2}}, {}, {SCHEDULER}}}"#,
+            OPTIMIZER.replace(r#""weight_decay": "auto""#, r#""weight_decay": 0.5"#)
+        ),
+    );
+    let c = d.join("c");
+    let out = probe(&other, &c, "config");
+    assert!(out.status.success(), "{}", describe(&out));
+    let wc = read_weights(&c.join("out.safetensors"));
+    assert!(wa.iter().zip(&wc).any(|((_, x), (_, y))| !x.equal(y)));
+}
+
+#[test]
+fn unsupported_types_and_conflicts_are_refused_as_accelerate_refuses_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let out = d.join("out");
+    let lamb = config(
+        d,
+        "lamb",
+        r#"{"optimizer": {"type": "OneBitAdam", "params": {"lr": 0.1}}}"#,
+    );
+    refused(
+        &probe(&lamb, &out, "config"),
+        &[
+            "optimizer type `OneBitAdam` is not supported",
+            "supported: Adam, AdamW, SGD",
+            "lamb.json",
+        ],
+    );
+    let cycle = config(
+        d,
+        "cycle",
+        &format!(r#"{{{OPTIMIZER}, "scheduler": {{"type": "OneCycle", "params": {{}}}}}}"#),
+    );
+    refused(
+        &probe(&cycle, &out, "config"),
+        &[
+            "scheduler type `OneCycle` is not supported",
+            "WarmupLR, WarmupDecayLR, WarmupCosineLR",
+        ],
+    );
+    let both = config(d, "both", &format!("{{{OPTIMIZER}, {SCHEDULER}}}"));
+    refused(
+        &probe(&both, &out, "own-optimizer"),
+        &[
+            "You cannot specify an optimizer in the config file and in the code at the same time",
+            "both.json",
+            "prepare_dummy_optimizer",
+        ],
+    );
+    refused(
+        &probe(&both, &out, "own-scheduler"),
+        &["You cannot specify a scheduler in the config file and in the code at the same time"],
+    );
+    let optimizer_only = config(d, "opt", &format!("{{{OPTIMIZER}}}"));
+    refused(
+        &probe(&optimizer_only, &out, "own-scheduler"),
+        &["You can only specify a DummyScheduler"],
+    );
+    let plain = config(d, "plain", r#"{"zero_optimization": {"stage": 1}}"#);
+    refused(
+        &probe(&plain, &out, "dummy"),
+        &[
+            "You cannot create a `DummyOptim`",
+            "without specifying an optimizer in the config file",
+        ],
+    );
+}
