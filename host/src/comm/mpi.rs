@@ -41,7 +41,7 @@
 //! glibc's `on_exit(3)`; on other C libraries only `atexit` exists, the
 //! status is unknown and the handler always finalises.
 
-use super::{collective_timeout, seconds, write_back, CommError, Communicator};
+use super::{collective_timeout, pause, seconds, write_back, CommError, Communicator};
 use accel_rendezvous::Client;
 use accel_sdk::ReduceOp;
 use mpi::{
@@ -57,7 +57,6 @@ use std::{
         atomic::{AtomicI32, AtomicU64, Ordering},
         Arc, Mutex,
     },
-    thread,
     time::{Duration, Instant},
 };
 use tch::{Kind, Tensor};
@@ -135,12 +134,6 @@ impl Arrivals {
     }
 }
 
-/// How long a wait spins (tests back to back) before it yields the core.
-const SPIN: Duration = Duration::from_millis(10);
-/// How long it yields between tests before it starts sleeping.
-const YIELD: Duration = Duration::from_millis(50);
-/// The longest sleep between two tests of a waiting collective.
-const MAX_NAP: Duration = Duration::from_millis(10);
 /// A rank waiting this long (at most half the timeout) notes in the store
 /// which collective it waits in.
 const NOTE_AFTER: Duration = Duration::from_secs(1);
@@ -389,16 +382,7 @@ impl Mpi {
                     .post(self.rank, count);
                 noted = true;
             }
-            if waited < SPIN {
-                std::hint::spin_loop();
-            } else if waited < YIELD {
-                thread::yield_now();
-            } else {
-                // At most a 20th of the time waited so far: a collective
-                // that completes while this rank sleeps is seen at most
-                // 5 % late.
-                thread::sleep((waited / 20).min(MAX_NAP).min(self.timeout - waited));
-            }
+            pause(waited, self.timeout);
         }
     }
 

@@ -9,12 +9,16 @@
 //! there. Collectives run on the default stream, the one libtorch uses
 //! unless told otherwise, so they are ordered with the surrounding kernels.
 
-use super::{write_back, CommError, Communicator};
+use super::{collective_timeout, pause, seconds, write_back, CommError, Communicator};
 use crate::launch::detect::IdStore;
 use accel_rendezvous::{torch::TorchStoreClient, Client, Server, StoreError};
 use accel_sdk::ReduceOp;
 use cudarc::nccl::{result, sys};
-use std::{ffi::c_void, sync::Mutex, time::Duration};
+use std::{
+    ffi::c_void,
+    sync::Mutex,
+    time::{Duration, Instant},
+};
 use tch::{Kind, Tensor};
 
 /// The two calls the unique id exchange needs, over either store protocol.
@@ -48,7 +52,10 @@ unsafe impl Send for Handle {}
 
 /// An NCCL communicator over every rank of the job.
 pub struct Nccl {
+    /// Null once a timeout aborted it.
     comm: Mutex<Handle>,
+    /// How long a collective may take ([`super::collective_timeout`]).
+    timeout: Duration,
     rank: u32,
     size: u32,
     device: usize,
@@ -109,6 +116,7 @@ impl Nccl {
         store_addr: &str,
         store: IdStore,
     ) -> Result<Nccl, CommError> {
+        let timeout = collective_timeout(&|k| std::env::var(k).ok())?;
         cudarc::runtime::result::device::set(device as i32).map_err(|e| err("init", e))?;
         let store_err = |e: accel_rendezvous::StoreError| CommError::new("init", e.to_string());
         let wait = Duration::from_secs(300);
@@ -161,15 +169,77 @@ impl Nccl {
             .map_err(|e| err("init", e))?;
         Ok(Nccl {
             comm: Mutex::new(Handle(comm)),
+            timeout,
             rank,
             size,
             device,
         })
     }
 
-    fn with_comm<R>(&self, f: impl FnOnce(sys::ncclComm_t) -> R) -> R {
+    /// Runs `f` on the communicator, unless a timeout aborted it.
+    fn with_comm<R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(sys::ncclComm_t) -> R,
+    ) -> Result<R, CommError> {
         let h = self.comm.lock().unwrap_or_else(|p| p.into_inner());
-        f(h.0)
+        if h.0.is_null() {
+            return Err(CommError::new(
+                op,
+                "not run: an earlier collective timed out and aborted the NCCL communicator",
+            ));
+        }
+        Ok(f(h.0))
+    }
+
+    /// Waits until the collective just enqueued on the default stream has
+    /// completed, or the collective timeout has passed: then the
+    /// communicator is aborted (`ncclCommAbort`, as PyTorch's watchdog
+    /// does) and the error names the collective and the timeout. Polls a
+    /// CUDA event with naps ([`pause`]), never a busy core.
+    ///
+    /// The wait makes each collective synchronous for the host (PyTorch's
+    /// watchdog waits on another thread instead): the kernels before it
+    /// still overlap, the host just does not run ahead of it.
+    fn wait(&self, op: &'static str) -> Result<(), CommError> {
+        use cudarc::runtime::{result::event, sys as rt};
+        let ev = event::create(rt::cudaEventDisableTiming).map_err(|e| err(op, e))?;
+        // SAFETY: a fresh event recorded on the default stream (null), the
+        // stream the collective was enqueued on; destroyed below.
+        unsafe { event::record(ev, std::ptr::null_mut()) }.map_err(|e| err(op, e))?;
+        let start = Instant::now();
+        let outcome = loop {
+            // SAFETY: `ev` is a live event.
+            match unsafe { rt::cudaEventQuery(ev) } {
+                rt::cudaError::cudaSuccess => break Ok(()),
+                rt::cudaError::cudaErrorNotReady => {}
+                other => break Err(err(op, other)),
+            }
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                let mut h = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+                // SAFETY: the communicator is live (not null: checked when
+                // the collective started) and used by no other thread.
+                let _ = unsafe { result::comm_abort(h.0) };
+                h.0 = std::ptr::null_mut();
+                break Err(CommError::new(
+                    op,
+                    format!(
+                        "rank {} waited {} (the collective timeout) and the collective did not \
+                         complete: a rank that is stopped, hung, dead or still busy elsewhere; \
+                         the NCCL communicator is aborted and this rank fails so that the job \
+                         ends. Set the timeout with `accel launch --collective_timeout SECONDS` \
+                         or `accel.collective_timeout` in the config (default 1800)",
+                        self.rank,
+                        seconds(self.timeout)
+                    ),
+                ));
+            }
+            pause(waited, self.timeout);
+        };
+        // SAFETY: created above; destroying a pending event is allowed.
+        let _ = unsafe { event::destroy(ev) };
+        outcome
     }
 }
 
@@ -189,7 +259,7 @@ impl Communicator for Nccl {
         let dt = dtype("all_reduce", work.kind())?;
         let p = work.data_ptr();
         // SAFETY: in-place on a contiguous CUDA buffer of `numel` elements.
-        self.with_comm(|c| unsafe {
+        self.with_comm("all_reduce", |c| unsafe {
             result::all_reduce(
                 p as *const c_void,
                 p,
@@ -199,8 +269,9 @@ impl Communicator for Nccl {
                 c,
                 std::ptr::null_mut(),
             )
-        })
+        })?
         .map_err(|e| err("all_reduce", e))?;
+        self.wait("all_reduce")?;
         write_back(tensor, &work);
         Ok(())
     }
@@ -210,7 +281,7 @@ impl Communicator for Nccl {
         let dt = dtype("broadcast", work.kind())?;
         let p = work.data_ptr();
         // SAFETY: in-place on a contiguous CUDA buffer of `numel` elements.
-        self.with_comm(|c| unsafe {
+        self.with_comm("broadcast", |c| unsafe {
             result::broadcast(
                 p as *const c_void,
                 p,
@@ -220,8 +291,9 @@ impl Communicator for Nccl {
                 c,
                 std::ptr::null_mut(),
             )
-        })
+        })?
         .map_err(|e| err("broadcast", e))?;
+        self.wait("broadcast")?;
         write_back(tensor, &work);
         Ok(())
     }
@@ -237,7 +309,7 @@ impl Communicator for Nccl {
         let recv = cuda_contiguous("all_gather", output)?;
         let dt = dtype("all_gather", send.kind())?;
         // SAFETY: contiguous CUDA buffers of the sizes NCCL expects.
-        self.with_comm(|c| unsafe {
+        self.with_comm("all_gather", |c| unsafe {
             result::all_gather(
                 send.data_ptr() as *const c_void,
                 recv.data_ptr(),
@@ -246,8 +318,9 @@ impl Communicator for Nccl {
                 c,
                 std::ptr::null_mut(),
             )
-        })
+        })?
         .map_err(|e| err("all_gather", e))?;
+        self.wait("all_gather")?;
         write_back(output, &recv);
         Ok(())
     }
@@ -268,7 +341,7 @@ impl Communicator for Nccl {
         let recv = cuda_contiguous("reduce_scatter", output)?;
         let dt = dtype("reduce_scatter", send.kind())?;
         // SAFETY: contiguous CUDA buffers of the sizes NCCL expects.
-        self.with_comm(|c| unsafe {
+        self.with_comm("reduce_scatter", |c| unsafe {
             result::reduce_scatter(
                 send.data_ptr() as *const c_void,
                 recv.data_ptr(),
@@ -278,8 +351,9 @@ impl Communicator for Nccl {
                 c,
                 std::ptr::null_mut(),
             )
-        })
+        })?
         .map_err(|e| err("reduce_scatter", e))?;
+        self.wait("reduce_scatter")?;
         write_back(output, &recv);
         Ok(())
     }
