@@ -4,7 +4,7 @@
 //! restored iteration, refusals.
 
 use accel::accelerator::{Accelerator, Checkpointable, SaveOptions, TrainingObjects};
-use accel_integration_tests::{describe, launch_mlp, mlp, run_ok, venv_bin};
+use accel_integration_tests::{describe, launch_mlp, mlp, read_weights, run_ok, venv_bin};
 use accel_sdk::optim::OptimizerConfig;
 use serde_json::Value;
 use std::{
@@ -456,4 +456,80 @@ fn state_round_trips_and_refusals_name_what_is_wrong() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("1 optimizer(s), 0 given"), "{err}");
+}
+
+/// Two jobs started at the same moment into one project directory, 20
+/// times: one of them is refused (the lock, or the other's checkpoint
+/// already there), and every checkpoint a job reports saved is whole and
+/// all its own — its model and optimizer state have that job's shapes
+/// (the jobs differ in `--hidden`), never a mix of the two.
+#[test]
+fn concurrent_savers_never_leave_a_mixed_checkpoint_reported_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    let mlp = mlp();
+    for trial in 0..20 {
+        let proj = dir.path().join(format!("proj{trial}"));
+        let start = |hidden: &str| {
+            Command::new(&mlp)
+                .args([
+                    "--steps",
+                    "6",
+                    "--checkpoint-every",
+                    "2",
+                    "--optimizer",
+                    "adamw",
+                ])
+                .args(["--hidden", hidden, "--project-dir"])
+                .arg(&proj)
+                .env_remove("ACCEL_PLUGIN_DIR")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        let (a, b) = (start("32"), start("16"));
+        let outs = [
+            ("32", a.wait_with_output().unwrap()),
+            ("16", b.wait_with_output().unwrap()),
+        ];
+        let ok = outs.iter().filter(|(_, o)| o.status.success()).count();
+        assert!(
+            ok <= 1,
+            "trial {trial}: both jobs saved into one directory: {}\n{}",
+            describe(&outs[0].1),
+            describe(&outs[1].1)
+        );
+        for (hidden, out) in &outs {
+            let hidden: i64 = hidden.parse().unwrap();
+            if !out.status.success() {
+                let text = describe(out);
+                assert!(
+                    text.contains("in use by another job") || text.contains("already exists"),
+                    "trial {trial}: refused for another reason: {text}"
+                );
+            }
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let Some((_, saved)) = line.split_once(": checkpoint ") else {
+                    continue;
+                };
+                let saved = Path::new(saved);
+                for (file, key) in [
+                    ("model.safetensors", "l1.weight"),
+                    ("optimizer.safetensors", "l1.weight.exp_avg"),
+                ] {
+                    let tensors = read_weights(&saved.join(file));
+                    let (_, t) = tensors
+                        .iter()
+                        .find(|(n, _)| n == key)
+                        .unwrap_or_else(|| panic!("trial {trial}: no {key} in {file}"));
+                    assert_eq!(
+                        t.size(),
+                        [hidden, 8],
+                        "trial {trial}: {} holds another job's {file}",
+                        saved.display()
+                    );
+                }
+            }
+        }
+    }
 }
