@@ -533,3 +533,29 @@ fn concurrent_savers_never_leave_a_mixed_checkpoint_reported_saved() {
         }
     }
 }
+
+/// A checkpoint without this rank's random states still resumes, and says
+/// so on the terminal (a resumed run's dropout and shuffling then differ).
+#[test]
+fn a_checkpoint_without_random_states_is_warned_about() {
+    let dir = tempfile::tempdir().unwrap();
+    let proj = dir.path().join("proj");
+    let args = |extra: &[&str]| -> Vec<String> {
+        ["--steps", "4", "--checkpoint-every", "2", "--project-dir"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([proj.display().to_string()])
+            .chain(extra.iter().map(|s| s.to_string()))
+            .collect()
+    };
+    run_ok(Command::new(mlp()).args(args(&["--stop-at", "2"])));
+    std::fs::remove_file(proj.join("checkpoints/checkpoint_0/random_states_0.safetensors"))
+        .unwrap();
+    let out = run_ok(Command::new(mlp()).args(args(&["--resume"])));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("WARN") && err.contains("no random states for rank 0"),
+        "{}",
+        describe(&out)
+    );
+}
