@@ -313,6 +313,18 @@ fn launch_refuses_intervals_it_cannot_wait() {
     }
 }
 
+/// mlp flags for 2 steps and a checkpoint after them, in `proj`.
+fn two_steps_saved_into(proj: &str) -> [&str; 6] {
+    [
+        "--steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--project-dir",
+        proj,
+    ]
+}
+
 /// Resuming a checkpoint into a model of other shapes lists every
 /// parameter that does not fit (not only the first), under DDP (the
 /// replicated strategies' load) and ZeRO-3 (the sharded one's).
@@ -321,14 +333,7 @@ fn resume_into_another_model_lists_every_mismatch() {
     let dir = tempfile::tempdir().unwrap();
     let proj = dir.path().join("proj");
     let proj = proj.to_str().unwrap();
-    let base = [
-        "--steps",
-        "2",
-        "--checkpoint-every",
-        "2",
-        "--project-dir",
-        proj,
-    ];
+    let base = two_steps_saved_into(proj);
     let out = run(&mlp(), &base);
     assert!(out.status.success(), "{}", describe(&out));
     // --hidden 16: five of the six change shape; --layers 1 adds two parameters.
@@ -357,14 +362,7 @@ fn resume_into_another_model_lists_every_mismatch() {
     );
     let proj = dir.path().join("proj3");
     let proj = proj.to_str().unwrap();
-    let base = [
-        "--steps",
-        "2",
-        "--checkpoint-every",
-        "2",
-        "--project-dir",
-        proj,
-    ];
+    let base = two_steps_saved_into(proj);
     let out = launch_with_config(&config, &base).output().unwrap();
     assert!(out.status.success(), "{}", describe(&out));
     let other = [&base[..], &["--resume", "--hidden", "16", "--layers", "1"]].concat();

@@ -219,36 +219,40 @@ fn check_key(key: &str) -> Result<(), StoreError> {
     }
 }
 
+/// A TCP connection to `addr`, retried every 100 ms until `wait` has
+/// passed (the other side may start later than this one).
+pub(crate) fn connect_retrying(addr: &str, wait: Duration) -> Result<TcpStream, StoreError> {
+    let deadline = Instant::now() + wait;
+    loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(StoreError::Unreachable {
+                    addr: addr.to_owned(),
+                    secs: wait.as_secs(),
+                    last: e.to_string(),
+                })
+            }
+            Err(_) => thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
 impl Client {
     /// Connects to `addr` (`host:port`), retrying until `wait` has passed
     /// (machine 0 may start later than this one).
     pub fn connect(addr: &str, wait: Duration) -> Result<Client, StoreError> {
-        let deadline = Instant::now() + wait;
-        loop {
-            match TcpStream::connect(addr) {
-                Ok(stream) => {
-                    let _ = stream.set_nodelay(true);
-                    let input =
-                        BufReader::new(stream.try_clone().map_err(|source| StoreError::Io {
-                            addr: addr.to_owned(),
-                            source,
-                        })?);
-                    return Ok(Client {
-                        addr: addr.to_owned(),
-                        out: stream,
-                        input,
-                    });
-                }
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(StoreError::Unreachable {
-                        addr: addr.to_owned(),
-                        secs: wait.as_secs(),
-                        last: e.to_string(),
-                    })
-                }
-                Err(_) => thread::sleep(Duration::from_millis(100)),
-            }
-        }
+        let stream = connect_retrying(addr, wait)?;
+        let _ = stream.set_nodelay(true);
+        let input = BufReader::new(stream.try_clone().map_err(|source| StoreError::Io {
+            addr: addr.to_owned(),
+            source,
+        })?);
+        Ok(Client {
+            addr: addr.to_owned(),
+            out: stream,
+            input,
+        })
     }
 
     fn io(&self, source: io::Error) -> StoreError {

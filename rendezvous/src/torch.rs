@@ -9,12 +9,11 @@
 //! the connection starts with `VALIDATE` and the magic number. Keys carry
 //! TCPStore's own `/` prefix, so Python's `store.get("k")` sees our `k`.
 
-use crate::StoreError;
+use crate::{connect_retrying, StoreError};
 use std::{
     io::{self, Read, Write},
     net::TcpStream,
-    thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 const VALIDATE: u8 = 0;
@@ -41,20 +40,7 @@ impl TorchStoreClient {
     /// Connects to the TCPStore at `addr` (`host:port`), retrying until
     /// `wait` has passed, and validates the connection.
     pub fn connect(addr: &str, wait: Duration) -> Result<TorchStoreClient, StoreError> {
-        let deadline = Instant::now() + wait;
-        let stream = loop {
-            match TcpStream::connect(addr) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(StoreError::Unreachable {
-                        addr: addr.to_owned(),
-                        secs: wait.as_secs(),
-                        last: e.to_string(),
-                    })
-                }
-                Err(_) => thread::sleep(Duration::from_millis(100)),
-            }
-        };
+        let stream = connect_retrying(addr, wait)?;
         let _ = stream.set_nodelay(true);
         let mut client = TorchStoreClient {
             addr: addr.to_owned(),
