@@ -871,3 +871,52 @@ fn a_third_party_launcher_from_a_plugin_dir_is_selectable() {
         "{err}"
     );
 }
+
+/// `gpu_ids` becomes every rank's `CUDA_VISIBLE_DEVICES`, as Accelerate's
+/// launcher sets it (`all` leaves it alone); a GPU job given fewer GPUs
+/// than processes per machine is refused before anything starts.
+#[test]
+fn gpu_ids_become_cuda_visible_devices_and_too_few_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for (ids, expected) in [("1,3", Some("1,3")), ("all", None)] {
+        let out = output(
+            launch(&[
+                "--cpu",
+                "--num_processes",
+                "2",
+                "--launcher",
+                "local",
+                "--gpu_ids",
+                ids,
+                probe().to_str().unwrap(),
+                "--write-dir",
+                dir.path().to_str().unwrap(),
+            ])
+            .env_remove("CUDA_VISIBLE_DEVICES"),
+        );
+        assert!(out.status.success(), "{}", describe(&out));
+        let ranks = ranks(dir.path());
+        assert_eq!(ranks.len(), 2);
+        for r in &ranks {
+            assert_eq!(r["CUDA_VISIBLE_DEVICES"].as_str(), expected, "{r}");
+        }
+        for e in fs::read_dir(dir.path()).unwrap() {
+            fs::remove_file(e.unwrap().path()).unwrap();
+        }
+    }
+    let out = output(launch(&[
+        "--multi_gpu",
+        "--num_processes",
+        "4",
+        "--gpu_ids",
+        "0,1",
+        probe().to_str().unwrap(),
+    ]));
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("gpu_ids 0,1 names 2 GPU(s) for 4 process(es) per machine"),
+        "{}",
+        describe(&out)
+    );
+}

@@ -299,7 +299,31 @@ fn check_config(config: &Config, flags: &LaunchArgs) -> Result<(), String> {
     if machines > 1 && flags.max_restarts > 0 {
         return Err("--max_restarts is supported on one machine only".into());
     }
+    if let Some(ids) = visible_gpus(config) {
+        let per_machine = n / machines;
+        let count = ids.split(',').count() as u32;
+        let on_gpus = !config.use_cpu.unwrap_or(false)
+            && !matches!(
+                config.distributed_type,
+                Some(DistributedType::MultiCpu | DistributedType::No | DistributedType::Xla) | None
+            );
+        if on_gpus && count < per_machine {
+            return Err(format!(
+                "gpu_ids {ids} names {count} GPU(s) for {per_machine} process(es) per machine: \
+                 each process takes a GPU of its own; list at least {per_machine}, or run fewer \
+                 processes"
+            ));
+        }
+    }
     Ok(())
+}
+
+/// The `CUDA_VISIBLE_DEVICES` every rank gets from `gpu_ids` (Accelerate's
+/// launcher sets it the same for every process; rank `LOCAL_RANK` then
+/// takes `cuda:LOCAL_RANK` among them); `None` for `all` or none.
+fn visible_gpus(config: &Config) -> Option<String> {
+    let ids = config.gpu_ids.as_deref()?.trim();
+    (!ids.is_empty() && !ids.eq_ignore_ascii_case("all")).then(|| ids.replace(' ', ""))
 }
 
 fn default_launcher(config: &Config) -> &'static str {
@@ -423,6 +447,9 @@ pub fn run(args: LaunchArgs, plugin_dirs: &[PathBuf], out: &mut dyn Write) -> an
     };
 
     let mut env = launch_env(config);
+    if let Some(ids) = visible_gpus(config) {
+        env.push(("CUDA_VISIBLE_DEVICES".into(), ids));
+    }
     let config_json = serde_json::Value::Object(config.to_json());
     env.push((RESOLVED_CONFIG_ENV.into(), config_json.to_string()));
     env.push((PLUGIN_DIR_ENV.into(), plugin_path(plugin_dirs)));
