@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 say() { printf 'bootstrap: %s\n' "$*" >&2; }
 
 # 1. System packages.
-APT_PACKAGES=(openmpi-bin libopenmpi-dev libclang-dev pkg-config)
+APT_PACKAGES=(openmpi-bin libopenmpi-dev libclang-dev pkg-config slurmctld slurmd slurm-client munge)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -37,6 +37,7 @@ pub mod parse;
 pub mod questionnaire;
 pub mod resolve;
 pub mod schema;
+pub mod to_fsdp2;
 mod validate;
 pub mod write;
 

@@ -50,6 +50,9 @@ pub enum Command {
     /// Merge a SHARDED checkpoint's per-rank weights into one model (Accelerate's merge-weights).
     #[command(name = "merge-weights")]
     MergeWeights(merge_weights::MergeWeightsArgs),
+    /// Convert an Accelerate config from FSDP1 to FSDP2 (Accelerate's to-fsdp2).
+    #[command(name = "to-fsdp2")]
+    ToFsdp2(accel_config::to_fsdp2::ToFsdp2Args),
     /// Internal: how mpirun/srun start a rank (sets RANK etc., then runs PROGRAM).
     #[command(name = "__rank-exec", hide = true)]
     RankExec {
@@ -87,6 +90,16 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> anyhow::Result<i32> {
         Command::Launch(args) => launch::run(*args, &cli.plugin_dirs, out),
         Command::EstimateMemory(args) => estimate::run(args, &cli.plugin_dirs, out),
         Command::MergeWeights(args) => merge_weights::run(args, out),
-        Command::RankExec { program, args } => Err(crate::launch::rank_exec::exec(&program, &args)),
+        Command::ToFsdp2(args) => {
+            let set = PluginSet::discover(&default_search_path(&cli.plugin_dirs));
+            let claimed = claimed_distributed_types(&set);
+            Ok(accel_config::to_fsdp2::run(
+                &args,
+                &claimed,
+                out,
+                &mut std::io::stderr(),
+            ))
+        }
+        Command::RankExec { program, args } => crate::launch::rank_exec::run(&program, &args),
     }
 }

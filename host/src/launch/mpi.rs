@@ -202,7 +202,7 @@ fn rank_process_with(spec: &LaunchSpec, opts: &LaunchOptions) -> Result<RankProc
 
 /// The first failure a rank of `attempt` reported to the store at `addr`
 /// as it exited (see `comm::mpi`).
-fn first_reported_failure(addr: &str, attempt: u32) -> Option<String> {
+pub(super) fn first_reported_failure(addr: &str, attempt: u32) -> Option<String> {
     let (_, prefix) = crate::comm::mpi::failure_keys(&attempt.to_string());
     let mut client = Client::connect(addr, Duration::from_secs(1)).ok()?;
     let value = client.try_get(&format!("{prefix}1")).ok()??;
