@@ -154,7 +154,7 @@ struct Args {
     #[arg(long = "plugin-dir")]
     plugin_dirs: Vec<PathBuf>,
     /// Tracker to log `loss` and `lr` to at every optimizer step
-    /// (repeatable): `tensorboard`, `wandb`, `jsonl`, a plugin's, or `all`.
+    /// (repeatable): `tensorboard`, `wandb`, `mlflow`, `jsonl`, a plugin's, or `all`.
     /// Default: `ACCELERATE_LOG_WITH`, else the config's `accel.trackers`.
     #[arg(long = "log-with")]
     log_with: Vec<String>,

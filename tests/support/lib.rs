@@ -97,6 +97,7 @@ const SHIPPED_PLUGINS: &[&str] = &[
     "accel-fsdp",
     "accel-tensorboard",
     "accel-wandb",
+    "accel-mlflow",
 ];
 
 /// Builds binary `bin` of `package` and returns the path of a link to it in

@@ -1,0 +1,671 @@
+//! What a run is made of — metrics, params, tags, text, the end — as
+//! records: checked against MLflow's rules when they are made, kept one per
+//! line in the spool, and grouped into `runs/log-batch` requests within
+//! MLflow's per-request limits.
+
+use crate::PLUGIN;
+use accel_sdk::{
+    serde_json::{json, Map, Value},
+    LogEntry, LogValue, PluginError,
+};
+
+/// MLflow's longest metric, param or tag key (`MAX_ENTITY_KEY_LENGTH`).
+pub const MAX_KEY_LENGTH: usize = 250;
+/// MLflow's longest tag value (`MAX_TAG_VAL_LENGTH`).
+pub const MAX_TAG_LENGTH: usize = 8000;
+/// Metrics in one `log-batch` (`MAX_METRICS_PER_BATCH`).
+pub const MAX_METRICS_PER_BATCH: usize = 1000;
+/// Params, and tags, in one `log-batch` (`MAX_PARAMS_TAGS_PER_BATCH`).
+pub const MAX_PARAMS_TAGS_PER_BATCH: usize = 100;
+/// Metrics + params + tags in one `log-batch` (`MAX_ENTITIES_PER_BATCH`).
+pub const MAX_ENTITIES_PER_BATCH: usize = 1000;
+/// Bytes of one `log-batch` body (MLflow refuses more than 1 MB).
+pub const MAX_BATCH_BYTES: usize = 900_000;
+
+/// Checks a metric, param or tag key as MLflow does: alphanumerics,
+/// `_ - . / :` and spaces, at most 250 characters, and a path that does not
+/// resolve to another name (no leading `/`, no empty, `.` or `..` parts).
+pub fn check_key(what: &str, key: &str) -> Result<(), PluginError> {
+    let allowed = |c: char| c.is_alphanumeric() || matches!(c, '_' | '-' | '.' | '/' | ' ' | ':');
+    let why = if key.is_empty() {
+        Some("is empty")
+    } else if key.chars().count() > MAX_KEY_LENGTH {
+        Some("is longer than 250 characters")
+    } else if !key.chars().all(allowed) {
+        Some("has a character MLflow does not allow")
+    } else if key.starts_with('/')
+        || key
+            .split('/')
+            .any(|p| p.is_empty() || p == "." || p == "..")
+    {
+        Some("is not a plain relative path (MLflow stores keys as file names)")
+    } else {
+        None
+    };
+    match why {
+        None => Ok(()),
+        Some(why) => Err(PluginError::config(
+            PLUGIN,
+            format!(
+                "{what} `{key}` {why}: MLflow keys may contain letters, digits, \
+                 underscores (_), dashes (-), periods (.), spaces, colons (:) and slashes (/), \
+                 at most 250 characters, without empty, `.` or `..` path parts"
+            ),
+        )),
+    }
+}
+
+/// One point of a metric.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Metric {
+    /// Its key.
+    pub key: String,
+    /// Its value (NaN and infinities are allowed, as in MLflow).
+    pub value: f64,
+    /// Milliseconds since the Unix epoch, fixed when logged: a request sent
+    /// twice carries the same point, which MLflow stores once.
+    pub timestamp: i64,
+    /// The step.
+    pub step: i64,
+}
+
+/// One line of the spool.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Record {
+    /// Points of one `log` call.
+    Metrics(Vec<Metric>),
+    /// Params (the run's config), at most 100.
+    Params(Vec<(String, String)>),
+    /// Tags, at most 100.
+    Tags(Vec<(String, String)>),
+    /// A logged text: the artifact `text/<key>/step_<step>.txt`.
+    Text {
+        /// Its key.
+        key: String,
+        /// Its step.
+        step: i64,
+        /// The text.
+        text: String,
+    },
+    /// The end of the run (`runs/update`).
+    End {
+        /// `FINISHED`, `FAILED` or `KILLED`.
+        status: String,
+        /// Milliseconds since the Unix epoch.
+        end_time: i64,
+    },
+}
+
+/// A double as MLflow's JSON (protobuf) takes it: NaN and infinities as
+/// the strings `"NaN"`, `"Infinity"`, `"-Infinity"`.
+pub fn json_double(x: f64) -> Value {
+    if x.is_nan() {
+        Value::from("NaN")
+    } else if x == f64::INFINITY {
+        Value::from("Infinity")
+    } else if x == f64::NEG_INFINITY {
+        Value::from("-Infinity")
+    } else {
+        Value::from(x)
+    }
+}
+
+fn double_of(v: &Value) -> Option<f64> {
+    match v {
+        Value::String(s) if s == "NaN" => Some(f64::NAN),
+        Value::String(s) if s == "Infinity" => Some(f64::INFINITY),
+        Value::String(s) if s == "-Infinity" => Some(f64::NEG_INFINITY),
+        other => other.as_f64(),
+    }
+}
+
+fn pairs_json(pairs: &[(String, String)]) -> Value {
+    Value::Array(
+        pairs
+            .iter()
+            .map(|(k, v)| json!({"key": k, "value": v}))
+            .collect(),
+    )
+}
+
+fn pairs_of(v: &Value) -> Option<Vec<(String, String)>> {
+    v.as_array()?
+        .iter()
+        .map(|p| {
+            Some((
+                p["key"].as_str()?.to_owned(),
+                p["value"].as_str()?.to_owned(),
+            ))
+        })
+        .collect()
+}
+
+fn metrics_json(metrics: &[Metric]) -> Value {
+    Value::Array(
+        metrics
+            .iter()
+            .map(|m| {
+                json!({"key": m.key, "value": json_double(m.value),
+                       "timestamp": m.timestamp, "step": m.step})
+            })
+            .collect(),
+    )
+}
+
+impl Record {
+    /// The spool line (JSON, no newline).
+    pub fn to_line(&self) -> String {
+        let v = match self {
+            Record::Metrics(m) => json!({"metrics": metrics_json(m)}),
+            Record::Params(p) => json!({"params": pairs_json(p)}),
+            Record::Tags(t) => json!({"tags": pairs_json(t)}),
+            Record::Text { key, step, text } => {
+                json!({"text": {"key": key, "step": step, "text": text}})
+            }
+            Record::End { status, end_time } => {
+                json!({"end": {"status": status, "end_time": end_time}})
+            }
+        };
+        v.to_string()
+    }
+
+    /// Reads a spool line back.
+    pub fn from_line(line: &str) -> Option<Record> {
+        let v: Value = accel_sdk::serde_json::from_str(line).ok()?;
+        if let Some(m) = v.get("metrics") {
+            let metrics = m
+                .as_array()?
+                .iter()
+                .map(|m| {
+                    Some(Metric {
+                        key: m["key"].as_str()?.to_owned(),
+                        value: double_of(&m["value"])?,
+                        timestamp: m["timestamp"].as_i64()?,
+                        step: m["step"].as_i64()?,
+                    })
+                })
+                .collect::<Option<_>>()?;
+            return Some(Record::Metrics(metrics));
+        }
+        if let Some(p) = v.get("params") {
+            return Some(Record::Params(pairs_of(p)?));
+        }
+        if let Some(t) = v.get("tags") {
+            return Some(Record::Tags(pairs_of(t)?));
+        }
+        if let Some(t) = v.get("text") {
+            return Some(Record::Text {
+                key: t["key"].as_str()?.to_owned(),
+                step: t["step"].as_i64()?,
+                text: t["text"].as_str()?.to_owned(),
+            });
+        }
+        let e = v.get("end")?;
+        Some(Record::End {
+            status: e["status"].as_str()?.to_owned(),
+            end_time: e["end_time"].as_i64()?,
+        })
+    }
+
+    fn counts(&self) -> (usize, usize, usize) {
+        match self {
+            Record::Metrics(m) => (m.len(), 0, 0),
+            Record::Params(p) => (0, p.len(), 0),
+            Record::Tags(t) => (0, 0, t.len()),
+            _ => (0, 0, 0),
+        }
+    }
+}
+
+/// Python's `str()` of a config value, as Accelerate logs params: strings
+/// as they are, `None`/`True`/`False`, and JSON for numbers, lists and
+/// objects.
+pub fn param_value(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "None".into(),
+        Value::Bool(true) => "True".into(),
+        Value::Bool(false) => "False".into(),
+        other => other.to_string(),
+    }
+}
+
+/// The run config as params records (100 per record), checked: a key MLflow
+/// refuses is an error; a value longer than `max_len` is dropped with a
+/// warning, as Accelerate does.
+pub fn params_records(
+    config: &Map<String, Value>,
+    max_len: usize,
+) -> Result<Vec<Record>, PluginError> {
+    let mut params = Vec::with_capacity(config.len());
+    for (k, v) in config {
+        check_key("param", k)?;
+        let value = param_value(v);
+        if value.chars().count() > max_len {
+            eprintln!(
+                "mlflow: param `{k}` is {} characters long, more than MLflow's {max_len}; \
+                 dropped (as Accelerate does)",
+                value.chars().count()
+            );
+            continue;
+        }
+        params.push((k.clone(), value));
+    }
+    Ok(params
+        .chunks(MAX_PARAMS_TAGS_PER_BATCH)
+        .map(|c| Record::Params(c.to_vec()))
+        .collect())
+}
+
+/// Tags as records (100 per record).
+pub fn tags_records(tags: &[(String, String)]) -> Vec<Record> {
+    tags.chunks(MAX_PARAMS_TAGS_PER_BATCH)
+        .map(|c| Record::Tags(c.to_vec()))
+        .collect()
+}
+
+/// The records of one `log` call: its scalars as one metrics record (split
+/// at 1000), each text as a text record. Entries with a key MLflow refuses
+/// are left out and named in the error, after the others are returned.
+pub fn log_records(
+    values: &[LogEntry],
+    step: i64,
+    timestamp: i64,
+) -> (Vec<Record>, Option<PluginError>) {
+    let mut metrics = Vec::new();
+    let mut out = Vec::new();
+    let mut bad = Vec::new();
+    for e in values {
+        let key = e.key.as_str();
+        if let Err(err) = check_key("metric", key) {
+            bad.push(err.message.to_string());
+            continue;
+        }
+        match &e.value {
+            LogValue::Scalar(x) => metrics.push(Metric {
+                key: key.to_owned(),
+                value: *x,
+                timestamp,
+                step,
+            }),
+            LogValue::Text(t) => out.push(Record::Text {
+                key: key.to_owned(),
+                step,
+                text: t.to_string(),
+            }),
+        }
+    }
+    let mut records: Vec<Record> = metrics
+        .chunks(MAX_METRICS_PER_BATCH)
+        .map(|c| Record::Metrics(c.to_vec()))
+        .collect();
+    records.append(&mut out);
+    let err = (!bad.is_empty()).then(|| {
+        PluginError::config(
+            PLUGIN,
+            format!(
+                "{} value(s) not logged at step {step}: {}",
+                bad.len(),
+                bad.join("; ")
+            ),
+        )
+    });
+    (records, err)
+}
+
+/// One request's worth of records.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Work {
+    /// A `runs/log-batch` body's entities.
+    Batch {
+        /// Metrics.
+        metrics: Vec<Metric>,
+        /// Params.
+        params: Vec<(String, String)>,
+        /// Tags.
+        tags: Vec<(String, String)>,
+    },
+    /// A text artifact.
+    Text {
+        /// Key.
+        key: String,
+        /// Step.
+        step: i64,
+        /// Text.
+        text: String,
+    },
+    /// `runs/update` to a terminal status.
+    End {
+        /// Status.
+        status: String,
+        /// End time, ms.
+        end_time: i64,
+    },
+}
+
+impl Work {
+    /// The `runs/log-batch` body for `run_id` (batches only).
+    pub fn batch_body(&self, run_id: &str) -> Option<Value> {
+        match self {
+            Work::Batch {
+                metrics,
+                params,
+                tags,
+            } => Some(json!({
+                "run_id": run_id,
+                "metrics": metrics_json(metrics),
+                "params": pairs_json(params),
+                "tags": pairs_json(tags),
+            })),
+            _ => None,
+        }
+    }
+}
+
+/// Groups `records` (each with the spool offset just after it) into work
+/// items within MLflow's limits; each item carries the offset after its
+/// last record, so the spool advances by whole records.
+pub fn group(records: Vec<(Record, u64)>) -> Vec<(Work, u64)> {
+    let mut out: Vec<(Work, u64)> = Vec::new();
+    let mut open = false;
+    let mut bytes = 0usize;
+    for (record, end) in records {
+        let (m, p, t) = record.counts();
+        let size = record.to_line().len();
+        if let (
+            true,
+            Some((
+                Work::Batch {
+                    metrics,
+                    params,
+                    tags,
+                },
+                last,
+            )),
+        ) = (open, out.last_mut())
+        {
+            let mergeable = matches!(
+                record,
+                Record::Metrics(_) | Record::Params(_) | Record::Tags(_)
+            );
+            let fits = mergeable
+                && metrics.len() + m <= MAX_METRICS_PER_BATCH
+                && params.len() + p <= MAX_PARAMS_TAGS_PER_BATCH
+                && tags.len() + t <= MAX_PARAMS_TAGS_PER_BATCH
+                && metrics.len() + params.len() + tags.len() + m + p + t <= MAX_ENTITIES_PER_BATCH
+                && bytes + size <= MAX_BATCH_BYTES
+                // A tag set twice in one batch is refused; keep them apart.
+                && !matches!(&record, Record::Tags(new) if new.iter().any(|(k, _)| tags.iter().any(|(o, _)| o == k)));
+            if fits {
+                match record {
+                    Record::Metrics(x) => metrics.extend(x),
+                    Record::Params(x) => params.extend(x),
+                    Record::Tags(x) => tags.extend(x),
+                    _ => unreachable!("counts are zero for other records"),
+                }
+                bytes += size;
+                *last = end;
+                continue;
+            }
+        }
+        match record {
+            Record::Metrics(_) | Record::Params(_) | Record::Tags(_) => {
+                let (metrics, params, tags) = match record {
+                    Record::Metrics(x) => (x, vec![], vec![]),
+                    Record::Params(x) => (vec![], x, vec![]),
+                    Record::Tags(x) => (vec![], vec![], x),
+                    _ => unreachable!(),
+                };
+                out.push((
+                    Work::Batch {
+                        metrics,
+                        params,
+                        tags,
+                    },
+                    end,
+                ));
+                open = true;
+                bytes = size;
+            }
+            Record::Text { key, step, text } => {
+                out.push((Work::Text { key, step, text }, end));
+                open = false;
+            }
+            Record::End { status, end_time } => {
+                out.push((Work::End { status, end_time }, end));
+                open = false;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_follow_mlflows_rules() {
+        for ok in ["loss", "train/loss", "lr group 0", "a:b", "x.y-z_1", "é"] {
+            check_key("metric", ok).unwrap();
+        }
+        for (bad, why) in [
+            ("", "is empty"),
+            ("a!b", "character MLflow does not allow"),
+            ("/abs", "not a plain relative path"),
+            ("a//b", "not a plain relative path"),
+            ("a/../b", "not a plain relative path"),
+            ("a/", "not a plain relative path"),
+            (".", "not a plain relative path"),
+        ] {
+            let err = check_key("metric", bad).unwrap_err();
+            assert!(
+                err.message.contains(&format!("metric `{bad}` {}", "")),
+                "{}",
+                err.message
+            );
+            assert!(err.message.contains(why), "{bad}: {}", err.message);
+            assert!(
+                err.message.contains("MLflow keys may contain"),
+                "{}",
+                err.message
+            );
+        }
+        assert!(check_key("tag", &"k".repeat(251)).is_err());
+    }
+
+    #[test]
+    fn records_round_trip_through_spool_lines_including_non_finite_values() {
+        let records = [
+            Record::Metrics(vec![
+                Metric {
+                    key: "loss".into(),
+                    value: 0.25,
+                    timestamp: 17,
+                    step: 3,
+                },
+                Metric {
+                    key: "nan".into(),
+                    value: f64::NAN,
+                    timestamp: 17,
+                    step: 3,
+                },
+                Metric {
+                    key: "inf".into(),
+                    value: f64::NEG_INFINITY,
+                    timestamp: 17,
+                    step: 3,
+                },
+            ]),
+            Record::Params(vec![("lr".into(), "0.1".into())]),
+            Record::Tags(vec![("t".into(), "v\nw".into())]),
+            Record::Text {
+                key: "note".into(),
+                step: 2,
+                text: "héllo".into(),
+            },
+            Record::End {
+                status: "FINISHED".into(),
+                end_time: 99,
+            },
+        ];
+        for r in records {
+            let back = Record::from_line(&r.to_line()).unwrap();
+            match (&r, &back) {
+                (Record::Metrics(a), Record::Metrics(b)) => {
+                    assert_eq!(a.len(), b.len());
+                    for (x, y) in a.iter().zip(b) {
+                        assert_eq!((&x.key, x.timestamp, x.step), (&y.key, y.timestamp, y.step));
+                        assert!(x.value == y.value || (x.value.is_nan() && y.value.is_nan()));
+                    }
+                }
+                _ => assert_eq!(r, back),
+            }
+        }
+        assert_eq!(Record::from_line("{\"metrics\": 3}"), None);
+        assert_eq!(Record::from_line("not json"), None);
+    }
+
+    #[test]
+    fn config_becomes_params_like_accelerates_str() {
+        let config = json!({"lr": 0.05, "opt": "sgd", "clip": null, "amp": true,
+                            "long": "x".repeat(20), "layers": [1, 2]});
+        let recs = params_records(config.as_object().unwrap(), 10).unwrap();
+        assert_eq!(recs.len(), 1);
+        let Record::Params(p) = &recs[0] else {
+            panic!()
+        };
+        let got: Vec<(&str, &str)> = p.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        assert_eq!(
+            got,
+            [
+                ("amp", "True"),
+                ("clip", "None"),
+                ("layers", "[1,2]"),
+                ("lr", "0.05"),
+                ("opt", "sgd")
+            ],
+            "`long` is dropped: longer than the limit"
+        );
+        let many: Map<String, Value> = (0..250).map(|i| (format!("k{i}"), json!(i))).collect();
+        let recs = params_records(&many, 6000).unwrap();
+        assert_eq!(
+            recs.iter().map(|r| r.counts().1).collect::<Vec<_>>(),
+            [100, 100, 50]
+        );
+        let err = params_records(json!({"a b!": 1}).as_object().unwrap(), 10).unwrap_err();
+        assert!(err.message.contains("param `a b!`"), "{}", err.message);
+    }
+
+    #[test]
+    fn log_records_keep_good_entries_and_name_bad_keys() {
+        let (recs, err) = log_records(
+            &[
+                LogEntry::scalar("loss", 1.5),
+                LogEntry::scalar("bad!", 2.0),
+                LogEntry::text("note", "hi"),
+            ],
+            7,
+            1000,
+        );
+        assert_eq!(
+            recs,
+            [
+                Record::Metrics(vec![Metric {
+                    key: "loss".into(),
+                    value: 1.5,
+                    timestamp: 1000,
+                    step: 7
+                }]),
+                Record::Text {
+                    key: "note".into(),
+                    step: 7,
+                    text: "hi".into()
+                },
+            ]
+        );
+        let err = err.unwrap();
+        assert!(
+            err.message
+                .contains("1 value(s) not logged at step 7: metric `bad!`"),
+            "{}",
+            err.message
+        );
+    }
+
+    #[test]
+    fn grouping_respects_mlflows_batch_limits_and_record_boundaries() {
+        let metric = |i: i64| Metric {
+            key: format!("m{}", i % 7),
+            value: i as f64,
+            timestamp: 1,
+            step: i,
+        };
+        let mut records = Vec::new();
+        let mut off = 0;
+        // 3 params records of 100 + 50 (limit 100 per batch) ...
+        let many: Map<String, Value> = (0..150).map(|i| (format!("k{i}"), json!(i))).collect();
+        for r in params_records(&many, 6000).unwrap() {
+            off += 10;
+            records.push((r, off));
+        }
+        // ... then 12 metric records of 100 points (limit 1000) ...
+        for j in 0..12 {
+            off += 10;
+            records.push((
+                Record::Metrics((0..100).map(|i| metric(j * 100 + i)).collect()),
+                off,
+            ));
+        }
+        // ... a text, more metrics, the end.
+        off += 10;
+        records.push((
+            Record::Text {
+                key: "t".into(),
+                step: 1,
+                text: "x".into(),
+            },
+            off,
+        ));
+        off += 10;
+        records.push((Record::Metrics(vec![metric(5000)]), off));
+        off += 10;
+        records.push((
+            Record::End {
+                status: "FINISHED".into(),
+                end_time: 2,
+            },
+            off,
+        ));
+        let work = group(records);
+        let shape: Vec<(usize, usize, u64)> = work
+            .iter()
+            .map(|(w, end)| match w {
+                Work::Batch {
+                    metrics, params, ..
+                } => (metrics.len(), params.len(), *end),
+                Work::Text { .. } => (usize::MAX, 0, *end),
+                Work::End { .. } => (0, usize::MAX, *end),
+            })
+            .collect();
+        assert_eq!(
+            shape,
+            [
+                (0, 100, 10),
+                (900, 50, 110),
+                (300, 0, 140),
+                (usize::MAX, 0, 150),
+                (1, 0, 160),
+                (0, usize::MAX, 170)
+            ]
+        );
+        let all: usize = work
+            .iter()
+            .map(|(w, _)| match w {
+                Work::Batch { metrics, .. } => metrics.len(),
+                _ => 0,
+            })
+            .sum();
+        assert_eq!(all, 1201, "every point exactly once");
+    }
+}
