@@ -51,6 +51,9 @@
 //!   for a comma-separated token list (safetensors `input_ids`, `logits`).
 //! * Sharding: every module runs as a unit scope named by its path, and the
 //!   blocks `transformer.h.<i>` are declared of layer class `GPT2Block`.
+//! * Memory: `--gradient-checkpointing` checkpoints every block in training
+//!   (transformers' `gradient_checkpointing_enable()`), as
+//!   `fsdp_activation_checkpointing: true` does for the units FSDP wraps.
 
 #[path = "gpt2/model.rs"]
 mod model;
@@ -195,6 +198,11 @@ struct Args {
     /// [in, out]); --save still writes the merged model when given.
     #[arg(long = "save-adapters")]
     save_adapters: Option<PathBuf>,
+    /// Checkpoint every block in training (transformers'
+    /// `gradient_checkpointing_enable()`): a block keeps only its input and
+    /// runs again in backward; less activation memory, the same gradients.
+    #[arg(long = "gradient-checkpointing")]
+    gradient_checkpointing: bool,
     /// Mixed precision (default: what `accel launch` or the config set, else no).
     #[arg(long = "mixed-precision", value_enum)]
     mixed_precision: Option<Precision>,
@@ -659,6 +667,9 @@ fn main() -> Result<()> {
     if let Some(l) = &lora {
         model.add_lora(&vs.root(), l);
     }
+    if args.gradient_checkpointing {
+        model.gradient_checkpointing_enable();
+    }
     if let (Some(dir), Some(ck)) = (&args.model, &checkpoint) {
         // The checkpoint holds the base model; adapters keep their init.
         let mut params: Vec<(String, Tensor)> = vs
@@ -738,6 +749,15 @@ fn main() -> Result<()> {
         acc.strategy_name(),
         acc.precision_name()
     ));
+    if args.gradient_checkpointing {
+        acc.print("gpt2: gradient checkpointing: every block keeps only its input and runs again in backward");
+    } else if model
+        .block_paths()
+        .iter()
+        .all(|p| acc.activation_checkpointing(p))
+    {
+        acc.print("gpt2: fsdp_activation_checkpointing: every block keeps only its input and runs again in backward");
+    }
     if let Some(l) = &lora {
         let adapters: usize = vs
             .variables()
@@ -790,6 +810,8 @@ fn main() -> Result<()> {
             let p = loader.position();
             p.epoch + u64::from(p.finished)
         };
+        // Drawn on the local main process's terminal only (accel::progress).
+        let bar = acc.progress_bar(args.steps, "gpt2");
         'training: while step < args.steps && args.epochs.is_none_or(|e| epochs_done(&loader) < e) {
             for batch in loader.iter()? {
                 let batch = batch?;
@@ -817,6 +839,7 @@ fn main() -> Result<()> {
                     continue;
                 }
                 step += 1;
+                bar.inc(1);
                 pending.push(Pending {
                     step,
                     lr: lr_used,
@@ -847,6 +870,7 @@ fn main() -> Result<()> {
             }
         }
         flush(&acc, &mut pending, &mut log, &mut last)?;
+        bar.finish();
     }
     let secs = started.elapsed().as_secs_f64();
     if let Some(mut l) = log.take() {

@@ -621,6 +621,8 @@ fn main() -> Result<()> {
         .step;
     let resumed_at = step;
     let stop = args.stop_at.map_or(args.steps, |s| s.min(args.steps));
+    // Drawn on the local main process's terminal only (accel::progress).
+    let bar = acc.progress_bar(stop.saturating_sub(step), "mlp");
     let mut window: Vec<Tensor> = Vec::new();
     let mut pending: Vec<Pending> = Vec::new();
     let mut report = Report {
@@ -658,6 +660,7 @@ fn main() -> Result<()> {
                 continue;
             }
             step += 1;
+            bar.inc(1);
             pending.push(Pending {
                 step,
                 lr: lr_used,
@@ -688,6 +691,7 @@ fn main() -> Result<()> {
             }
         }
     }
+    bar.finish();
     let secs = started.elapsed().as_secs_f64();
     let step = step - resumed_at;
     if let Some(mut log) = report.log.take() {

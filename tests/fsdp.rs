@@ -364,10 +364,6 @@ fn what_accel_fsdp_does_not_do_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     refused(
-        &fsdp_config(d, "ac.yaml", 2, "  fsdp_activation_checkpointing: true\n"),
-        &["fsdp_activation_checkpointing"],
-    );
-    refused(
         &fsdp_config(
             d,
             "local.yaml",

@@ -325,6 +325,13 @@ impl Conv1d {
         }
     }
 
+    fn shallow_clone(&self) -> Self {
+        Self {
+            weight: self.weight.shallow_clone(),
+            bias: self.bias.shallow_clone(),
+        }
+    }
+
     /// `torch.addmm(bias, x.view(-1, nx), weight).view(..., nf)`, as Conv1D.
     fn forward(&self, x: &Tensor) -> Tensor {
         let mut out: Vec<i64> = x.size();
@@ -348,6 +355,14 @@ impl LayerNorm {
             weight: p.var("weight", &[n], Init::Const(1.0)),
             bias: p.var("bias", &[n], Init::Const(0.0)),
             eps,
+        }
+    }
+
+    fn shallow_clone(&self) -> Self {
+        Self {
+            weight: self.weight.shallow_clone(),
+            bias: self.bias.shallow_clone(),
+            eps: self.eps,
         }
     }
 
@@ -440,6 +455,14 @@ impl Lora {
             a: p.var(LORA_A, &[nx, c.r], a_init),
             b: p.var(LORA_B, &[c.r, nf], Init::Const(0.0)),
             scale: c.scale(),
+        }
+    }
+
+    fn shallow_clone(&self) -> Self {
+        Self {
+            a: self.a.shallow_clone(),
+            b: self.b.shallow_clone(),
+            scale: self.scale,
         }
     }
 
@@ -546,6 +569,25 @@ impl Block {
         }
     }
 
+    /// The same block over the same tensors, owned: what a checkpointed
+    /// forward keeps to run the block again in backward.
+    fn shallow_clone(&self) -> Self {
+        Self {
+            ln_1: self.ln_1.shallow_clone(),
+            c_attn: self.c_attn.shallow_clone(),
+            attn_c_proj: self.attn_c_proj.shallow_clone(),
+            ln_2: self.ln_2.shallow_clone(),
+            c_fc: self.c_fc.shallow_clone(),
+            mlp_c_proj: self.mlp_c_proj.shallow_clone(),
+            n_head: self.n_head,
+            scaling: self.scaling,
+            attn_pdrop: self.attn_pdrop,
+            resid_pdrop: self.resid_pdrop,
+            activation: self.activation,
+            lora: self.lora.as_ref().map(Lora::shallow_clone),
+        }
+    }
+
     fn attention(&self, x: &Tensor, train: bool) -> Tensor {
         let (b, t, e) = x.size3().expect("hidden states are [B, T, E]");
         let d = e / self.n_head;
@@ -582,6 +624,9 @@ pub struct Gpt2 {
     ln_f: LayerNorm,
     /// Only without tie_word_embeddings; tied, the head is `wte`.
     lm_head: Option<Tensor>,
+    /// Every block checkpointed in training
+    /// ([`Gpt2::gradient_checkpointing_enable`]).
+    gradient_checkpointing: bool,
 }
 
 impl Gpt2 {
@@ -631,7 +676,15 @@ impl Gpt2 {
             blocks,
             ln_f,
             lm_head,
+            gradient_checkpointing: false,
         }
+    }
+
+    /// transformers' `gradient_checkpointing_enable()`: in training, every
+    /// block keeps only its input and runs again in backward
+    /// ([`ForwardScope::checkpoint`]); the gradients stay the same.
+    pub fn gradient_checkpointing_enable(&mut self) {
+        self.gradient_checkpointing = true;
     }
 
     /// Adds LoRA adapters beside every block's `c_attn` under `root`
@@ -655,7 +708,10 @@ impl Gpt2 {
 
     /// Logits `[B, T, vocab]` of `ids` `[B, T]` (int64, T ≤ n_positions,
     /// ids < vocab_size: the caller checks), every module run as a unit
-    /// scope named by its path; `train` turns dropout on.
+    /// scope named by its path; `train` turns dropout on. A block is
+    /// checkpointed in training with gradient checkpointing on, and
+    /// whenever the configuration checkpoints its unit
+    /// (`fsdp_activation_checkpointing`).
     pub fn forward(
         &self,
         scope: &ForwardScope<'_>,
@@ -672,7 +728,14 @@ impl Gpt2 {
         })?;
         let mut h = dropout(embeds + pos, self.config.embd_pdrop, train);
         for (i, block) in self.blocks.iter().enumerate() {
-            h = scope.unit(&format!("transformer.h.{i}"), || block.forward(&h, train))?;
+            let path = format!("transformer.h.{i}");
+            let block = block.shallow_clone();
+            let layer = move |xs: &[Tensor]| block.forward(&xs[0], train);
+            h = if self.gradient_checkpointing && train {
+                scope.checkpoint(&path, &[&h], layer)?
+            } else {
+                scope.checkpointable(&path, &[&h], layer)?
+            };
         }
         let h = scope.unit("transformer.ln_f", || self.ln_f.forward(&h))?;
         match &self.lm_head {

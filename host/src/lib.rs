@@ -12,6 +12,7 @@
 //! * [`merge`]: a SHARDED checkpoint's `model_rank<r>.safetensors` merged into whole weights (`accel merge-weights`).
 //! * [`launch`]: the env contract, the process supervisor and the built-in launchers.
 //! * [`cli`]: the `accel` command line.
+//! * [`progress`]: progress bars drawn on the local main process only, on a terminal only.
 //!
 //! ```
 //! use accel::plugins::PluginSet;
@@ -32,6 +33,7 @@ pub mod hf;
 pub mod launch;
 pub mod merge;
 pub mod plugins;
+pub mod progress;
 
 /// Sends accel's and the plugins' `tracing` events (warnings by default;
 /// `ACCEL_LOG` takes an env-filter such as `info` or `accel=debug`) to

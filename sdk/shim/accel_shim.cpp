@@ -6,13 +6,18 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -88,6 +93,186 @@ struct GradReadyHook : torch::autograd::FunctionPostHook {
 // variable itself holds it only weakly.
 struct GradAccumulatorHandle {
   c10::intrusive_ptr<torch::autograd::Node> accumulator;
+};
+
+// A Rust layer run by activation checkpointing: `call(ctx, inputs, n, out,
+// buf, cap)` runs it on `n` inputs, hands every output to
+// `accel_tensor_list_push(out, t)`, and returns false with a message in
+// `buf` on failure; `drop(ctx)` frees it when the autograd node goes.
+struct RustLayer : torch::CustomClassHolder {
+  bool (*call)(void*, at::Tensor* const*, size_t, void*, char*, size_t);
+  void (*drop)(void*);
+  void* ctx;
+  RustLayer(bool (*c)(void*, at::Tensor* const*, size_t, void*, char*, size_t), void (*d)(void*),
+            void* x)
+      : call(c), drop(d), ctx(x) {}
+  RustLayer(const RustLayer&) = delete;
+  RustLayer& operator=(const RustLayer&) = delete;
+  ~RustLayer() override { drop(ctx); }
+  std::vector<at::Tensor> operator()(std::vector<at::Tensor>& inputs) const {
+    std::vector<at::Tensor*> ptrs;
+    ptrs.reserve(inputs.size());
+    for (auto& t : inputs) ptrs.push_back(&t);
+    std::vector<at::Tensor> out;
+    char buf[4096] = {0};
+    if (!call(ctx, ptrs.data(), ptrs.size(), &out, buf, sizeof(buf) - 1))
+      throw std::runtime_error(buf);
+    return out;
+  }
+};
+
+// The autocast state of the CPU and CUDA, as a checkpointed forward saw it.
+struct AutocastState {
+  bool cpu_enabled, cuda_enabled;
+  at::ScalarType cpu_dtype, cuda_dtype;
+  static AutocastState now() {
+    return {at::autocast::is_autocast_enabled(at::kCPU),
+            at::autocast::is_autocast_enabled(at::kCUDA),
+            at::autocast::get_autocast_dtype(at::kCPU), at::autocast::get_autocast_dtype(at::kCUDA)};
+  }
+  void apply() const {
+    at::autocast::set_autocast_enabled(at::kCPU, cpu_enabled);
+    at::autocast::set_autocast_enabled(at::kCUDA, cuda_enabled);
+    at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
+    at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
+  }
+};
+
+// Puts a forward's autocast state back for a recomputation, as an autocast
+// region of its own (its cast cache cleared when the outermost one ends),
+// and the state before it afterwards, also when the recomputation throws.
+struct AutocastRestore {
+  AutocastState before;
+  explicit AutocastRestore(const AutocastState& saved) : before(AutocastState::now()) {
+    saved.apply();
+    at::autocast::increment_nesting();
+  }
+  ~AutocastRestore() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    before.apply();
+  }
+};
+
+// Sets the default generators of the CPU and the given CUDA devices to
+// `states` and puts their current states back when it goes (torch's
+// fork_rng): the recomputation draws the forward's random numbers (dropout
+// masks) and the rest of the program its own.
+struct RngFork {
+  std::vector<std::pair<at::Generator, at::Tensor>> before;
+  RngFork(const std::vector<at::Generator>& gens, const std::vector<at::Tensor>& states) {
+    for (size_t i = 0; i < gens.size(); ++i) {
+      auto gen = gens[i];
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      before.emplace_back(gen, gen.get_state());
+      gen.set_state(states[i]);
+    }
+  }
+  ~RngFork() {
+    for (auto& [gen, state] : before) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(state);
+    }
+  }
+};
+
+// The generators a layer on `inputs` may draw from: the CPU's and those of
+// the CUDA devices among the inputs.
+std::vector<at::Generator> generators_of(const std::vector<at::Tensor>& inputs) {
+  std::vector<at::Generator> gens{at::detail::getDefaultCPUGenerator()};
+  std::vector<c10::DeviceIndex> seen;
+  for (const auto& t : inputs) {
+    if (!t.defined() || !t.is_cuda()) continue;
+    auto index = t.device().index();
+    if (std::find(seen.begin(), seen.end(), index) != seen.end()) continue;
+    seen.push_back(index);
+    gens.push_back(at::globalContext().defaultGenerator(t.device()));
+  }
+  return gens;
+}
+
+// Activation checkpointing (torch.utils.checkpoint's reentrant variant): the
+// forward runs the layer without grad, keeping only its inputs, the random
+// generators' states and the autocast state; backward runs it again with
+// grad on detached inputs under the same generator and autocast states,
+// backpropagates the incoming gradients through it (parameters accumulate
+// their gradients as usual) and returns the inputs' gradients.
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList input_list,
+                                                const at::Tensor& /*anchor*/,
+                                                c10::intrusive_ptr<RustLayer> layer) {
+    std::vector<at::Tensor> inputs = input_list.vec();
+    auto gens = generators_of(inputs);
+    c10::List<at::Tensor> states;
+    for (auto& gen : gens) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      states.push_back(gen.get_state());
+    }
+    auto autocast = AutocastState::now();
+    ctx->saved_data["layer"] = c10::IValue::make_capsule(layer);
+    ctx->saved_data["rng"] = states;
+    ctx->saved_data["autocast"] = c10::List<int64_t>(
+        {autocast.cpu_enabled, autocast.cuda_enabled, static_cast<int64_t>(autocast.cpu_dtype),
+         static_cast<int64_t>(autocast.cuda_dtype)});
+    ctx->save_for_backward(inputs);
+    // Casts made here have no history: keep them out of autocast's cache,
+    // where a later use of the same weight with grad would find them.
+    bool cache = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_cache_enabled(false);
+    std::vector<at::Tensor> outputs;
+    try {
+      outputs = (*layer)(inputs);
+    } catch (...) {
+      at::autocast::set_autocast_cache_enabled(cache);
+      throw;
+    }
+    at::autocast::set_autocast_cache_enabled(cache);
+    TORCH_CHECK(!outputs.empty(), "a checkpointed layer returned no tensor");
+    for (const auto& t : outputs)
+      TORCH_CHECK(t.defined(), "a checkpointed layer returned an undefined tensor");
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto layer = ctx->saved_data["layer"].toCapsule();
+    auto* run = static_cast<RustLayer*>(layer.get());
+    std::vector<at::Tensor> states;
+    states = ctx->saved_data["rng"].toTensorVector();
+    auto a = ctx->saved_data["autocast"].toIntList();
+    AutocastState autocast{a.get(0) != 0, a.get(1) != 0, static_cast<at::ScalarType>(a.get(2)),
+                           static_cast<at::ScalarType>(a.get(3))};
+    std::vector<at::Tensor> detached;
+    detached.reserve(saved.size());
+    for (const auto& t : saved) {
+      auto d = t.detach();
+      if (t.requires_grad()) d.set_requires_grad(true);
+      detached.push_back(d);
+    }
+    std::vector<at::Tensor> outputs;
+    {
+      RngFork fork(generators_of(saved), states);
+      AutocastRestore restore(autocast);
+      at::AutoGradMode grad(true);
+      outputs = (*run)(detached);
+    }
+    TORCH_CHECK(outputs.size() == grads.size(), "a checkpointed layer returned ", outputs.size(),
+                " tensor(s) when recomputed, ", grads.size(), " in its forward");
+    torch::autograd::variable_list roots, root_grads;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].requires_grad() && grads[i].defined()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grads[i]);
+      }
+    }
+    if (!roots.empty()) torch::autograd::backward(roots, root_grads);
+    torch::autograd::variable_list result;
+    for (const auto& d : detached) result.push_back(d.requires_grad() ? d.grad() : at::Tensor());
+    result.emplace_back();  // the anchor
+    result.emplace_back();  // the layer
+    return result;
+  }
 };
 
 }  // namespace
@@ -332,6 +517,35 @@ size_t accel_storage_nbytes(const at::Tensor* t) {
   } catch (...) {
     return 0;
   }
+}
+
+// Hands one output of a checkpointed layer to the shim (`list` is the
+// vector `RustLayer` passed to the layer).
+char* accel_tensor_list_push(void* list, const at::Tensor* t) {
+  return guarded([&] { static_cast<std::vector<at::Tensor>*>(list)->push_back(*t); });
+}
+
+// Runs the layer `call(ctx, ...)` on `inputs` with activation checkpointing
+// (see CheckpointFunction) and calls `emit(out, t)` with each output;
+// `drop(ctx)` frees the layer when the autograd graph no longer needs it
+// (at once when grad is off, or on failure). With grad on, the outputs
+// require grad even when no input does, so the layer's parameters get
+// their gradients.
+char* accel_checkpoint(at::Tensor* const* inputs, size_t n,
+                       bool (*call)(void*, at::Tensor* const*, size_t, void*, char*, size_t),
+                       void (*drop)(void*), void* ctx, void (*emit)(void*, const at::Tensor*),
+                       void* out) {
+  auto layer = c10::make_intrusive<RustLayer>(call, drop, ctx);
+  return guarded([&] {
+    // An input that requires grad, so the layer's parameters get their
+    // gradients even when none of its inputs requires grad (frozen
+    // embeddings before the first block): reentrant checkpointing's pitfall.
+    at::Tensor anchor = at::empty({0}, at::TensorOptions().dtype(at::kFloat));
+    anchor.set_requires_grad(true);
+    auto in = list(inputs, n);
+    auto outputs = CheckpointFunction::apply(at::TensorList(in), anchor, std::move(layer));
+    for (const auto& t : outputs) emit(out, &t);
+  });
 }
 
 }  // extern "C"

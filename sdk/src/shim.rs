@@ -70,6 +70,16 @@ extern "C" {
         drop: HookDrop,
         ctx: *mut c_void,
     ) -> *mut c_char;
+    fn accel_tensor_list_push(list: *mut c_void, t: *const C_tensor) -> *mut c_char;
+    fn accel_checkpoint(
+        inputs: *const *mut C_tensor,
+        n: usize,
+        call: LayerCall,
+        drop: HookDrop,
+        ctx: *mut c_void,
+        emit: Emit,
+        out: *mut c_void,
+    ) -> *mut c_char;
     fn accel_storage_free(t: *mut C_tensor) -> *mut c_char;
     fn accel_storage_fill(t: *mut C_tensor, src: *const C_tensor) -> *mut c_char;
     fn accel_storage_nbytes(t: *const C_tensor) -> usize;
@@ -94,6 +104,15 @@ extern "C" {
 
 type HookCall = unsafe extern "C" fn(*mut c_void, *mut c_char, usize) -> bool;
 type HookDrop = unsafe extern "C" fn(*mut c_void);
+type LayerCall = unsafe extern "C" fn(
+    *mut c_void,
+    *const *mut C_tensor,
+    usize,
+    *mut c_void,
+    *mut c_char,
+    usize,
+) -> bool;
+type Emit = unsafe extern "C" fn(*mut c_void, *const C_tensor);
 
 /// A closure called from inside backward; an `Err` aborts the backward
 /// pass with its message.
@@ -107,17 +126,145 @@ unsafe extern "C" fn hook_call(ctx: *mut c_void, buf: *mut c_char, cap: usize) -
     let message = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(Ok(())) => return true,
         Ok(Err(m)) => m,
-        Err(p) => p
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-            .unwrap_or_else(|| "a backward hook panicked".to_owned()),
+        Err(p) => panic_text(p.as_ref(), "a backward hook panicked"),
     };
+    // SAFETY: the shim hands a zeroed buffer of cap + 1 bytes.
+    unsafe { write_message(&message, buf, cap) };
+    false
+}
+
+/// The message a panic carried, or `otherwise`.
+fn panic_text(payload: &(dyn std::any::Any + Send), otherwise: &str) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_else(|| otherwise.to_owned())
+}
+
+/// Copies `message` (at most `cap` bytes) into the shim's buffer.
+///
+/// # Safety
+/// `buf` must hold at least `cap` writable bytes.
+unsafe fn write_message(message: &str, buf: *mut c_char, cap: usize) {
     let bytes = message.as_bytes();
     let n = bytes.len().min(cap);
-    // SAFETY: the shim hands a zeroed buffer of cap + 1 bytes.
+    // SAFETY: the caller guarantees cap bytes at buf.
     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf as *mut u8, n) };
+}
+
+/// A tch view of a tensor the shim owns (never freed here).
+///
+/// # Safety
+/// `t` must be a live `at::Tensor*` for as long as the view is used.
+unsafe fn borrowed(t: *const C_tensor) -> std::mem::ManuallyDrop<Tensor> {
+    // SAFETY: the caller guarantees a live tensor; ManuallyDrop never frees it.
+    std::mem::ManuallyDrop::new(unsafe { Tensor::from_ptr(t as *mut C_tensor) })
+}
+
+/// A layer run by [`checkpoint`]: the inputs in, the outputs out; an `Err`
+/// (or a panic) fails the forward or the backward with its message.
+pub type CheckpointLayer = Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>, String> + Send>;
+
+/// Runs the boxed [`CheckpointLayer`] at `ctx` on the shim's inputs and
+/// pushes its outputs into the shim's list `out`.
+unsafe extern "C" fn layer_call(
+    ctx: *mut c_void,
+    inputs: *const *mut C_tensor,
+    n: usize,
+    out: *mut c_void,
+    buf: *mut c_char,
+    cap: usize,
+) -> bool {
+    // SAFETY: ctx is the Box<CheckpointLayer> leaked by `checkpoint`, alive
+    // until layer_drop; the shim calls it from one thread at a time.
+    let f = unsafe { &mut *(ctx as *mut CheckpointLayer) };
+    let run = std::panic::AssertUnwindSafe(|| -> Result<(), String> {
+        // SAFETY: the shim passes n live tensors for the duration of the call.
+        let xs: Vec<Tensor> = (0..n)
+            .map(|i| unsafe { borrowed(*inputs.add(i)) }.shallow_clone())
+            .collect();
+        for t in f(&xs)? {
+            // SAFETY: `out` is the shim's list; `t` lives across the call.
+            check(unsafe { accel_tensor_list_push(out, t.as_ptr()) }).map_err(|e| e.0)?;
+        }
+        Ok(())
+    });
+    let message = match std::panic::catch_unwind(run) {
+        Ok(Ok(())) => return true,
+        Ok(Err(m)) => m,
+        Err(p) => panic_text(p.as_ref(), "a checkpointed layer panicked"),
+    };
+    // SAFETY: the shim hands a zeroed buffer of cap + 1 bytes.
+    unsafe { write_message(&message, buf, cap) };
     false
+}
+
+unsafe extern "C" fn layer_drop(ctx: *mut c_void) {
+    // SAFETY: ctx came from `checkpoint` and is dropped exactly once, by the shim.
+    drop(unsafe { Box::from_raw(ctx as *mut CheckpointLayer) });
+}
+
+unsafe extern "C" fn emit_output(out: *mut c_void, t: *const C_tensor) {
+    // SAFETY: `out` is the Vec<Tensor> `checkpoint` passed; `t` is live for the call.
+    let outputs = unsafe { &mut *(out as *mut Vec<Tensor>) };
+    outputs.push(unsafe { borrowed(t) }.shallow_clone());
+}
+
+/// Activation checkpointing (`torch.utils.checkpoint`, reentrant): runs
+/// `layer` on `inputs` without keeping its intermediate activations — the
+/// forward runs without grad and saves only the inputs, the CPU (and
+/// inputs' CUDA devices') random generator states and the autocast state.
+/// Backward runs `layer` again with grad, on detached inputs, with those
+/// generator and autocast states restored (so dropout draws the same masks
+/// and autocast casts the same ops), backpropagates the outputs' gradients
+/// through it — the parameters it uses accumulate their gradients as
+/// usual, gradient-ready hooks included — and hands the inputs' gradients
+/// on. The generators then continue where they were before the
+/// recomputation.
+///
+/// `layer` is called once for the forward and once per backward pass
+/// through its outputs; the first call is the forward. With grad on, the
+/// outputs require grad even when no input does (its parameters still get
+/// their gradients). Inputs that do not require grad (masks, token ids)
+/// pass through as they are.
+///
+/// ```
+/// use std::sync::{atomic::{AtomicUsize, Ordering}, Arc};
+/// use tch::{Device, Kind, Tensor};
+/// let w = Tensor::from_slice(&[0.5f32, -1.0, 2.0]).set_requires_grad(true);
+/// let x = Tensor::from_slice(&[1.0f32, 2.0, 3.0]).set_requires_grad(true);
+/// let calls = Arc::new(AtomicUsize::new(0));
+/// let (w2, c) = (w.shallow_clone(), calls.clone());
+/// let out = accel_sdk::shim::checkpoint(&[&x], Box::new(move |xs| {
+///     c.fetch_add(1, Ordering::SeqCst);
+///     Ok(vec![(&xs[0] * &w2).tanh()])
+/// })).unwrap();
+/// out[0].sum(Kind::Float).backward();
+/// assert_eq!(calls.load(Ordering::SeqCst), 2); // forward, then the recomputation
+/// let (xr, wr) = (x.detach().set_requires_grad(true), w.detach().set_requires_grad(true));
+/// (&xr * &wr).tanh().sum(Kind::Float).backward();
+/// assert!(x.grad().equal(&xr.grad()) && w.grad().equal(&wr.grad()));
+/// ```
+pub fn checkpoint(inputs: &[&Tensor], layer: CheckpointLayer) -> Result<Vec<Tensor>, ShimError> {
+    let ins: Vec<*mut C_tensor> = inputs.iter().map(|t| ptr(t)).collect();
+    let mut outputs: Vec<Tensor> = Vec::new();
+    let ctx = Box::into_raw(Box::new(layer)) as *mut c_void;
+    // SAFETY: live input tensors; ownership of the layer passes to the
+    // shim, which drops it through layer_drop (also on failure); `outputs`
+    // outlives the call.
+    check(unsafe {
+        accel_checkpoint(
+            ins.as_ptr(),
+            ins.len(),
+            layer_call,
+            layer_drop,
+            ctx,
+            emit_output,
+            &mut outputs as *mut Vec<Tensor> as *mut c_void,
+        )
+    })?;
+    Ok(outputs)
 }
 
 unsafe extern "C" fn hook_drop(ctx: *mut c_void) {
@@ -639,6 +786,80 @@ mod tests {
         out.relu().sum(Kind::Float).backward();
         assert_eq!(w.grad(), reference);
         assert_eq!(*events.lock().unwrap(), ["pre-backward", "ready"]);
+    }
+
+    /// A residual block with dropout, the layer the checkpointing tests run.
+    fn block(x: &Tensor, w1: &Tensor, w2: &Tensor) -> Tensor {
+        let h = x.matmul(w1).gelu("tanh").dropout(0.3, true);
+        h.matmul(w2) + x
+    }
+
+    /// Output, the gradients of the input and both weights, and the next
+    /// random draw after the step, from one seed; with `input_grad` false
+    /// the input does not require grad.
+    fn block_step(checkpointed: bool, bf16: bool, input_grad: bool) -> Vec<Tensor> {
+        let opts = (Kind::Float, Device::Cpu);
+        tch::manual_seed(7);
+        let x = Tensor::randn([4, 8], opts).set_requires_grad(input_grad);
+        let w1 = (Tensor::randn([8, 16], opts) * 0.3).set_requires_grad(true);
+        let w2 = (Tensor::randn([16, 8], opts) * 0.3).set_requires_grad(true);
+        let autocast = bf16.then(|| AutocastGuard::enter(Device::Cpu, Kind::BFloat16).unwrap());
+        let y = if checkpointed {
+            let (a, b) = (w1.shallow_clone(), w2.shallow_clone());
+            let out = checkpoint(&[&x], Box::new(move |xs| Ok(vec![block(&xs[0], &a, &b)])));
+            out.unwrap().remove(0)
+        } else {
+            block(&x, &w1, &w2)
+        };
+        drop(autocast);
+        // Work after the layer draws the same numbers either way.
+        let y = y.to_kind(Kind::Float) * Tensor::rand([4, 8], opts);
+        y.pow_tensor_scalar(2).sum(Kind::Float).backward();
+        let next = Tensor::rand([3], opts);
+        vec![y.detach(), x.grad(), w1.grad(), w2.grad(), next]
+    }
+
+    #[test]
+    fn checkpointing_gives_the_same_values_gradients_and_random_stream() {
+        for (bf16, input_grad) in [(false, true), (true, true), (false, false)] {
+            let plain = block_step(false, bf16, input_grad);
+            let ckpt = block_step(true, bf16, input_grad);
+            for (i, (a, b)) in plain.iter().zip(&ckpt).enumerate() {
+                assert_eq!(a.defined(), b.defined(), "bf16 {bf16}, tensor {i}");
+                if a.defined() {
+                    assert!(
+                        a.equal(b),
+                        "bf16 {bf16} input_grad {input_grad}: tensor {i} differs"
+                    );
+                }
+            }
+            // The weights got their gradients, also when the input needs none.
+            assert!(ckpt[2].defined() && ckpt[3].defined());
+        }
+    }
+
+    #[test]
+    fn a_failing_layer_fails_the_forward_or_the_backward_with_its_message() {
+        let x = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let err = checkpoint(&[&x], Box::new(|_| Err("no such head".into()))).unwrap_err();
+        assert!(err.0.contains("no such head"), "{err}");
+        let err = checkpoint(&[&x], Box::new(|_| panic!("layer exploded"))).unwrap_err();
+        assert!(err.0.contains("layer exploded"), "{err}");
+        let mut calls = 0;
+        let out = checkpoint(
+            &[&x],
+            Box::new(move |xs| {
+                calls += 1;
+                if calls == 1 {
+                    Ok(vec![&xs[0] * 2.0])
+                } else {
+                    Err("unit not gathered".into())
+                }
+            }),
+        )
+        .unwrap();
+        let err = out[0].sum(Kind::Float).f_backward().unwrap_err();
+        assert!(err.to_string().contains("unit not gathered"), "{err}");
     }
 
     #[test]

@@ -108,7 +108,8 @@ def cmd_train(a):
     )
 
     acc = Accelerator(
-        cpu=True,
+        cpu=not a.cuda,
+        mixed_precision=a.mixed_precision,
         gradient_accumulation_steps=a.grad_accum,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=a.data_seed),
     )
@@ -202,6 +203,8 @@ def main(argv):
     t.add_argument("--max-grad-norm", type=float)
     t.add_argument("--freeze", action="append", default=[])
     t.add_argument("--loss-log")
+    t.add_argument("--cuda", action="store_true", help="train on the GPU (default: CPU)")
+    t.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
     t.add_argument("--save")
     lg = sub.add_parser("logits")
     lg.add_argument("--ids", required=True)

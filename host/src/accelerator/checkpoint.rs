@@ -467,6 +467,14 @@ impl Accelerator {
             .into_iter()
             .map(|t| (t.name.to_string(), t.tensor.into_tensor()))
             .collect();
+        // A bar over the bytes written, for large models (local main
+        // process, on a terminal: crate::progress).
+        let model_bytes = crate::progress::tensor_bytes(model.iter().map(|(_, t)| t));
+        let bar = crate::progress::ProgressBar::bytes(
+            model_bytes,
+            "saving checkpoint",
+            self.is_local_main_process() && model_bytes >= crate::progress::LARGE_CHECKPOINT_BYTES,
+        );
         match kind {
             StateDictKind::Full if main => write_tensors(&out.join("model.safetensors"), &model)?,
             StateDictKind::Full => {}
@@ -474,6 +482,7 @@ impl Accelerator {
                 write_tensors(&out.join(format!("model_rank{rank}.safetensors")), &model)?
             }
         }
+        bar.inc(model_bytes);
         for (i, opt) in objects.optimizers.iter().enumerate() {
             let (mut tensors, meta) = opt.state_dict();
             if kind == StateDictKind::Full {
@@ -485,9 +494,13 @@ impl Accelerator {
                 StateDictKind::Full => nth("optimizer", i),
                 StateDictKind::Sharded => format!("{}_rank{rank}", nth("optimizer", i)),
             };
+            let bytes = crate::progress::tensor_bytes(tensors.iter().map(|(_, t)| t));
+            bar.inc_length(bytes);
             write_tensors(&out.join(format!("{stem}.safetensors")), &tensors)?;
             write_json(&out.join(format!("{stem}.json")), &meta)?;
+            bar.inc(bytes);
         }
+        bar.finish_and_clear();
         let mut rng = vec![("cpu".to_owned(), accel_sdk::shim::rng_state(Device::Cpu)?)];
         if let Device::Cuda(i) = self.device() {
             rng.push((

@@ -16,13 +16,23 @@
 //!
 //! Under DDP and ZeRO-0/1/2 these calls do nothing, so a model written with
 //! scopes runs unchanged under every strategy.
+//!
+//! Activation checkpointing ([`ForwardScope::checkpoint`]) runs a unit's
+//! forward without keeping its activations and runs it again inside
+//! backward: the recomputation enters the unit's scope once more, calling
+//! `pre_backward(u)` (the strategy gathers the unit) but not
+//! `post_forward(u)` when it leaves, so the unit stays gathered for the
+//! backward through it and `post_unit_backward(u)` reshards it as usual.
 
 use super::AccelError;
 use accel_sdk::{
     shim::{self, GradReadyHook},
     StrategyBox, WrapUnit,
 };
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{
+    atomic::{AtomicBool, Ordering},
+    Arc, Mutex, MutexGuard, Weak,
+};
 use tch::Tensor;
 
 /// The strategy, shared with the backward hooks.
@@ -41,8 +51,15 @@ fn lock_vec<T>(m: &Mutex<Vec<T>>) -> MutexGuard<'_, Vec<T>> {
 pub(crate) struct Units {
     names: Vec<String>,
     root: Option<u32>,
-    /// Scopes open per unit.
-    depth: Mutex<Vec<u32>>,
+    /// Scopes open per unit (shared with checkpointed layers, whose
+    /// recomputation opens them again inside backward).
+    depth: Arc<Mutex<Vec<u32>>>,
+    /// `fsdp_activation_checkpointing`: [`ForwardScope::checkpointable`]
+    /// checkpoints the wrapped units.
+    checkpoint_units: bool,
+    /// Whether a unit ran through [`ForwardScope::unit`] while
+    /// `checkpoint_units` asked for checkpointing (warned once).
+    warned_unit: AtomicBool,
     /// Gradients each unit still waits for in this backward pass.
     pending: Arc<Mutex<Vec<usize>>>,
     /// Gradients each unit needs (its parameters that require grad).
@@ -102,11 +119,29 @@ impl Units {
                 .iter()
                 .position(|u| u.name.is_empty())
                 .map(|i| i as u32),
-            depth: Mutex::new(vec![0; units.len()]),
+            depth: Arc::new(Mutex::new(vec![0; units.len()])),
+            checkpoint_units: false,
+            warned_unit: AtomicBool::new(false),
             pending,
             sizes,
             _hooks: hooks,
         })
+    }
+
+    /// Makes [`ForwardScope::checkpointable`] checkpoint the wrapped units
+    /// (FSDP's `fsdp_activation_checkpointing`).
+    pub(crate) fn checkpoint_wrapped_units(&mut self, on: bool) {
+        self.checkpoint_units = on;
+    }
+
+    /// Whether `path` is a wrapped unit (not the root) that
+    /// `fsdp_activation_checkpointing` checkpoints.
+    fn checkpoints(&self, path: &str) -> bool {
+        self.checkpoint_units && self.is_wrapped(path)
+    }
+
+    fn is_wrapped(&self, path: &str) -> bool {
+        !path.is_empty() && self.names.iter().any(|n| n == path)
     }
 
     /// Arms the per-unit gradient counts for a backward pass.
@@ -182,22 +217,85 @@ impl Units {
                     .cloned()
                     .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
                     .unwrap_or_default();
-                if message.contains("data is not allocated")
-                    || message.contains("for storage of size 0")
-                {
-                    Err(AccelError::Usage(format!(
-                        "a parameter was used while its unit was sharded: run the model's forward inside Accelerator::forward and every wrapped layer inside ForwardScope::unit with its VarStore path (units: {}). libtorch said: {message}",
-                        self.names
-                            .iter()
-                            .map(|n| if n.is_empty() { "<root>" } else { n.as_str() })
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    )))
-                } else {
-                    std::panic::resume_unwind(payload)
+                match self.sharded_hint(&message) {
+                    Some(e) => Err(e),
+                    None => std::panic::resume_unwind(payload),
                 }
             }
         }
+    }
+
+    /// The error that says what to do when libtorch's `message` complains
+    /// about a parameter whose unit is sharded; `None` for other messages.
+    fn sharded_hint(&self, message: &str) -> Option<AccelError> {
+        (message.contains("data is not allocated") || message.contains("for storage of size 0"))
+            .then(|| {
+                AccelError::Usage(format!(
+                    "a parameter was used while its unit was sharded: run the model's forward inside Accelerator::forward and every wrapped layer inside ForwardScope::unit with its VarStore path (units: {}). libtorch said: {message}",
+                    self.names
+                        .iter()
+                        .map(|n| if n.is_empty() { "<root>" } else { n.as_str() })
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })
+    }
+}
+
+/// The unit scope a checkpointed layer's recomputation opens inside
+/// backward: the units it covers are gathered (`pre_backward`) and stay
+/// gathered when it closes, for the backward through the recomputed graph;
+/// `post_unit_backward` reshards them once their gradients are in.
+struct Recompute {
+    strategy: Weak<Mutex<StrategyBox>>,
+    depth: Arc<Mutex<Vec<u32>>>,
+    covered: Vec<u32>,
+}
+
+/// Closes a [`Recompute`] scope (without `post_forward`), also when the
+/// layer panics.
+struct RecomputeOpen<'a> {
+    depth: &'a Mutex<Vec<u32>>,
+    opened: Vec<u32>,
+}
+
+impl Drop for RecomputeOpen<'_> {
+    fn drop(&mut self) {
+        let mut depth = lock_vec(self.depth);
+        for &u in &self.opened {
+            depth[u as usize] = depth[u as usize].saturating_sub(1);
+        }
+    }
+}
+
+impl Recompute {
+    /// Runs `f` with the covered units open and gathered.
+    fn run<R>(&self, f: impl FnOnce() -> R) -> Result<R, String> {
+        let mut open = RecomputeOpen {
+            depth: &self.depth,
+            opened: Vec::new(),
+        };
+        if !self.covered.is_empty() {
+            let strategy = self
+                .strategy
+                .upgrade()
+                .ok_or("a checkpointed layer was recomputed after its Accelerator was dropped")?;
+            for &u in &self.covered {
+                let first = {
+                    let mut depth = lock_vec(&self.depth);
+                    depth[u as usize] += 1;
+                    depth[u as usize] == 1
+                };
+                open.opened.push(u);
+                if first {
+                    lock(&strategy)
+                        .pre_backward(u)
+                        .into_result()
+                        .map_err(|e| e.to_string())?;
+                }
+            }
+        }
+        Ok(f())
     }
 }
 
@@ -215,6 +313,25 @@ impl ForwardScope<'_> {
     /// gathered again for its backward. Under strategies without sharded
     /// parameters this just calls `layer`.
     pub fn unit(&self, path: &str, layer: impl FnOnce() -> Tensor) -> Result<Tensor, AccelError> {
+        if let Some(units) = self.units {
+            if units.checkpoints(path) && !units.warned_unit.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    "fsdp_activation_checkpointing: the wrapped unit `{path}` runs through \
+                     ForwardScope::unit, whose layer cannot run again in backward, so it keeps \
+                     its activations; run wrapped layers through ForwardScope::checkpointable \
+                     to checkpoint them"
+                );
+            }
+        }
+        self.unit_unchecked(path, layer)
+    }
+
+    /// [`ForwardScope::unit`] without the checkpointing warning.
+    fn unit_unchecked(
+        &self,
+        path: &str,
+        layer: impl FnOnce() -> Tensor,
+    ) -> Result<Tensor, AccelError> {
         let Some(units) = self.units else {
             return Ok(layer());
         };
@@ -240,6 +357,125 @@ impl ForwardScope<'_> {
             )?;
         }
         Ok(out)
+    }
+
+    /// Runs `layer` — the module at VarStore path `path` — on `inputs` with
+    /// activation checkpointing: its forward keeps none of its
+    /// intermediate activations, only `inputs`, and backward runs it again
+    /// (with the random generators and autocast as they were, so dropout
+    /// and bf16/fp16 give the same values) to compute its gradients. The
+    /// gradients equal those without checkpointing; the cost is a second
+    /// forward of the layer in backward. As with [`ForwardScope::unit`], the
+    /// units `path` covers are gathered for the forward, and gathered again
+    /// for the recomputation under FSDP and ZeRO-3.
+    ///
+    /// `layer` gets the inputs in order (detached copies that require grad
+    /// when the originals do, in the recomputation) and must compute the
+    /// same function each time: it is `'static` and `Send` because backward
+    /// runs it after this call returns, so it owns what it uses (shallow
+    /// clones of the module's tensors). Inputs that need no gradient (a
+    /// mask, positions) are passed the same way. The output requires grad
+    /// when grad is on, even when no input does, so the layer's parameters
+    /// get their gradients (a block after frozen embeddings).
+    ///
+    /// ```no_run
+    /// # use accel::accelerator::{Accelerator, AccelError};
+    /// # use tch::{nn, nn::Module, Tensor};
+    /// # fn f(acc: &mut Accelerator, x: &Tensor, w: &Tensor) -> Result<(), AccelError> {
+    /// let w = w.shallow_clone();                       // the layer owns its weights
+    /// let out = acc.forward(|scope| {
+    ///     scope.checkpoint("layers.0", &[x], move |xs| xs[0].matmul(&w).gelu("none"))
+    /// })??;
+    /// # Ok(()) }
+    /// ```
+    pub fn checkpoint<F>(
+        &self,
+        path: &str,
+        inputs: &[&Tensor],
+        layer: F,
+    ) -> Result<Tensor, AccelError>
+    where
+        F: Fn(&[Tensor]) -> Tensor + Send + 'static,
+    {
+        let mut out = self.checkpoint_many(path, inputs, move |xs| vec![layer(xs)])?;
+        Ok(out.remove(0))
+    }
+
+    /// [`ForwardScope::checkpoint`] for a layer with several outputs (at
+    /// least one).
+    pub fn checkpoint_many<F>(
+        &self,
+        path: &str,
+        inputs: &[&Tensor],
+        layer: F,
+    ) -> Result<Vec<Tensor>, AccelError>
+    where
+        F: Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static,
+    {
+        let Some(units) = self.units else {
+            return Ok(shim::checkpoint(inputs, Box::new(move |xs| Ok(layer(xs))))?);
+        };
+        let covered = units.covering(path);
+        let recompute = Recompute {
+            strategy: Arc::downgrade(self.strategy),
+            depth: units.depth.clone(),
+            covered: covered.clone(),
+        };
+        let mut forward = true;
+        let run: shim::CheckpointLayer = Box::new(move |xs| {
+            if std::mem::take(&mut forward) {
+                // The forward, inside the scope opened below.
+                Ok(layer(xs))
+            } else {
+                recompute.run(|| layer(xs))
+            }
+        });
+        units.enter(self.strategy, &covered)?;
+        let out = shim::checkpoint(inputs, run);
+        units.exit(self.strategy, &covered)?;
+        out.map_err(|e| units.sharded_hint(&e.0).unwrap_or(AccelError::Torch(e)))
+    }
+
+    /// Runs `layer` at `path` as [`ForwardScope::checkpoint`] when the
+    /// configuration checkpoints it — `fsdp_activation_checkpointing: true`
+    /// and `path` is a unit FSDP wrapped (`fsdp_transformer_layer_cls_to_wrap`
+    /// or the size policy), as Accelerate's `apply_activation_checkpointing`
+    /// over FSDP's auto-wrap policy — and as [`ForwardScope::unit`]
+    /// otherwise. A model runs its layers through this to let the config
+    /// decide.
+    pub fn checkpointable<F>(
+        &self,
+        path: &str,
+        inputs: &[&Tensor],
+        layer: F,
+    ) -> Result<Tensor, AccelError>
+    where
+        F: Fn(&[Tensor]) -> Tensor + Send + 'static,
+    {
+        if self.units.is_some_and(|u| u.checkpoints(path)) {
+            return self.checkpoint(path, inputs, layer);
+        }
+        let xs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
+        self.unit_unchecked(path, || layer(&xs))
+    }
+
+    /// Whether [`ForwardScope::checkpointable`] checkpoints the layer at
+    /// `path` under this configuration.
+    pub fn checkpoints(&self, path: &str) -> bool {
+        self.units.is_some_and(|u| u.checkpoints(path))
+    }
+}
+
+/// Whether the strategy's settings (`{"section": <fsdp_config>, ...}`) ask
+/// for `fsdp_activation_checkpointing` (a boolean, or `"true"`/`1` as the
+/// launcher's environment spells it; the FSDP plugin refuses other values).
+pub(crate) fn activation_checkpointing(settings: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match &settings["section"]["fsdp_activation_checkpointing"] {
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_u64() == Some(1),
+        Value::String(s) => accel_config::str_to_bool(s).unwrap_or(false),
+        _ => false,
     }
 }
 
@@ -340,6 +576,16 @@ impl super::Accelerator {
             .iter()
             .map(|(p, c)| (p.as_str(), c.as_str()))
             .collect()
+    }
+
+    /// Whether [`ForwardScope::checkpointable`] checkpoints the layer at
+    /// `path`: `fsdp_activation_checkpointing` is on and `path` is a unit
+    /// the strategy wrapped (known after
+    /// [`Accelerator::prepare_model`](super::Accelerator::prepare_model)).
+    pub fn activation_checkpointing(&self, path: &str) -> bool {
+        self.prepared
+            .as_ref()
+            .is_some_and(|p| p.units.checkpoints(path))
     }
 
     /// The modules declared of class `class`, in declaration order.

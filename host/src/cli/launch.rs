@@ -453,6 +453,13 @@ pub fn run(args: LaunchArgs, plugin_dirs: &[PathBuf], out: &mut dyn Write) -> an
     let config_json = serde_json::Value::Object(config.to_json());
     env.push((RESOLVED_CONFIG_ENV.into(), config_json.to_string()));
     env.push((PLUGIN_DIR_ENV.into(), plugin_path(plugin_dirs)));
+    // Progress bars (crate::progress) draw on this terminal when the ranks'
+    // stderr reaches it unchanged (through mpirun or srun: a pipe).
+    let tee_stderr = matches!(args.tee.trim(), "2" | "3");
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) && !tee_stderr && args.log_dir.is_none()
+    {
+        env.push((crate::progress::TERMINAL_ENV.into(), "1".into()));
+    }
     let hostfile = args.mpirun_hostfile.clone().or_else(|| {
         config
             .mpirun_config

@@ -6,6 +6,8 @@ mod estimate;
 mod launch;
 mod merge_weights;
 mod plugins;
+mod selftest;
+mod test;
 
 use crate::plugins::{
     config_check::{check_config, claimed_distributed_types},
@@ -53,6 +55,11 @@ pub enum Command {
     /// Convert an Accelerate config from FSDP1 to FSDP2 (Accelerate's to-fsdp2).
     #[command(name = "to-fsdp2")]
     ToFsdp2(accel_config::to_fsdp2::ToFsdp2Args),
+    /// Run a short training on every rank of the configured job and check the results (Accelerate's test).
+    Test(test::TestArgs),
+    /// Internal: what every rank of `accel test` runs.
+    #[command(name = "__selftest", hide = true)]
+    SelfTest,
     /// Internal: how mpirun/srun start a rank (sets RANK etc., then runs PROGRAM).
     #[command(name = "__rank-exec", hide = true)]
     RankExec {
@@ -100,6 +107,8 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> anyhow::Result<i32> {
                 &mut std::io::stderr(),
             ))
         }
+        Command::Test(args) => test::run(args, &cli.plugin_dirs, out),
+        Command::SelfTest => selftest::run(out),
         Command::RankExec { program, args } => crate::launch::rank_exec::run(&program, &args),
     }
 }

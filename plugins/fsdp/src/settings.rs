@@ -22,7 +22,7 @@
 //! | `fsdp_state_dict_type` | `FULL_STATE_DICT`, `SHARDED_STATE_DICT` (any case, or torch's numbers `1`, `3`); `LOCAL_STATE_DICT` is unsupported | `FULL_STATE_DICT` (FSDP1), `SHARDED_STATE_DICT` (FSDP2) | [`Settings::state_dict`] |
 //! | `fsdp_sync_module_states` | boolean | `true` | [`Settings::sync_module_states`] |
 //! | `fsdp_offload_params` (also `fsdp_cpu_offload`, as the transformers docs write it) | boolean | `false` | [`Settings::offload_params`] |
-//! | `fsdp_activation_checkpointing` | boolean; `true` is accepted with a warning (not implemented yet: the same results, more activation memory) | `false` | [`Settings::warnings`] |
+//! | `fsdp_activation_checkpointing` | boolean; `true` checkpoints the wrapped units: the host recomputes each in backward when the model runs it through `ForwardScope::checkpointable` (the host reads the key from this section) | `false` | validated here |
 //! | `fsdp_ignored_modules` | `null` (or empty); anything else is unsupported | `null` | — |
 //!
 //! Accepted, checked, and recorded nowhere, because they do not change the
@@ -563,15 +563,10 @@ pub fn from_section(section: &Value) -> Result<Settings, PluginError> {
         )),
     }
     let mut warnings = Vec::new();
+    // Applied by the host (it reads the key from the section it hands us):
+    // only its type is checked here.
     if let Some(v) = get("fsdp_activation_checkpointing") {
-        if bool_of(v, "fsdp_activation_checkpointing")? {
-            warnings.push(format!(
-                "fsdp_config.fsdp_activation_checkpointing: {}: activation checkpointing is not \
-                 implemented yet; training runs without it (the same results, more activation \
-                 memory)",
-                shown(v)
-            ));
-        }
+        bool_of(v, "fsdp_activation_checkpointing")?;
     }
     let fsdp_keys: Map<String, Value> = map
         .iter()
@@ -872,18 +867,16 @@ mod tests {
             m.contains("fsdp_config.fsdp_ignored_modules: embed.*"),
             "{m}"
         );
-        // Unknown keys and activation checkpointing: warnings, never refusals.
+        // Unknown keys: warnings, never refusals; activation checkpointing
+        // is implemented (by the host), so no warning.
         let s = ok(json!({
             "fsdp_activation_checkpointing": true,
             "fsdp_mixed_precision_policy": "bf16",
             "fsdp_shiny_new_knob": 1,
         }));
-        assert_eq!(s.warnings.len(), 3, "{:?}", s.warnings);
+        assert_eq!(s.warnings.len(), 2, "{:?}", s.warnings);
         assert!(s.warnings.iter().any(|w| w.contains("fsdp_shiny_new_knob")));
-        assert!(s
-            .warnings
-            .iter()
-            .any(|w| w.contains("activation checkpointing")));
+        assert!(!s.warnings.iter().any(|w| w.contains("checkpointing")));
         // A near miss of a known key would silently change the run: an error.
         let m = msg(from_section(&json!({"fsdp_offload_param": true})));
         assert!(m.contains("did you mean `fsdp_offload_params`"), "{m}");
