@@ -24,7 +24,7 @@
 //! * [`save_config`] / [`read_json`]: `config.json`.
 
 use crate::accelerator::AccelError;
-use safetensors::tensor::{Dtype, SafeTensors};
+use safetensors::tensor::Dtype;
 use serde_json::{json, Value};
 use std::{
     collections::{BTreeMap, HashMap},
@@ -123,14 +123,6 @@ pub(crate) struct HeaderEntry {
     pub end: u64,
 }
 
-/// The tensors of one safetensors file, from its header only.
-fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>, AccelError> {
-    Ok(read_header_entries(path)?
-        .into_iter()
-        .map(|e| (e.name, e.info))
-        .collect())
-}
-
 /// The tensors of one safetensors file with their byte ranges in it, from
 /// its header only (by name). Every range lies inside the file.
 pub(crate) fn read_header_entries(path: &Path) -> Result<Vec<HeaderEntry>, AccelError> {
@@ -213,6 +205,8 @@ pub struct Checkpoint {
     location: PathBuf,
     files: Vec<PathBuf>,
     tensors: BTreeMap<String, TensorInfo>,
+    /// Where each tensor's bytes lie in its file (`start..end`).
+    ranges: BTreeMap<String, (u64, u64)>,
 }
 
 impl Checkpoint {
@@ -250,10 +244,15 @@ impl Checkpoint {
     }
 
     fn from_file(path: &Path) -> Result<Self, AccelError> {
+        let entries = read_header_entries(path)?;
         Ok(Self {
             location: path.to_path_buf(),
             files: vec![path.to_path_buf()],
-            tensors: read_header(path)?.into_iter().collect(),
+            ranges: entries
+                .iter()
+                .map(|e| (e.name.clone(), (e.start, e.end)))
+                .collect(),
+            tensors: entries.into_iter().map(|e| (e.name, e.info)).collect(),
         })
     }
 
@@ -267,8 +266,9 @@ impl Checkpoint {
         })?;
         let dir = index.parent().unwrap_or(Path::new("."));
         let mut files: Vec<PathBuf> = Vec::new();
-        let mut headers: HashMap<PathBuf, HashMap<String, TensorInfo>> = HashMap::new();
+        let mut headers: HashMap<PathBuf, HashMap<String, HeaderEntry>> = HashMap::new();
         let mut tensors = BTreeMap::new();
+        let mut ranges = BTreeMap::new();
         let mut problems = Vec::new();
         for (name, file) in map {
             let file = file.as_str().ok_or_else(|| {
@@ -285,12 +285,17 @@ impl Checkpoint {
                         index.display()
                     )));
                 }
-                headers.insert(path.clone(), read_header(&path)?.into_iter().collect());
+                let entries = read_header_entries(&path)?;
+                headers.insert(
+                    path.clone(),
+                    entries.into_iter().map(|e| (e.name.clone(), e)).collect(),
+                );
                 files.push(path.clone());
             }
             match headers[&path].get(name) {
-                Some(info) => {
-                    tensors.insert(name.clone(), info.clone());
+                Some(entry) => {
+                    tensors.insert(name.clone(), entry.info.clone());
+                    ranges.insert(name.clone(), (entry.start, entry.end));
                 }
                 None => problems.push(format!("`{name}` is not in {}", path.display())),
             }
@@ -307,6 +312,7 @@ impl Checkpoint {
             location: index.to_path_buf(),
             files,
             tensors,
+            ranges,
         })
     }
 
@@ -333,33 +339,48 @@ impl Checkpoint {
     /// Reads the named tensors (on the CPU, in their stored dtype), each
     /// file read once.
     pub fn read(&self, names: &[&str]) -> Result<Vec<(String, Tensor)>, AccelError> {
-        let mut by_file: BTreeMap<&Path, Vec<&str>> = BTreeMap::new();
-        for name in names {
-            let info = self
-                .get(name)
-                .ok_or_else(|| err(format!("{}: no tensor `{name}`", self.location.display())))?;
-            by_file.entry(&info.file).or_default().push(name);
+        names
+            .iter()
+            .map(|name| Ok(((*name).to_owned(), self.read_one(name)?)))
+            .collect()
+    }
+
+    /// Tensor `name`, read alone from its file (its bytes only: loading a
+    /// model holds one checkpoint tensor at a time, never a whole file).
+    pub fn read_one(&self, name: &str) -> Result<Tensor, AccelError> {
+        let (Some(info), Some(&(start, end))) = (self.get(name), self.ranges.get(name)) else {
+            return Err(err(format!(
+                "{}: no tensor `{name}`",
+                self.location.display()
+            )));
+        };
+        let file = &info.file;
+        let kind = safetensors_dtype(&info.dtype)
+            .and_then(accel_data::torch_kind)
+            .ok_or_else(|| {
+                err(format!(
+                    "{}: `{name}` has dtype {}, which accel cannot load",
+                    file.display(),
+                    info.dtype
+                ))
+            })?;
+        let numel: i64 = info.shape.iter().product();
+        let want = numel as u64 * kind.elt_size_in_bytes() as u64;
+        if end - start != want {
+            return Err(err(format!(
+                "{}: not a safetensors file: `{name}` {} {} takes {want} bytes, its data_offsets \
+                 give {}",
+                file.display(),
+                info.dtype,
+                shape_text(&info.shape),
+                end - start
+            )));
         }
-        let mut out = Vec::with_capacity(names.len());
-        for (file, wanted) in by_file {
-            let bytes = fs::read(file).map_err(|e| io_err("reading", file, e))?;
-            let st = SafeTensors::deserialize(&bytes).map_err(|e| io_err("reading", file, e))?;
-            for name in wanted {
-                let view = st.tensor(name).map_err(|e| io_err("reading", file, e))?;
-                let kind = accel_data::torch_kind(view.dtype()).ok_or_else(|| {
-                    err(format!(
-                        "{}: `{name}` has dtype {:?}, which accel cannot load",
-                        file.display(),
-                        view.dtype()
-                    ))
-                })?;
-                let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-                let t = Tensor::f_from_data_size(view.data(), &shape, kind)
-                    .map_err(|e| io_err("reading", file, e))?;
-                out.push((name.to_owned(), t));
-            }
-        }
-        Ok(out)
+        let mut bytes = vec![0u8; want as usize];
+        fs::File::open(file)
+            .and_then(|f| std::os::unix::fs::FileExt::read_exact_at(&f, &mut bytes, start))
+            .map_err(|e| io_err("reading", file, e))?;
+        Tensor::f_from_data_size(&bytes, &info.shape, kind).map_err(|e| io_err("reading", file, e))
     }
 
     /// Where each checkpoint tensor goes in a model with `params` (name →
@@ -472,22 +493,14 @@ impl Checkpoint {
                 )));
             }
         }
-        let mut names: Vec<&str> = report.loaded.iter().map(|(s, _)| s.as_str()).collect();
-        names.extend(report.tied.iter().map(|(s, _)| s.as_str()));
-        let tensors: HashMap<String, Tensor> = self.read(&names)?.into_iter().collect();
         let by_name: HashMap<&str, &Tensor> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
         // Tied tensors (lm_head.weight) must equal what they are tied to.
         let mut differ = Vec::new();
         for (stored, to) in &report.tied {
-            let (Some(t), Some(source)) = (
-                tensors.get(stored),
-                report.loaded.iter().find(|(_, n)| n == to),
-            ) else {
+            let Some(source) = report.loaded.iter().find(|(_, n)| n == to) else {
                 continue;
             };
-            let Some(other) = tensors.get(&source.0) else {
-                continue;
-            };
+            let (t, other) = (self.read_one(stored)?, self.read_one(&source.0)?);
             if t.size() != other.size()
                 || !t.to_kind(Kind::Double).equal(&other.to_kind(Kind::Double))
             {
@@ -508,12 +521,12 @@ impl Checkpoint {
         }
         tch::no_grad(|| -> Result<(), AccelError> {
             for (stored, target) in &report.loaded {
-                let (Some(src), Some(dst)) = (tensors.get(stored), by_name.get(target.as_str()))
-                else {
+                let Some(dst) = by_name.get(target.as_str()) else {
                     continue;
                 };
+                let src = self.read_one(stored)?;
                 let mut dst = (*dst).shallow_clone();
-                dst.f_copy_(src)
+                dst.f_copy_(&src)
                     .map_err(|e| err(format!("loading `{stored}` into `{target}`: {e}")))?;
             }
             Ok(())
@@ -640,6 +653,11 @@ impl LoadReport {
         }
         (!s.is_empty()).then(|| s.trim_end().to_owned())
     }
+}
+
+/// The safetensors dtype a header names (`F32`, `BF16`, ...).
+fn safetensors_dtype(name: &str) -> Option<Dtype> {
+    serde_json::from_value(Value::String(name.to_owned())).ok()
 }
 
 fn dtype_of(kind: Kind) -> Option<Dtype> {

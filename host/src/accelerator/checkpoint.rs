@@ -649,6 +649,9 @@ impl Accelerator {
         lock(&self.strategy)
             .load_state_dict(kind, refs.as_slice().into())
             .into_result()?;
+        drop(refs);
+        drop(model);
+        super::release_freed_memory();
         for (i, opt) in objects.optimizers.into_iter().enumerate() {
             let stem = match kind {
                 StateDictKind::Full => nth("optimizer", i),

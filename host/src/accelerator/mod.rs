@@ -858,7 +858,12 @@ impl Accelerator {
             .prepare_model(handles.as_mut_slice().into())
             .into_result()?;
         drop(handles);
-        let units = Units::new(&self.strategy, &wrap_units, &named)?;
+        // A sharding strategy has just freed most of the parameters' storage.
+        release_freed_memory();
+        let mut units = Units::new(&self.strategy, &wrap_units, &named)?;
+        units.checkpoint_wrapped_units(units::activation_checkpointing(
+            &self.strategy_maker.settings,
+        ));
         self.prepared = Some(Prepared {
             params: named,
             units,
@@ -1319,5 +1324,17 @@ impl Accelerator {
         let start = if pad_first { max - size[dim] } else { 0 };
         out.narrow(dim as i64, start, size[dim]).copy_(tensor);
         Ok(out)
+    }
+}
+
+/// Hands the memory the allocator keeps after large frees (parameters a
+/// sharding strategy let go of, a checkpoint read) back to the system
+/// (glibc's `malloc_trim`): otherwise a rank's resident memory keeps the
+/// size of the whole model it built before sharding it.
+pub(crate) fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free pages of the allocator's arenas.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
