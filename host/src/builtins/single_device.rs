@@ -126,6 +126,10 @@ mod tests {
         let err = strategy
             .load_state_dict(StateDictKind::Full, entries.as_slice().into())
             .unwrap_err();
-        assert!(err.message.contains("shape"), "{err}");
+        assert!(
+            err.message
+                .contains("`w`: [1] in the state dict, [2] in the model"),
+            "{err}"
+        );
     }
 }
