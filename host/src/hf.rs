@@ -364,18 +364,18 @@ impl Checkpoint {
                     info.dtype
                 ))
             })?;
-        let numel: i64 = info.shape.iter().product();
-        let want = numel as u64 * kind.elt_size_in_bytes() as u64;
-        if end - start != want {
-            return Err(err(format!(
-                "{}: not a safetensors file: `{name}` {} {} takes {want} bytes, its data_offsets \
-                 give {}",
-                file.display(),
-                info.dtype,
-                shape_text(&info.shape),
-                end - start
-            )));
-        }
+        let want = byte_len(&info.shape, kind.elt_size_in_bytes() as u64)
+            .filter(|w| *w == end - start)
+            .ok_or_else(|| {
+                err(format!(
+                    "{}: not a safetensors file: `{name}` {} {} does not take the {} bytes its \
+                     data_offsets give",
+                    file.display(),
+                    info.dtype,
+                    shape_text(&info.shape),
+                    end - start
+                ))
+            })?;
         let mut bytes = vec![0u8; want as usize];
         fs::File::open(file)
             .and_then(|f| std::os::unix::fs::FileExt::read_exact_at(&f, &mut bytes, start))
@@ -653,6 +653,15 @@ impl LoadReport {
         }
         (!s.is_empty()).then(|| s.trim_end().to_owned())
     }
+}
+
+/// The bytes of a tensor of `shape` with `elt`-byte elements; `None` when
+/// a dimension is negative or the product overflows (a header's shape may
+/// be anything).
+pub(crate) fn byte_len(shape: &[i64], elt: u64) -> Option<u64> {
+    shape.iter().try_fold(elt, |acc, &d| {
+        u64::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+    })
 }
 
 /// The safetensors dtype a header names (`F32`, `BF16`, ...).

@@ -315,7 +315,13 @@ impl ShardedCheckpoint {
                 ))
             })?;
         let elem = dtype.size() as u64;
-        let numel: u64 = shape.iter().map(|&d| d as u64).product();
+        let numel = hf::byte_len(shape, 1).ok_or_else(|| {
+            err(format!(
+                "accel_state.json: parameter_shapes gives `{name}` the shape {}, which no \
+                 tensor has",
+                hf::shape_text(shape)
+            ))
+        })?;
         for (r, e) in entries.iter().enumerate() {
             if e.info.dtype != first.info.dtype {
                 return Err(err(format!(
@@ -372,7 +378,7 @@ impl ShardedCheckpoint {
             parts.push(Part {
                 rank: r,
                 start: e.start,
-                len: take * elem,
+                len: take.saturating_mul(elem),
             });
             left -= take;
         }

@@ -163,7 +163,13 @@ impl ModelSize {
         };
         let mut layers: BTreeMap<&str, u64> = BTreeMap::new();
         for (name, info) in ckpt.tensors() {
-            let numel = info.shape.iter().map(|&d| d.max(0) as u64).product::<u64>();
+            let numel = crate::hf::byte_len(&info.shape, 1).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{}: tensor `{name}` has shape {}, which no file holds",
+                    info.file.display(),
+                    crate::hf::shape_text(&info.shape)
+                )
+            })?;
             let dtype: Dtype =
                 serde_json::from_value(Value::from(info.dtype.as_str())).map_err(|_| {
                     anyhow::anyhow!(
@@ -172,11 +178,14 @@ impl ModelSize {
                         info.dtype
                     )
                 })?;
-            size.parameters += numel;
+            size.parameters = size.parameters.saturating_add(numel);
             size.tensors += 1;
-            size.stored_bytes += numel * dtype.size() as u64;
+            size.stored_bytes = size
+                .stored_bytes
+                .saturating_add(numel.saturating_mul(dtype.size() as u64));
             *size.dtypes.entry(info.dtype.clone()).or_default() += 1;
-            *layers.entry(layer_of(name)).or_default() += numel;
+            let layer = layers.entry(layer_of(name)).or_default();
+            *layer = layer.saturating_add(numel);
         }
         if let Some((name, n)) = layers.into_iter().max_by_key(|(name, n)| (*n, *name)) {
             size.largest_layer = (name.to_owned(), n);
