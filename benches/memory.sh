@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Peak resident memory per rank for a model bigger than a rank's share:
+# accel's gpt2 example loading a 210 M-parameter GPT-2 (16 layers x 1024,
+# 16 heads, vocab 8192, positions 128; random init written by transformers)
+# and taking 2 AdamW steps on 4 CPU ranks under DDP, ZeRO-1/2/3 and FSDP
+# FULL_SHARD (GPT2Block units), with and without
+# MALLOC_MMAP_THRESHOLD_=1048576 (glibc then maps every allocation of 1 MiB
+# or more on its own, and gives it back to the system when freed).
+#
+# The figure is the largest VmHWM (from /proc, polled every 0.2 s) of any
+# rank of the run. It needs about 24 GB of memory (DDP: 4 x 5 GB).
+#
+# Usage: bash benches/memory.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-target/bench-results/memory}
+mkdir -p "$out"
+export PATH="$PWD/.venv/bin:$PATH"
+cargo build --release -q -p accel -p accel-ddp -p accel-fsdp -p accel-zero -p accel-examples
+rel=$PWD/target/release
+
+[ -d "$out/model" ] || python - "$out/model" <<'PY'
+import sys, torch
+from transformers import GPT2Config, GPT2LMHeadModel
+torch.manual_seed(0)
+GPT2LMHeadModel(GPT2Config(n_layer=16, n_embd=1024, n_head=16, vocab_size=8192,
+                           n_positions=128)).save_pretrained(sys.argv[1])
+PY
+[ -f "$out/tokens.bin" ] || python - "$out/tokens.bin" <<'PY'
+import sys, numpy as np
+np.random.default_rng(0).integers(0, 8192, 200_000, dtype=np.uint16).tofile(sys.argv[1])
+PY
+
+config() {  # name distributed_type [yaml lines]
+    local name=$1 kind=$2; shift 2
+    { printf 'distributed_type: %s\nnum_processes: 4\nuse_cpu: true\n' "$kind"
+      printf '%s\n' "$@"; } >"$out/$name.yaml"
+}
+config ddp MULTI_CPU
+for stage in 1 2 3; do config "zero$stage" DEEPSPEED deepspeed_config: "  zero_stage: $stage"; done
+config fsdp FSDP fsdp_config: "  fsdp_sharding_strategy: FULL_SHARD" \
+    "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP" "  fsdp_transformer_layer_cls_to_wrap: GPT2Block"
+
+# Runs one job, polling the peak RSS of its gpt2 ranks; prints the kB.
+peak() {
+    local cfg=$1; shift
+    "$rel/accel" launch -q --config_file "$out/$cfg.yaml" "$rel/gpt2" --model "$out/model" \
+        --data "$out/tokens.bin" --block-size 128 --batch-size 2 --steps 2 --lr 3e-4 \
+        >"$out/$cfg.log" 2>&1 &
+    local pid=$! max=0
+    while kill -0 "$pid" 2>/dev/null; do
+        for s in /proc/[0-9]*/status; do
+            local p=${s#/proc/}; p=${p%/status}
+            if { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | grep -q -- "$rel/gpt2"; then
+                local kb; kb=$(awk '/^VmHWM:/ {print $2}' "$s" 2>/dev/null || true)
+                if [ -n "$kb" ] && [ "$kb" -gt "$max" ]; then max=$kb; fi
+            fi
+        done
+        sleep 0.2
+    done
+    wait "$pid" || { cat "$out/$cfg.log" >&2; return 1; }
+    echo "$max"
+}
+
+printf '| strategy | peak RSS per rank | x DDP | with MALLOC_MMAP_THRESHOLD_=1MiB | x DDP |\n| --- | --- | --- | --- | --- |\n'
+ddp=$(peak ddp)
+for cfg in ddp zero1 zero2 zero3 fsdp; do
+    if [ "$cfg" = ddp ]; then plain=$ddp; else plain=$(peak "$cfg"); fi
+    mapped=$(MALLOC_MMAP_THRESHOLD_=1048576 peak "$cfg")
+    python3 -c "import sys; d,p,m=map(int,sys.argv[2:]); print(f'| {sys.argv[1]} | {p/1048576:.2f} GiB | {p/d:.2f} | {m/1048576:.2f} GiB | {m/d:.2f} |')" \
+        "$cfg" "$ddp" "$plain" "$mapped"
+done
