@@ -64,3 +64,35 @@ pub trait Tracker: Send {
 
 /// An owned, type-erased tracker.
 pub type TrackerBox = Tracker_TO<'static, RBox<()>>;
+
+/// The environment variables a tracker's own service reads (`WANDB_*`,
+/// `MLFLOW_*`, as Accelerate's trackers read them), taken once from the
+/// process, or given as a map in tests. Not part of the ABI: a helper for
+/// tracker plugins.
+#[derive(Debug, Clone, Default)]
+pub struct ServiceEnv(std::collections::HashMap<String, String>);
+
+impl ServiceEnv {
+    /// The variables of this process whose names `keep` accepts.
+    pub fn from_process(keep: impl Fn(&str) -> bool) -> Self {
+        ServiceEnv(std::env::vars().filter(|(k, _)| keep(k)).collect())
+    }
+
+    /// An environment with exactly these variables.
+    pub fn from_pairs(pairs: &[(&str, &str)]) -> Self {
+        ServiceEnv(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+
+    /// A variable's value, if set and not empty.
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.0
+            .get(key)
+            .map(String::as_str)
+            .filter(|v| !v.is_empty())
+    }
+}

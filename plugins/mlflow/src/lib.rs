@@ -401,7 +401,7 @@ impl Tracker for MlflowTracker {
 fn make(settings: &str) -> Result<TrackerBox, PluginError> {
     Ok(accel_sdk::into_tracker(MlflowTracker::new(
         settings,
-        Env::from_process(),
+        settings::process_env(),
     )?))
 }
 

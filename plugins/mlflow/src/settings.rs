@@ -7,40 +7,20 @@ use accel_sdk::{
     serde_json::{self, Map, Value},
     PluginError,
 };
-use std::{collections::BTreeMap, collections::HashMap, path::PathBuf, time::Duration};
+use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
 /// MLflow's longest parameter value (`MAX_PARAM_VAL_LENGTH`, 6000 since
 /// MLflow 2.x; servers older than that allow 500: set
 /// `max_param_value_length`).
 pub const DEFAULT_MAX_PARAM_LENGTH: usize = 6000;
 
-/// The environment the tracker reads (the process's, or a map in tests).
-#[derive(Debug, Clone, Default)]
-pub struct Env(HashMap<String, String>);
+/// The environment the tracker reads: `MLFLOW_*` and `USER` (the run's user) (the process's, or a map in
+/// tests).
+pub use accel_sdk::tracker::ServiceEnv as Env;
 
-impl Env {
-    /// The `MLFLOW_*` variables of this process, and `USER` (the run's user).
-    pub fn from_process() -> Self {
-        Env(std::env::vars()
-            .filter(|(k, _)| k.starts_with("MLFLOW_") || k == "USER")
-            .collect())
-    }
-
-    /// An environment with exactly these variables.
-    pub fn from_pairs(pairs: &[(&str, &str)]) -> Self {
-        Env(pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect())
-    }
-
-    /// A variable's value, if set and not empty.
-    pub fn get(&self, key: &str) -> Option<&str> {
-        self.0
-            .get(key)
-            .map(String::as_str)
-            .filter(|v| !v.is_empty())
-    }
+/// The variables of this process the tracker reads.
+pub fn process_env() -> Env {
+    Env::from_process(|k| k.starts_with("MLFLOW_") || k == "USER")
 }
 
 /// Timing of the requests to a tracking server.

@@ -271,7 +271,7 @@ impl Tracker for WandbTracker {
 fn make(settings: &str) -> Result<TrackerBox, PluginError> {
     Ok(accel_sdk::into_tracker(WandbTracker::new(
         settings,
-        Env::from_process(),
+        settings::process_env(),
     )?))
 }
 

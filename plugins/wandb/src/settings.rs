@@ -6,7 +6,7 @@ use accel_sdk::{
     serde_json::{Map, Value},
     PluginError,
 };
-use std::{collections::HashMap, path::PathBuf, time::Duration};
+use std::{path::PathBuf, time::Duration};
 
 /// W&B's default API server.
 pub const DEFAULT_BASE_URL: &str = "https://api.wandb.ai";
@@ -34,34 +34,13 @@ impl Mode {
     }
 }
 
-/// The environment the tracker reads (the process's, or a map in tests).
-#[derive(Debug, Clone, Default)]
-pub struct Env(HashMap<String, String>);
+/// The environment the tracker reads: `WANDB_*` (the process's, or a map in
+/// tests).
+pub use accel_sdk::tracker::ServiceEnv as Env;
 
-impl Env {
-    /// The `WANDB_*` variables of this process.
-    pub fn from_process() -> Self {
-        Env(std::env::vars()
-            .filter(|(k, _)| k.starts_with("WANDB_"))
-            .collect())
-    }
-
-    /// An environment with exactly these variables.
-    #[cfg(test)]
-    pub fn from_pairs(pairs: &[(&str, &str)]) -> Self {
-        Env(pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect())
-    }
-
-    /// A variable's value, if set and not empty.
-    pub fn get(&self, key: &str) -> Option<&str> {
-        self.0
-            .get(key)
-            .map(String::as_str)
-            .filter(|v| !v.is_empty())
-    }
+/// The variables of this process the tracker reads.
+pub fn process_env() -> Env {
+    Env::from_process(|k| k.starts_with("WANDB_"))
 }
 
 /// Timing of the online sender.
