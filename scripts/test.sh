@@ -23,19 +23,36 @@ if [ -d "$corpus" ]; then
   ACCEL_CONFORMANCE_DIR="$(cd "$corpus" && pwd)"
   echo "== conformance: $ACCEL_CONFORMANCE_DIR"
   export ACCEL_CONFORMANCE_DIR ACCEL_REQUIRE_CONFORMANCE=1
+  # The test binaries `cargo test --workspace` just built, run again (not
+  # rebuilt: `-p` selects features differently and would relink them).
   # --nocapture: each test prints a `conformance: ...` line saying what it checked.
-  for suite in "-p accel-config --test conformance" \
-               "-p accel-integration-tests --test config_cli conformance" \
-               "-p accel-fsdp --lib conformance"; do
+  exes=$(cargo test --workspace --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, os, sys
+want = ("config/tests/conformance.rs", "tests/config_cli.rs", "plugins/fsdp/src/lib.rs")
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    src = os.path.relpath(m["target"]["src_path"])
+    if src in want and m["profile"]["test"]:
+        print(m["target"]["name"], os.path.dirname(m["manifest_path"]), m["executable"])
+')
+  [ "$(printf '%s\n' "$exes" | wc -l)" -eq 3 ] ||
+    { echo "conformance: expected 3 test binaries, found: $exes"; exit 1; }
+  while read -r name dir exe; do
+    case "$name" in
+      conformance) filter="" ;;
+      *) filter=conformance ;;
+    esac
     # shellcheck disable=SC2086
-    if ! out=$(cargo test -q $suite -- --nocapture 2>&1); then
+    if ! out=$(cd "$dir" && "$exe" $filter --nocapture 2>&1); then
       printf '%s\n' "$out"
-      echo "conformance: FAILED: cargo test $suite"
+      echo "conformance: FAILED: $exe $filter"
       exit 1
     fi
     printf '%s\n' "$out" | grep -o 'conformance: .*' ||
-      { echo "conformance: cargo test $suite checked nothing"; exit 1; }
-  done
+      { echo "conformance: $exe $filter checked nothing"; exit 1; }
+  done <<< "$exes"
 else
   echo "== conformance: skipped (no corpus at $corpus; CI has it beside the repository)"
 fi
