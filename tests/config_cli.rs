@@ -161,8 +161,12 @@ fn a_strategy_plugin_checks_its_own_section() {
     );
     assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
     let err = String::from_utf8_lossy(&out.stderr);
+    // At the value of the key the plugin names: line 6, column 18.
     assert!(
-        err.contains("accel.plugins.accel-test-faulty.bucket_mb must be a positive number, got -1"),
+        err.contains(&format!(
+            "{bad}:6:18: error: plugin `accel-test-faulty`: \
+             accel.plugins.accel-test-faulty.bucket_mb must be a positive number, got -1"
+        )),
         "{err}"
     );
     let out = run(
@@ -181,8 +185,110 @@ fn a_strategy_plugin_checks_its_own_section() {
     );
 }
 
+/// `accel launch --config_file config touch marker` (no ACCEL_PLUGIN_DIR).
+fn launch_touch(accel: &Path, config: &Path, marker: &Path) -> std::process::Output {
+    Command::new(accel)
+        .args(["launch", "--config_file"])
+        .arg(config)
+        .arg("touch")
+        .arg(marker)
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn launch_refuses_what_accel_fsdp_cannot_run_before_any_rank_starts() {
+    let accel = accel_bin();
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("a-rank-ran");
+    let config = dir.path().join("fsdp.yaml");
+    // Accelerate's value, well-formed (so the file validates), but not
+    // implemented by accel-fsdp: launch refuses it, pointing at it.
+    std::fs::write(
+        &config,
+        "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\nfsdp_config:\n  fsdp_state_dict_type: LOCAL_STATE_DICT\n",
+    )
+    .unwrap();
+    let out = run(&accel, &["config", "validate", config.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let out = launch_touch(&accel, &config, &marker);
+    let text = describe(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&format!(
+            "accel launch: error: {}:5:25: plugin `accel-fsdp`: fsdp_config.fsdp_state_dict_type: \
+             LOCAL_STATE_DICT is not supported by accel-fsdp",
+            config.display()
+        )),
+        "{text}"
+    );
+    assert!(!text.contains("process(es) on machine"), "{text}");
+    assert!(!marker.exists(), "a rank started: {text}");
+
+    // A setting the plugin's validator refuses outright: the same, in
+    // `config validate` too, at the key's line and column.
+    std::fs::write(
+        &config,
+        "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\nfsdp_config:\n  fsdp_sync_module_states: false\n",
+    )
+    .unwrap();
+    let place = format!("{}:5:28", config.display());
+    let said = "plugin `accel-fsdp`: fsdp_config.fsdp_sync_module_states is false";
+    let out = run(&accel, &["config", "validate", config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&format!("{place}: error: {said}")),
+        "{}",
+        describe(&out)
+    );
+    let out = launch_touch(&accel, &config, &marker);
+    let text = describe(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains(&format!("accel launch: error: {place}: {said}")),
+        "{text}"
+    );
+    assert!(!marker.exists(), "a rank started: {text}");
+}
+
+#[test]
+fn a_section_for_a_plugin_not_installed_is_a_warning_naming_the_close_ones() {
+    let accel = accel_bin();
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("a-rank-ran");
+    let config = dir.path().join("typo.yaml");
+    std::fs::write(
+        &config,
+        "distributed_type: NO\nnum_processes: 1\nuse_cpu: true\naccel:\n  plugins:\n    accel-fsdq:\n      bucket_mb: 25\n",
+    )
+    .unwrap();
+    let place = format!("{}:6:5", config.display());
+    let said = "accel.plugins.accel-fsdq: no installed plugin is named `accel-fsdq`, \
+                so nothing reads these settings; did you mean `accel-fsdp`?";
+    let out = run(&accel, &["config", "validate", config.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&format!("{place}: warning: {said}")),
+        "{}",
+        describe(&out)
+    );
+    // At launch: the same warning, and the job runs.
+    let out = launch_touch(&accel, &config, &marker);
+    let text = describe(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains(&format!("accel launch: warning: {place}: {said}")),
+        "{text}"
+    );
+    assert!(marker.exists(), "{text}");
+}
+
 #[test]
 fn launch_checks_the_strategys_settings_before_any_rank_starts() {
+    let accel = accel_bin();
     let dir = tempfile::tempdir().unwrap();
     let marker = dir.path().join("a-rank-ran");
     let config = dir.path().join("fsdp.yaml");
@@ -193,16 +299,7 @@ fn launch_checks_the_strategys_settings_before_any_rank_starts() {
         "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\nfsdp_config:\n  fsdp_offload_param: true\n  fsdp_shiny_new_knob: 1\n",
     )
     .unwrap();
-    let launch = || {
-        Command::new(accel_bin())
-            .args(["launch", "--config_file"])
-            .arg(&config)
-            .arg("touch")
-            .arg(&marker)
-            .env_remove("ACCEL_PLUGIN_DIR")
-            .output()
-            .unwrap()
-    };
+    let launch = || launch_touch(&accel, &config, &marker);
     let out = launch();
     let text = describe(&out);
     assert_eq!(out.status.code(), Some(1), "{text}");

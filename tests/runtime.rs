@@ -281,6 +281,7 @@ fn out_of_tree_local_sgd_trains_mlp_and_follows_its_rule() {
         let save = dir.path().join(format!("w{steps}_{{rank}}.safetensors"));
         let log = dir.path().join(format!("loss{steps}.jsonl"));
         let out = run(Command::new(accel_bin())
+            .env_remove("ACCEL_LOG")
             .args(["launch", "--plugin-dir", plugins.path().to_str().unwrap()])
             .args(["--config_file", cfg.to_str().unwrap()])
             .arg(&mlp)
@@ -296,6 +297,17 @@ fn out_of_tree_local_sgd_trains_mlp_and_follows_its_rule() {
             "{}",
             describe(&out)
         );
+        // The plugin's `ctx.log` (Info) reaches the user's terminal, tagged
+        // with its name, without ACCEL_LOG.
+        let said = String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .filter(|l| {
+                l.contains("INFO")
+                    && l.contains("averaging parameters every 3 steps")
+                    && l.contains(r#"plugin="accel-local-sgd""#)
+            })
+            .count();
+        assert_eq!(said, 2, "one line per rank: {}", describe(&out));
         let w = |r: u32| read_weights(&dir.path().join(format!("w{steps}_{r}.safetensors")));
         (w(0), w(1), loss_log(&log))
     };

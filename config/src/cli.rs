@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use crate::load::{default_config_file, load_file, LoadOptions};
+use crate::locate::PluginProblem;
 use crate::parse::Format;
 use crate::questionnaire;
 use crate::schema::Config;
@@ -106,11 +107,12 @@ pub struct PluginHooks<'a> {
     /// besides Accelerate's own, and listed in errors).
     pub distributed_types: &'a [String],
     /// Asks the plugins a loaded config selects to check their sections;
-    /// one message per problem (used by `validate`).
-    pub check: &'a dyn Fn(&Config) -> Vec<String>,
+    /// one entry per problem (used by `validate`, which places each at the
+    /// key it names: `file:line:col`).
+    pub check: &'a dyn Fn(&Config) -> Vec<PluginProblem>,
 }
 
-fn no_check(_: &Config) -> Vec<String> {
+fn no_check(_: &Config) -> Vec<PluginProblem> {
     Vec::new()
 }
 
@@ -245,14 +247,16 @@ pub fn run_with_env(
                         for w in &loaded.warnings {
                             let _ = writeln!(stderr, "{w}");
                         }
-                        let problems = plugin_check(&loaded.config);
-                        if problems.is_empty() {
+                        let mut ok = true;
+                        for p in plugin_check(&loaded.config) {
+                            let d = p.in_file(&loaded.origin, &loaded.keys);
+                            ok &= !d.is_error();
+                            let _ = writeln!(stderr, "{d}");
+                        }
+                        if ok {
                             let _ = writeln!(stdout, "{}: ok", file.display());
                         } else {
                             status = 1;
-                            for p in problems {
-                                let _ = writeln!(stderr, "{}: error: {p}", file.display());
-                            }
                         }
                     }
                     Err(e) => {

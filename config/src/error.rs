@@ -163,26 +163,81 @@ impl fmt::Display for ConfigError {
 
 /// "did you mean `x`?" for `word` among `candidates`, if one is close.
 pub fn suggest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
-    let lw = word.to_ascii_lowercase();
-    let mut best: Option<(&str, f64)> = None;
-    for c in candidates {
-        let lc = c.to_ascii_lowercase();
-        let score = if lc == lw {
-            2.0
-        } else {
-            let jw = strsim::jaro_winkler(&lw, &lc);
-            let lev = strsim::levenshtein(&lw, &lc);
-            if lev <= 2 || (lev <= 3 && lw.len() > 6) || jw >= 0.88 {
-                jw
-            } else {
-                0.0
-            }
-        };
-        if score > 0.0 && best.is_none_or(|(_, s)| score > s) {
-            best = Some((c, score));
+    let mut best: Option<Close<'a>> = None;
+    for c in close(word, candidates) {
+        if best.is_none_or(|b| c.score > b.score) {
+            best = Some(c);
         }
     }
-    best.map(|(c, _)| c)
+    best.map(|c| c.name)
+}
+
+/// The candidates nearest to `word`: of those a few edits away (two, three
+/// for words over six letters; case ignored), every one the fewest edits
+/// away, the most alike first; empty when none is that near. For names that
+/// share a long prefix (plugin names all start `accel-`), where similarity
+/// alone finds too many and one "did you mean" may be too few.
+pub fn close_matches<'a>(
+    word: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+) -> Vec<&'a str> {
+    let limit = edit_limit(word);
+    let near: Vec<Close<'a>> = close(word, candidates)
+        .into_iter()
+        .filter(|c| c.edits <= limit)
+        .collect();
+    let fewest = near.iter().map(|c| c.edits).min();
+    let mut nearest: Vec<Close<'a>> = near
+        .into_iter()
+        .filter(|c| Some(c.edits) == fewest)
+        .collect();
+    // Stable: among equally alike candidates the first given comes first.
+    nearest.sort_by(|a, b| b.score.total_cmp(&a.score));
+    nearest.into_iter().map(|c| c.name).collect()
+}
+
+/// A candidate close to a word.
+#[derive(Clone, Copy)]
+struct Close<'a> {
+    name: &'a str,
+    /// 2 for the same word but for case, else Jaro-Winkler similarity.
+    score: f64,
+    /// Levenshtein distance, case ignored.
+    edits: usize,
+}
+
+/// How many edits away a word may be to count as a near miss of `word`.
+fn edit_limit(word: &str) -> usize {
+    if word.len() > 6 {
+        3
+    } else {
+        2
+    }
+}
+
+/// The candidates close to `word`: the same but for case, at most
+/// [`edit_limit`] edits away, or Jaro-Winkler 0.88 and above.
+fn close<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Vec<Close<'a>> {
+    let lw = word.to_ascii_lowercase();
+    let limit = edit_limit(word);
+    candidates
+        .into_iter()
+        .filter_map(|name| {
+            let lc = name.to_ascii_lowercase();
+            let edits = strsim::levenshtein(&lw, &lc);
+            let score = if lc == lw {
+                2.0
+            } else {
+                let jw = strsim::jaro_winkler(&lw, &lc);
+                if edits <= limit || jw >= 0.88 {
+                    jw
+                } else {
+                    0.0
+                }
+            };
+            (score > 0.0).then_some(Close { name, score, edits })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -195,6 +250,22 @@ mod tests {
         assert_eq!(suggest("num_process", keys), Some("num_processes"));
         assert_eq!(suggest("mixed_precison", keys), Some("mixed_precision"));
         assert_eq!(suggest("invalid_key", keys), None);
+        let plugins = [
+            "accel",
+            "accel-ddp",
+            "accel-fsdp",
+            "accel-zero",
+            "accel-wandb",
+        ];
+        assert_eq!(close_matches("accel-fsdq", plugins), ["accel-fsdp"]);
+        assert_eq!(close_matches("accel-dp", plugins), ["accel-ddp"]);
+        assert_eq!(
+            close_matches("accel-fsdpp", ["accel-fsdp", "accel-fsdp2", "accel-ddp"]),
+            ["accel-fsdp", "accel-fsdp2"]
+        );
+        assert!(close_matches("tensorboard", plugins).is_empty());
+        // Alike by prefix only (Jaro-Winkler 0.9) is not near.
+        assert!(close_matches("accel-foo", ["accel"]).is_empty());
     }
 
     #[test]

@@ -33,6 +33,7 @@
 pub mod cli;
 pub mod error;
 pub mod load;
+pub mod locate;
 pub mod parse;
 pub mod questionnaire;
 pub mod resolve;
@@ -46,6 +47,7 @@ pub use load::{
     default_config_file, default_config_file_from_env, load_bytes, load_file, load_str,
     LoadOptions, Loaded,
 };
+pub use locate::{KeyMarks, PluginProblem};
 pub use parse::{Format, Mark};
 pub use resolve::{
     env_var_table, flatten, launch_env, resolve, resolve_launch, resolve_training, LaunchInputs,

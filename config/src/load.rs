@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::{ConfigError, Diagnostic, Origin};
+use crate::locate::KeyMarks;
 use crate::parse::{self, Format, Mark};
 use crate::schema::Config;
 use crate::validate;
@@ -33,6 +34,8 @@ pub struct Loaded {
     pub warnings: Vec<Diagnostic>,
     /// Where it came from.
     pub origin: Origin,
+    /// Where each key of the file sits (for pointing at a key a plugin names).
+    pub keys: KeyMarks,
 }
 
 /// Loads a config file: `.json` files as JSON, everything else as YAML
@@ -128,6 +131,7 @@ pub fn load_bytes(
             config,
             warnings,
             origin,
+            keys: KeyMarks::of(root.as_ref()),
         }),
         Err(diagnostics) => Err(ConfigError { diagnostics }),
     }

@@ -4,7 +4,8 @@
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 
-use accel_config::cli::{run_with_env, ConfigArgs, ConfigSubcommand};
+use accel_config::cli::{run_with_env, ConfigArgs, ConfigSubcommand, PluginHooks};
+use accel_config::PluginProblem;
 use clap::Parser;
 
 #[derive(Parser)]
@@ -263,6 +264,72 @@ fn validate_reports_one_line_per_problem() {
     assert!(lines[1].contains("bad.yaml:3:10: error: `use_cpu` must be true or false"));
     assert!(lines[2].contains("empty.yaml:1:1: error: the file is empty"));
     assert!(lines[3].contains(":1:1: error: this is a directory"));
+}
+
+#[test]
+fn validate_places_plugin_problems_at_the_key_they_name() {
+    let d = tmpdir("plugin-problems");
+    let file = d.join("fsdp.yaml");
+    std::fs::write(
+        &file,
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_state_dict_type: LOCAL_STATE_DICT\naccel:\n  plugins:\n    accel-fsdq: {}\n",
+    )
+    .unwrap();
+    let run = |check: &dyn Fn(&accel_config::Config) -> Vec<PluginProblem>| {
+        let env = |_: &str| None;
+        let (mut o, mut e) = (Vec::new(), Vec::new());
+        let code = run_with_env(
+            &parse(&["validate", file.to_str().unwrap()]),
+            &PluginHooks {
+                distributed_types: &[],
+                check,
+            },
+            &env,
+            0,
+            &mut Cursor::new(Vec::new()),
+            &mut o,
+            &mut e,
+        );
+        (
+            code,
+            String::from_utf8(o).unwrap(),
+            String::from_utf8(e).unwrap(),
+        )
+    };
+    let path = file.display();
+    // A warning alone: the file is still ok.
+    let (code, out, err) = run(&|_| {
+        vec![PluginProblem::warning(
+            Some("accel.plugins.accel-fsdq"),
+            "accel.plugins.accel-fsdq: no installed plugin is named `accel-fsdq`",
+        )]
+    });
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&format!("{path}: ok")), "{out}");
+    assert_eq!(
+        err.trim_end(),
+        format!("{path}:6:5: warning: accel.plugins.accel-fsdq: no installed plugin is named `accel-fsdq`")
+    );
+    // An error at the key it names, another (naming no key) at its section.
+    let (code, out, err) = run(&|_| {
+        vec![
+            PluginProblem::error(
+                Some("fsdp_config"),
+                "plugin `accel-fsdp`: fsdp_config.fsdp_state_dict_type: LOCAL_STATE_DICT is not supported",
+            ),
+            PluginProblem::error(Some("fsdp_config"), "plugin `accel-fsdp`: settings are odd"),
+        ]
+    });
+    assert_eq!(code, 1, "{err}");
+    assert!(!out.contains("ok"), "{out}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            format!("{path}:3:25: error: plugin `accel-fsdp`: fsdp_config.fsdp_state_dict_type: LOCAL_STATE_DICT is not supported"),
+            format!("{path}:2:1: error: plugin `accel-fsdp`: settings are odd"),
+        ]
+    );
 }
 
 fn configs_dir() -> PathBuf {

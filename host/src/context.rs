@@ -106,14 +106,20 @@ impl HostContext for ProcessContext {
     }
 }
 
-/// Sends a plugin's log line to `tracing`, tagged with the plugin.
+/// The `tracing` target of every plugin's log line; the plugin's name is
+/// the line's `plugin` field (`ACCEL_LOG=plugin=debug` shows plugins' debug
+/// lines).
+pub const PLUGIN_LOG_TARGET: &str = "plugin";
+
+/// Sends a plugin's log line to `tracing` at the level the plugin gave,
+/// with target [`PLUGIN_LOG_TARGET`] and the plugin's name as field `plugin`.
 pub fn forward_log(level: LogLevel, plugin: &str, message: &str) {
     match level {
-        LogLevel::Error => tracing::error!(plugin, "{message}"),
-        LogLevel::Warn => tracing::warn!(plugin, "{message}"),
-        LogLevel::Info => tracing::info!(plugin, "{message}"),
-        LogLevel::Debug => tracing::debug!(plugin, "{message}"),
-        LogLevel::Trace => tracing::trace!(plugin, "{message}"),
+        LogLevel::Error => tracing::error!(target: PLUGIN_LOG_TARGET, plugin, "{message}"),
+        LogLevel::Warn => tracing::warn!(target: PLUGIN_LOG_TARGET, plugin, "{message}"),
+        LogLevel::Info => tracing::info!(target: PLUGIN_LOG_TARGET, plugin, "{message}"),
+        LogLevel::Debug => tracing::debug!(target: PLUGIN_LOG_TARGET, plugin, "{message}"),
+        LogLevel::Trace => tracing::trace!(target: PLUGIN_LOG_TARGET, plugin, "{message}"),
     }
 }
 
@@ -121,6 +127,55 @@ pub fn forward_log(level: LogLevel, plugin: &str, message: &str) {
 mod tests {
     use super::*;
     use tch::Tensor;
+
+    /// What the default filter lets through to the log, as text.
+    fn logged_by_default(log: impl FnOnce()) -> String {
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Buffer::default();
+        let writer = buf.clone();
+        let filter = tracing_subscriber::EnvFilter::new(crate::DEFAULT_LOG_FILTER);
+        let subscriber = crate::log_subscriber(filter, move || writer.clone(), false);
+        tracing::subscriber::with_default(subscriber, log);
+        let bytes = buf.0.lock().unwrap().clone();
+        String::from_utf8(bytes).unwrap()
+    }
+
+    #[test]
+    fn a_plugins_log_line_reaches_the_log_with_its_name_and_level() {
+        let ctx = ProcessContext::single(DeviceSpec::CPU).into_box();
+        let text = logged_by_default(|| {
+            ctx.log(
+                LogLevel::Info,
+                "accel-x".into(),
+                "averaging every 3 steps".into(),
+            );
+            ctx.log(LogLevel::Warn, "accel-y".into(), "odd setting".into());
+            ctx.log(LogLevel::Debug, "accel-x".into(), "fine detail".into());
+            tracing::info!("accel's own progress");
+        });
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert!(
+            lines[0].contains("INFO")
+                && lines[0].contains("averaging every 3 steps")
+                && lines[0].contains(r#"plugin="accel-x""#),
+            "{text}"
+        );
+        assert!(
+            lines[1].contains("WARN") && lines[1].contains(r#"plugin="accel-y""#),
+            "{text}"
+        );
+    }
 
     #[test]
     fn collectives_over_one_rank_are_exact() {

@@ -35,20 +35,40 @@ pub mod merge;
 pub mod plugins;
 pub mod progress;
 
-/// Sends accel's and the plugins' `tracing` events (warnings by default;
-/// `ACCEL_LOG` takes an env-filter such as `info` or `accel=debug`) to
-/// stderr. The `accel` binary calls it first thing, and so does every
-/// Accelerator a training program builds; a program that installed a
-/// subscriber of its own keeps it.
+/// The log filter when `ACCEL_LOG` is unset: accel's own warnings and
+/// errors, and what plugins log (`ctx.log`, target
+/// [`context::PLUGIN_LOG_TARGET`]) at `Info` and above, the level the SDK
+/// gives to "progress a user wants to see".
+pub const DEFAULT_LOG_FILTER: &str = "warn,plugin=info";
+
+/// accel's log lines on `writer`: level, target, message and fields (a
+/// plugin's line ends with `plugin="<its name>"`), no time.
+fn log_subscriber<W>(
+    filter: tracing_subscriber::EnvFilter,
+    writer: W,
+    ansi: bool,
+) -> impl tracing::Subscriber + Send + Sync
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    tracing_subscriber::fmt()
+        .with_writer(writer)
+        .with_env_filter(filter)
+        .without_time()
+        .with_ansi(ansi)
+        .finish()
+}
+
+/// Sends accel's and the plugins' `tracing` events to stderr: by
+/// [`DEFAULT_LOG_FILTER`], or the env-filter `ACCEL_LOG` names (`debug`,
+/// `plugin=debug`, `accel=debug,plugin=trace`, `error`). The `accel` binary
+/// calls it first thing, and so does every Accelerator a training program
+/// builds; a program that installed a subscriber of its own keeps it.
 pub fn init_logging() {
     use std::io::IsTerminal;
-    let _already_set = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("ACCEL_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .without_time()
-        .with_ansi(std::io::stderr().is_terminal())
-        .try_init();
+    use tracing_subscriber::util::SubscriberInitExt;
+    let filter = tracing_subscriber::EnvFilter::try_from_env("ACCEL_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
+    let _already_set =
+        log_subscriber(filter, std::io::stderr, std::io::stderr().is_terminal()).try_init();
 }

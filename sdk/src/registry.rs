@@ -23,7 +23,35 @@ pub type TrackerFactory = fn(&str) -> Result<TrackerBox, PluginError>;
 /// Builds a launcher from its settings (JSON).
 pub type LauncherFactory = fn(&str) -> Result<LauncherBox, PluginError>;
 /// Checks a component's config section (JSON) without building anything.
+///
+/// A strategy's validator receives what its factory receives
+/// (`{"section": ..., "settings": ..., "mixed_precision": ...}`), plus
+/// `"launching": true` when `accel launch` asks, right before it starts any
+/// rank ([`launching`] reads it). Then refuse everything the factory would
+/// refuse, requests the plugin does not implement included, so that the job
+/// stops before it starts; without it (`accel config validate`) accepting
+/// what is well-formed lets files written for Accelerate validate.
+///
+/// Name the key at fault by its dotted path from the top of the config file
+/// (`fsdp_config.fsdp_state_dict_type`, `accel.plugins.my-plugin.bucket_mb`):
+/// `accel config validate` and `accel launch` point at the line and column of
+/// the first key path of the file a message names.
 pub type Validator = fn(&str) -> Result<(), PluginError>;
+
+/// The key of a validator's settings JSON that says `accel launch` asks (see [`Validator`]).
+pub const LAUNCHING_KEY: &str = "launching";
+
+/// True when a validator's `settings` (JSON) come from `accel launch`, right
+/// before it starts the ranks (see [`Validator`]).
+///
+/// ```
+/// assert!(accel_sdk::registry::launching(r#"{"section": null, "launching": true}"#));
+/// assert!(!accel_sdk::registry::launching(r#"{"section": null}"#));
+/// ```
+pub fn launching(settings: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(settings)
+        .is_ok_and(|v| v.get(LAUNCHING_KEY) == Some(&serde_json::Value::Bool(true)))
+}
 
 /// How to build a component; the variant is its kind.
 #[derive(Clone, Copy)]

@@ -5,12 +5,13 @@
 use crate::{
     launch::options::{spec_json, LaunchOptions},
     plugins::{
-        config_check::claimed_distributed_types, default_search_path, PluginSet, PLUGIN_DIR_ENV,
+        config_check::{check_config as check_plugin_config, claimed_distributed_types, CheckFor},
+        default_search_path, PluginSet, PLUGIN_DIR_ENV,
     },
 };
 use accel_config::{
-    launch_env, resolve_launch, Config, ConfigError, DistributedType, LaunchInputs, Source,
-    RESOLVED_CONFIG_ENV,
+    launch_env, resolve_launch, Config, ConfigError, DistributedType, KeyMarks, LaunchInputs,
+    PluginProblem, ResolvedConfig, Severity, Source, RESOLVED_CONFIG_ENV,
 };
 use accel_sdk::{abi_stable::std_types::Tuple2, LaunchSpec, PluginKind};
 use clap::Args;
@@ -342,6 +343,55 @@ fn default_launcher(config: &Config) -> &'static str {
     }
 }
 
+/// The config file the resolved config read, if any.
+fn config_file_of(resolved: &ResolvedConfig) -> Option<PathBuf> {
+    resolved.sources.values().find_map(|s| match s {
+        Source::File(p) | Source::DefaultFile(p) => Some(p.clone()),
+        _ => None,
+    })
+}
+
+/// `problem` as `file:line:col: message` when the key it names (or its
+/// section) is in the config file `keys` and every value under it came
+/// from that file; the message alone otherwise (a flag or a variable set it).
+fn located(
+    problem: &PluginProblem,
+    resolved: &ResolvedConfig,
+    keys: Option<&(PathBuf, KeyMarks)>,
+) -> String {
+    let place = keys.and_then(|(file, keys)| {
+        let (key, mark) = problem.locate(keys)?;
+        // Resolved values are kept per top-level key or section entry: the
+        // ones at, above or below `key`.
+        let related = |p: &str| {
+            p == key
+                || key.strip_prefix(p).is_some_and(|r| r.starts_with('.'))
+                || p.strip_prefix(key).is_some_and(|r| r.starts_with('.'))
+        };
+        let sources: Vec<&Source> = resolved
+            .sources
+            .iter()
+            .filter(|(p, _)| related(p))
+            .map(|(_, s)| s)
+            .collect();
+        let from_file = !sources.is_empty()
+            && sources
+                .iter()
+                .all(|s| matches!(s, Source::File(f) | Source::DefaultFile(f) if f == file));
+        from_file.then_some((file, mark))
+    });
+    match place {
+        Some((file, mark)) => format!(
+            "{}:{}:{}: {}",
+            file.display(),
+            mark.line,
+            mark.col,
+            problem.message
+        ),
+        None => problem.message.clone(),
+    }
+}
+
 /// The plugin search path ranks get: what accel searched.
 fn plugin_path(plugin_dirs: &[PathBuf]) -> String {
     let dirs: Vec<PathBuf> = default_search_path(plugin_dirs)
@@ -420,11 +470,23 @@ pub fn run(args: LaunchArgs, plugin_dirs: &[PathBuf], out: &mut dyn Write) -> an
     }
     // The selected strategy checks its settings here, before any rank
     // starts (a rank would otherwise fail in the plugin's factory).
-    let problems = crate::plugins::config_check::check_config(&set, config);
-    if !problems.is_empty() {
-        for p in &problems {
-            eprintln!("accel launch: error: {p}");
+    let problems = check_plugin_config(&set, config, CheckFor::Launch);
+    let keys = if problems.is_empty() {
+        None
+    } else {
+        config_file_of(&resolved).and_then(|f| KeyMarks::of_file(&f).map(|k| (f, k)))
+    };
+    let mut refused = false;
+    for p in &problems {
+        let text = located(p, &resolved, keys.as_ref());
+        if p.severity == Severity::Error {
+            refused = true;
+            eprintln!("accel launch: error: {text}");
+        } else if !args.quiet {
+            eprintln!("accel launch: warning: {text}");
         }
+    }
+    if refused {
         return Ok(1);
     }
     if !args.quiet {

@@ -10,7 +10,7 @@ mod selftest;
 mod test;
 
 use crate::plugins::{
-    config_check::{check_config, claimed_distributed_types},
+    config_check::{check_config, claimed_distributed_types, CheckFor},
     default_search_path, PluginSet,
 };
 use clap::{Parser, Subcommand};
@@ -78,7 +78,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> anyhow::Result<i32> {
         Command::Config(args) => {
             let set = PluginSet::discover(&default_search_path(&cli.plugin_dirs));
             let claimed = claimed_distributed_types(&set);
-            let check = |config: &accel_config::Config| check_config(&set, config);
+            let check = |config: &accel_config::Config| check_config(&set, config, CheckFor::File);
             let hooks = accel_config::cli::PluginHooks {
                 distributed_types: &claimed,
                 check: &check,
