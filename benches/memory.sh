@@ -3,7 +3,9 @@
 # accel's gpt2 example loading a 210 M-parameter GPT-2 (16 layers x 1024,
 # 16 heads, vocab 8192, positions 128; random init written by transformers)
 # and taking 2 AdamW steps on 4 CPU ranks under DDP, ZeRO-1/2/3 and FSDP
-# FULL_SHARD (GPT2Block units), with and without
+# FULL_SHARD (GPT2Block units) -- ZeRO-3 with and without zero3_init_flag,
+# FSDP with and without fsdp_cpu_ram_efficient_loading (each rank maps the
+# checkpoint and reads only its slices) -- with and without
 # MALLOC_MMAP_THRESHOLD_=1048576 (glibc then maps every allocation of 1 MiB
 # or more on its own, and gives it back to the system when freed).
 #
@@ -38,8 +40,12 @@ config() {  # name distributed_type [yaml lines]
 }
 config ddp MULTI_CPU
 for stage in 1 2 3; do config "zero$stage" DEEPSPEED deepspeed_config: "  zero_stage: $stage"; done
-config fsdp FSDP fsdp_config: "  fsdp_sharding_strategy: FULL_SHARD" \
-    "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP" "  fsdp_transformer_layer_cls_to_wrap: GPT2Block"
+config zero3-init-flag DEEPSPEED deepspeed_config: "  zero_stage: 3" "  zero3_init_flag: true"
+for efficient in false true; do
+    config "fsdp-efficient-loading-$efficient" FSDP fsdp_config: "  fsdp_sharding_strategy: FULL_SHARD" \
+        "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP" "  fsdp_transformer_layer_cls_to_wrap: GPT2Block" \
+        "  fsdp_cpu_ram_efficient_loading: $efficient"
+done
 
 # Runs one job, polling the peak RSS of its gpt2 ranks; prints the kB.
 peak() {
@@ -64,7 +70,7 @@ peak() {
 
 printf '| strategy | peak RSS per rank | x DDP | with MALLOC_MMAP_THRESHOLD_=1MiB | x DDP |\n| --- | --- | --- | --- | --- |\n'
 ddp=$(peak ddp)
-for cfg in ddp zero1 zero2 zero3 fsdp; do
+for cfg in ddp zero1 zero2 zero3 zero3-init-flag fsdp-efficient-loading-false fsdp-efficient-loading-true; do
     if [ "$cfg" = ddp ]; then plain=$ddp; else plain=$(peak "$cfg"); fi
     mapped=$(MALLOC_MMAP_THRESHOLD_=1048576 peak "$cfg")
     python3 -c "import sys; d,p,m=map(int,sys.argv[2:]); print(f'| {sys.argv[1]} | {p/1048576:.2f} GiB | {p/d:.2f} | {m/1048576:.2f} GiB | {m/d:.2f} |')" \

@@ -71,7 +71,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use model::{
     is_adapter, lm_loss, merge_adapters, Gpt2, Gpt2Config, LoraConfig, LoraInit, BLOCK_CLASS,
-    IGNORED_SUFFIXES,
+    IGNORED_SUFFIXES, LORA_A, LORA_B,
 };
 use regex::Regex;
 use std::{
@@ -655,7 +655,14 @@ fn main() -> Result<()> {
     let mut acc = builder.build()?;
     acc.set_seed(args.seed, false);
     let mut vs = nn::VarStore::new(acc.device());
-    let mut model = Gpt2::new(&vs.root(), config);
+    // Loading a checkpoint without a whole copy per rank: the parameters it
+    // fills hold no memory until `prepare_model_from` maps its files.
+    let deferred = checkpoint.is_some() && acc.loads_efficiently();
+    let mut model = if deferred {
+        Gpt2::new_with(&vs.root(), config, &accel::accelerator::deferred_var)
+    } else {
+        Gpt2::new(&vs.root(), config)
+    };
     let lora = args.lora_r.map(|r| LoraConfig {
         r,
         alpha: args.lora_alpha.unwrap_or(2.0 * r as f64),
@@ -669,40 +676,6 @@ fn main() -> Result<()> {
     }
     if args.gradient_checkpointing {
         model.gradient_checkpointing_enable();
-    }
-    if let (Some(dir), Some(ck)) = (&args.model, &checkpoint) {
-        // The checkpoint holds the base model; adapters keep their init.
-        let mut params: Vec<(String, Tensor)> = vs
-            .variables()
-            .into_iter()
-            .filter(|(n, _)| !is_adapter(n))
-            .collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
-        let options = hf::LoadOptions {
-            strict: !args.non_strict,
-            base_model_prefix: Some("transformer".into()),
-            ignore_unexpected: IGNORED_SUFFIXES.iter().map(|s| (*s).to_owned()).collect(),
-            tied: if model.config.tie_word_embeddings {
-                vec![("lm_head.weight".into(), "transformer.wte.weight".into())]
-            } else {
-                Vec::new()
-            },
-            hint: Some(format!(
-                "shapes from {}; --non-strict loads what fits",
-                dir.join(hf::CONFIG_NAME).display()
-            )),
-        };
-        let report = ck
-            .load_into(&params, &options)
-            .with_context(|| format!("--model {}", dir.display()))?;
-        if let Some(problems) = report.problems() {
-            if acc.is_main_process() {
-                eprintln!(
-                    "gpt2: --non-strict: {} does not fully fit the model; going on with the model's own values where nothing fits:\n{problems}",
-                    ck.location().display()
-                );
-            }
-        }
     }
     let mut frozen = freeze(&vs, &args.freeze)?;
     if lora.is_some() {
@@ -718,7 +691,37 @@ fn main() -> Result<()> {
         }
     }
     acc.declare_layer_class(BLOCK_CLASS, model.block_paths())?;
-    acc.prepare_model(&mut vs)?;
+    if let (Some(dir), Some(ck)) = (&args.model, &checkpoint) {
+        // The checkpoint holds the base model; adapters keep their init.
+        let options = hf::LoadOptions {
+            strict: !args.non_strict,
+            base_model_prefix: Some("transformer".into()),
+            ignore_unexpected: IGNORED_SUFFIXES.iter().map(|s| (*s).to_owned()).collect(),
+            tied: if model.config.tie_word_embeddings {
+                vec![("lm_head.weight".into(), "transformer.wte.weight".into())]
+            } else {
+                Vec::new()
+            },
+            hint: Some(format!(
+                "shapes from {}; --non-strict loads what fits",
+                dir.join(hf::CONFIG_NAME).display()
+            )),
+            not_stored: [LORA_A, LORA_B].map(|n| format!(".{n}")).to_vec(),
+        };
+        let report = acc
+            .prepare_model_from(&mut vs, ck, &options)
+            .with_context(|| format!("--model {}", dir.display()))?;
+        if let Some(problems) = report.problems() {
+            if acc.is_main_process() {
+                eprintln!(
+                    "gpt2: --non-strict: {} does not fully fit the model; going on with the model's own values where nothing fits:\n{problems}",
+                    ck.location().display()
+                );
+            }
+        }
+    } else {
+        acc.prepare_model(&mut vs)?;
+    }
     let mut opt =
         acc.prepare_optimizer(OptimizerConfig::adamw(args.lr).weight_decay(args.weight_decay))?;
     let total = args.steps * u64::from(acc.num_processes());

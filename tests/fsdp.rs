@@ -386,4 +386,12 @@ fn what_accel_fsdp_does_not_do_is_refused_by_name() {
         &fsdp_config(d, "bogus.yaml", 2, "  fsdp_sharding_strategy: BOGUS\n"),
         &["fsdp_sharding_strategy", "BOGUS"],
     );
+    // bf16 parameters need the bf16 autocast that casts the inputs.
+    refused(
+        &fsdp_config(d, "policy.yaml", 2, "  fsdp_mixed_precision_policy: bf16\n"),
+        &[
+            "fsdp_config.fsdp_mixed_precision_policy",
+            "param_dtype bf16 needs mixed_precision: bf16",
+        ],
+    );
 }

@@ -334,10 +334,13 @@ fn a_deepspeed_files_accumulation_and_precision_win_over_the_programs() {
     let dir = tempfile::tempdir().unwrap();
     let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
     let ds = dir.path().join("ds.json");
+    // Reducing in fp32 (`communication_data_type`) keeps the run equal to
+    // DDP's bf16 autocast: the bf16 weights and products are the same, and
+    // only a bf16 reduction would round apart (tests/sharded_mixed_precision.rs).
     std::fs::write(
         &ds,
         r#"{"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2,
-            "bf16": {"enabled": true}}"#,
+            "bf16": {"enabled": true}, "communication_data_type": "fp32"}"#,
     )
     .unwrap();
     let config = zero_config(

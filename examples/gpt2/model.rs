@@ -304,6 +304,9 @@ impl Gpt2Config {
     }
 }
 
+/// Makes one parameter: `(path, name, shape, init)` to the variable.
+pub type MakeVar<'a> = &'a dyn Fn(&nn::Path, &str, &[i64], Init) -> Tensor;
+
 /// transformers' `Conv1D`: `y = x @ W + b` with `W` stored `[in, out]`.
 struct Conv1d {
     weight: Tensor,
@@ -311,9 +314,10 @@ struct Conv1d {
 }
 
 impl Conv1d {
-    fn new(p: nn::Path, nx: i64, nf: i64, std: f64) -> Self {
+    fn new(p: nn::Path, nx: i64, nf: i64, std: f64, var: MakeVar) -> Self {
         Self {
-            weight: p.var(
+            weight: var(
+                &p,
                 "weight",
                 &[nx, nf],
                 Init::Randn {
@@ -321,7 +325,7 @@ impl Conv1d {
                     stdev: std,
                 },
             ),
-            bias: p.var("bias", &[nf], Init::Const(0.0)),
+            bias: var(&p, "bias", &[nf], Init::Const(0.0)),
         }
     }
 
@@ -350,10 +354,10 @@ struct LayerNorm {
 }
 
 impl LayerNorm {
-    fn new(p: nn::Path, n: i64, eps: f64) -> Self {
+    fn new(p: nn::Path, n: i64, eps: f64, var: MakeVar) -> Self {
         Self {
-            weight: p.var("weight", &[n], Init::Const(1.0)),
-            bias: p.var("bias", &[n], Init::Const(0.0)),
+            weight: var(&p, "weight", &[n], Init::Const(1.0)),
+            bias: var(&p, "bias", &[n], Init::Const(0.0)),
             eps,
         }
     }
@@ -541,7 +545,7 @@ struct Block {
 }
 
 impl Block {
-    fn new(p: nn::Path, c: &Gpt2Config, layer: i64) -> Self {
+    fn new(p: nn::Path, c: &Gpt2Config, layer: i64, var: MakeVar) -> Self {
         let (e, std) = (c.n_embd, c.initializer_range);
         // GPT-2's scaled init of the residual projections.
         let proj_std = std / ((2 * c.n_layer) as f64).sqrt();
@@ -554,12 +558,12 @@ impl Block {
             scaling /= (layer + 1) as f64;
         }
         Self {
-            ln_1: LayerNorm::new(&p / "ln_1", e, c.layer_norm_epsilon),
-            c_attn: Conv1d::new(&p / "attn" / "c_attn", e, 3 * e, std),
-            attn_c_proj: Conv1d::new(&p / "attn" / "c_proj", e, e, proj_std),
-            ln_2: LayerNorm::new(&p / "ln_2", e, c.layer_norm_epsilon),
-            c_fc: Conv1d::new(&p / "mlp" / "c_fc", e, c.inner(), std),
-            mlp_c_proj: Conv1d::new(&p / "mlp" / "c_proj", c.inner(), e, proj_std),
+            ln_1: LayerNorm::new(&p / "ln_1", e, c.layer_norm_epsilon, var),
+            c_attn: Conv1d::new(&p / "attn" / "c_attn", e, 3 * e, std, var),
+            attn_c_proj: Conv1d::new(&p / "attn" / "c_proj", e, e, proj_std, var),
+            ln_2: LayerNorm::new(&p / "ln_2", e, c.layer_norm_epsilon, var),
+            c_fc: Conv1d::new(&p / "mlp" / "c_fc", e, c.inner(), std, var),
+            mlp_c_proj: Conv1d::new(&p / "mlp" / "c_proj", c.inner(), e, proj_std, var),
             n_head: c.n_head,
             scaling,
             attn_pdrop: c.attn_pdrop,
@@ -636,10 +640,18 @@ impl Gpt2 {
     /// residual projections (`c_proj`) normal(0, initializer_range /
     /// sqrt(2 n_layer)).
     pub fn new(root: &nn::Path, config: Gpt2Config) -> Self {
+        Self::new_with(root, config, &|p, name, dims, init| p.var(name, dims, init))
+    }
+
+    /// As [`Gpt2::new`], each parameter made by `var` (e.g.
+    /// `accel::accelerator::deferred_var` for a model about to be loaded
+    /// without a whole copy per rank).
+    pub fn new_with(root: &nn::Path, config: Gpt2Config, var: MakeVar) -> Self {
         let c = &config;
         let tr = root / "transformer";
         let std = c.initializer_range;
-        let wte = (&tr / "wte").var(
+        let wte = var(
+            &(&tr / "wte"),
             "weight",
             &[c.vocab_size, c.n_embd],
             Init::Randn {
@@ -647,7 +659,8 @@ impl Gpt2 {
                 stdev: std,
             },
         );
-        let wpe = (&tr / "wpe").var(
+        let wpe = var(
+            &(&tr / "wpe"),
             "weight",
             &[c.n_positions, c.n_embd],
             Init::Randn {
@@ -656,11 +669,12 @@ impl Gpt2 {
             },
         );
         let blocks = (0..c.n_layer)
-            .map(|i| Block::new(&tr / "h" / i, c, i))
+            .map(|i| Block::new(&tr / "h" / i, c, i, var))
             .collect();
-        let ln_f = LayerNorm::new(&tr / "ln_f", c.n_embd, c.layer_norm_epsilon);
+        let ln_f = LayerNorm::new(&tr / "ln_f", c.n_embd, c.layer_norm_epsilon, var);
         let lm_head = (!c.tie_word_embeddings).then(|| {
-            (root / "lm_head").var(
+            var(
+                &(root / "lm_head"),
                 "weight",
                 &[c.vocab_size, c.n_embd],
                 Init::Randn {

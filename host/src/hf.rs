@@ -439,7 +439,11 @@ impl Checkpoint {
         }
         filled.extend(report.mismatched.iter().map(|m| m.name.clone()));
         for (name, shape) in params {
-            if !filled.contains(name) {
+            let own = options
+                .not_stored
+                .iter()
+                .any(|suffix| name.ends_with(suffix.as_str()));
+            if !filled.contains(name) && !own {
                 report.missing.push((name.clone(), shape.clone()));
             }
         }
@@ -454,6 +458,133 @@ impl Checkpoint {
     /// Not strict: loads what fits and returns the report, whose
     /// [`LoadReport::problems`] says what was left out.
     pub fn load_into(
+        &self,
+        params: &[(String, Tensor)],
+        options: &LoadOptions,
+    ) -> Result<LoadReport, AccelError> {
+        self.fill_each(params, options, |stored, target, dst| {
+            let src = self.read_one(stored)?;
+            dst.f_copy_(&src)
+                .map_err(|e| err(format!("loading `{stored}` into `{target}`: {e}")))
+        })
+    }
+
+    /// As [`Checkpoint::load_into`], but a parameter on the CPU whose
+    /// stored dtype is its own takes the file's bytes without a copy: its
+    /// memory becomes a private (copy-on-write) mapping of the file, read
+    /// from disk only where something reads the tensor. A sharding strategy
+    /// then copies out this rank's slice and frees the rest, so no rank ever
+    /// holds the whole model. Other parameters are read and converted as
+    /// `load_into` does. Parameters may hold no memory beforehand
+    /// ([`crate::accelerator::deferred_var`]).
+    ///
+    /// The files must not be rewritten in place while the parameters map
+    /// them (accel replaces files by renaming a new one over them, which is
+    /// safe: the mapping keeps the old file).
+    pub fn map_into(
+        &self,
+        params: &[(String, Tensor)],
+        options: &LoadOptions,
+    ) -> Result<LoadReport, AccelError> {
+        let mut maps = HashMap::new();
+        self.fill_each(params, options, |stored, _, dst| {
+            let value = match self.mapped(stored, dst.kind(), dst.device(), &mut maps)? {
+                Some(t) => t,
+                None => self
+                    .read_one(stored)?
+                    .to_device(dst.device())
+                    .to_kind(dst.kind()),
+            };
+            dst.set_data(&value);
+            Ok(())
+        })
+    }
+
+    /// Checks the load ([`Checkpoint::checked_plan`]), then gives every
+    /// parameter it fills its value: `fill(stored name, parameter name,
+    /// parameter)`, without autograd.
+    fn fill_each(
+        &self,
+        params: &[(String, Tensor)],
+        options: &LoadOptions,
+        mut fill: impl FnMut(&str, &str, &mut Tensor) -> Result<(), AccelError>,
+    ) -> Result<LoadReport, AccelError> {
+        let report = self.checked_plan(params, options)?;
+        let by_name: HashMap<&str, &Tensor> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        tch::no_grad(|| -> Result<(), AccelError> {
+            for (stored, target) in &report.loaded {
+                if let Some(dst) = by_name.get(target.as_str()) {
+                    fill(stored, target, &mut (*dst).shallow_clone())?;
+                }
+            }
+            Ok(())
+        })?;
+        Ok(report)
+    }
+
+    /// Tensor `stored` over a private mapping of its file, when it can be
+    /// one: `kind` is its stored dtype, on the CPU, and its bytes are
+    /// aligned for it.
+    fn mapped(
+        &self,
+        stored: &str,
+        kind: Kind,
+        device: tch::Device,
+        maps: &mut HashMap<PathBuf, std::sync::Arc<memmap2::MmapMut>>,
+    ) -> Result<Option<Tensor>, AccelError> {
+        let (Some(info), Some(&(start, end))) = (self.get(stored), self.ranges.get(stored)) else {
+            return Ok(None);
+        };
+        let stored_kind = safetensors_dtype(&info.dtype).and_then(accel_data::torch_kind);
+        let size = kind.elt_size_in_bytes() as u64;
+        if device != tch::Device::Cpu
+            || stored_kind != Some(kind)
+            || byte_len(&info.shape, size) != Some(end - start)
+        {
+            return Ok(None);
+        }
+        let map = match maps.get(&info.file) {
+            Some(m) => m.clone(),
+            None => {
+                let file =
+                    fs::File::open(&info.file).map_err(|e| io_err("reading", &info.file, e))?;
+                // SAFETY: a private (copy-on-write) mapping: writes through
+                // it never reach the file; accel replaces checkpoint files
+                // by renaming, never rewriting them in place.
+                let m = unsafe { memmap2::MmapOptions::new().map_copy(&file) }
+                    .map_err(|e| io_err("mapping", &info.file, e))?;
+                let m = std::sync::Arc::new(m);
+                maps.insert(info.file.clone(), m.clone());
+                m
+            }
+        };
+        if end as usize > map.len() {
+            return Err(err(format!(
+                "{}: `{stored}` ends at byte {end}, past the file's end",
+                info.file.display()
+            )));
+        }
+        let data = map.as_ptr().wrapping_add(start as usize).cast_mut();
+        if !(data as usize).is_multiple_of(size as usize) {
+            return Ok(None);
+        }
+        let t = Tensor::empty(info.shape.as_slice(), (kind, device));
+        // SAFETY: `data..data + (end - start)` lies in the mapping, which
+        // the owner (an Arc of it) keeps alive; the mapping is private, so
+        // only these tensors read and write it.
+        unsafe { accel_sdk::shim::adopt_storage(&t, data, (end - start) as usize, Box::new(map)) }
+            .map_err(|e| {
+                err(format!(
+                    "mapping `{stored}` of {}: {e}",
+                    info.file.display()
+                ))
+            })?;
+        Ok(Some(t))
+    }
+
+    /// [`Checkpoint::plan`] for `params`, every problem checked as
+    /// [`Checkpoint::load_into`] describes, nothing loaded yet.
+    fn checked_plan(
         &self,
         params: &[(String, Tensor)],
         options: &LoadOptions,
@@ -493,7 +624,6 @@ impl Checkpoint {
                 )));
             }
         }
-        let by_name: HashMap<&str, &Tensor> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
         // Tied tensors (lm_head.weight) must equal what they are tied to.
         let mut differ = Vec::new();
         for (stored, to) in &report.tied {
@@ -519,18 +649,6 @@ impl Checkpoint {
                 differ.join("; ")
             )));
         }
-        tch::no_grad(|| -> Result<(), AccelError> {
-            for (stored, target) in &report.loaded {
-                let Some(dst) = by_name.get(target.as_str()) else {
-                    continue;
-                };
-                let src = self.read_one(stored)?;
-                let mut dst = (*dst).shallow_clone();
-                dst.f_copy_(&src)
-                    .map_err(|e| err(format!("loading `{stored}` into `{target}`: {e}")))?;
-            }
-            Ok(())
-        })?;
         report.tied_differ = differ;
         Ok(report)
     }
@@ -555,6 +673,10 @@ pub struct LoadOptions {
     pub tied: Vec<(String, String)>,
     /// A hint appended to the strict error (what made the model's shapes).
     pub hint: Option<String>,
+    /// Name suffixes of model parameters the checkpoint is not expected to
+    /// hold (LoRA adapters of a base model's checkpoint): they keep the
+    /// program's values and are never reported missing.
+    pub not_stored: Vec<String>,
 }
 
 impl Default for LoadOptions {
@@ -565,6 +687,7 @@ impl Default for LoadOptions {
             ignore_unexpected: Vec::new(),
             tied: Vec::new(),
             hint: None,
+            not_stored: Vec::new(),
         }
     }
 }
@@ -960,6 +1083,36 @@ mod tests {
                 Tensor::zeros([4, 4], (Kind::Float, Device::Cpu)),
             ),
         ]
+    }
+
+    #[test]
+    fn mapped_parameters_take_the_files_values_and_free_cleanly() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = Tensor::arange(12, (Kind::Float, Device::Cpu)).view([3, 4]);
+        let h = Tensor::from_slice(&[1.5f64, 2.5]).to_kind(Kind::BFloat16);
+        let file = dir.path().join(WEIGHTS_NAME);
+        write_safetensors(&file, &[("w".into(), w.copy()), ("h".into(), h.copy())]).unwrap();
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        let vs = tch::nn::VarStore::new(Device::Cpu);
+        let pw =
+            crate::accelerator::deferred_var(&vs.root(), "w", &[3, 4], tch::nn::Init::Const(0.0));
+        // Another dtype than the file's: read and converted, not mapped.
+        let ph = crate::accelerator::deferred_var(&vs.root(), "h", &[2], tch::nn::Init::Const(0.0));
+        let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let report = ck.map_into(&params, &LoadOptions::default()).unwrap();
+        assert_eq!(report.loaded.len(), 2);
+        assert!(pw.equal(&w) && pw.requires_grad());
+        assert!(ph.equal(&Tensor::from_slice(&[1.5f32, 2.5])));
+        // Writes stay in this process (copy-on-write), never in the file.
+        tch::no_grad(|| {
+            let _ = pw.shallow_clone().fill_(7.0);
+        });
+        assert!(ck.read_one("w").unwrap().equal(&w));
+        // Freed (a strategy resharding) and filled again with fresh memory.
+        accel_sdk::shim::free_storage(&pw).unwrap();
+        accel_sdk::shim::fill_storage(&pw, &w).unwrap();
+        assert!(pw.equal(&w));
     }
 
     #[test]

@@ -510,6 +510,25 @@ char* accel_storage_fill(at::Tensor* t, const at::Tensor* src) {
   });
 }
 
+// Makes `t`'s storage use `nbytes` at `data`, memory the caller owns (a file
+// mapping): `release(ctx)` runs once libtorch lets go of it (the storage freed
+// by `accel_storage_free`, or its last tensor dropped); it owns `ctx` from
+// this call on, also when the call fails. The storage keeps its allocator, so
+// `accel_storage_fill` can give it fresh memory later.
+char* accel_storage_adopt(at::Tensor* t, void* data, size_t nbytes, void* ctx,
+                          void (*release)(void*)) {
+  at::DataPtr owned(data, ctx, release, at::Device(at::kCPU));
+  return guarded([&] {
+    TORCH_CHECK(t->device().is_cpu(), "accel_storage_adopt needs a CPU tensor");
+    TORCH_CHECK(t->is_contiguous(), "accel_storage_adopt needs a contiguous tensor");
+    size_t need = static_cast<size_t>(t->storage_offset() + t->numel()) * t->element_size();
+    TORCH_CHECK(nbytes >= need, "accel_storage_adopt: ", nbytes, " bytes for a tensor of ", need);
+    auto* impl = t->storage().unsafeGetStorageImpl();
+    impl->set_data_ptr_noswap(std::move(owned));
+    impl->set_nbytes(nbytes);
+  });
+}
+
 // Bytes of memory behind `t` now (0 after `accel_storage_free`).
 size_t accel_storage_nbytes(const at::Tensor* t) {
   try {

@@ -83,6 +83,13 @@ extern "C" {
     fn accel_storage_free(t: *mut C_tensor) -> *mut c_char;
     fn accel_storage_fill(t: *mut C_tensor, src: *const C_tensor) -> *mut c_char;
     fn accel_storage_nbytes(t: *const C_tensor) -> usize;
+    fn accel_storage_adopt(
+        t: *mut C_tensor,
+        data: *mut c_void,
+        nbytes: usize,
+        ctx: *mut c_void,
+        release: extern "C" fn(*mut c_void),
+    ) -> *mut c_char;
     fn accel_fused_adam(
         params: *const *mut C_tensor,
         grads: *const *mut C_tensor,
@@ -360,6 +367,44 @@ pub fn fill_storage(t: &Tensor, src: &Tensor) -> Result<(), ShimError> {
 pub fn storage_bytes(t: &Tensor) -> u64 {
     // SAFETY: t is a live tensor handle.
     unsafe { accel_storage_nbytes(t.as_ptr()) as u64 }
+}
+
+/// Makes the contiguous CPU tensor `t` (and every tensor sharing its
+/// storage) use the `len` bytes at `data` as its memory, without copying:
+/// how a checkpoint's file mapping becomes parameters. `owner` keeps that
+/// memory valid and is dropped once libtorch lets go of it ([`free_storage`],
+/// or the last tensor on the storage dropped). [`fill_storage`] can give the
+/// tensor fresh memory afterwards.
+///
+/// ```
+/// use tch::{Kind, Tensor};
+/// let bytes: Box<[f32]> = vec![1.0, 2.0, 3.0].into_boxed_slice();
+/// let data = bytes.as_ptr() as *mut u8;
+/// let t = Tensor::empty([3], (Kind::Float, tch::Device::Cpu));
+/// // SAFETY: `bytes` (moved into the owner) holds 12 bytes at `data` and
+/// // is not used elsewhere.
+/// unsafe { accel_sdk::shim::adopt_storage(&t, data, 12, Box::new(bytes)) }.unwrap();
+/// assert_eq!(t.sum(Kind::Float).double_value(&[]), 6.0);
+/// ```
+///
+/// # Safety
+///
+/// `data..data + len` must stay valid, and be read and written only through
+/// these tensors, for as long as `owner` lives.
+pub unsafe fn adopt_storage(
+    t: &Tensor,
+    data: *mut u8,
+    len: usize,
+    owner: Box<dyn Send>,
+) -> Result<(), ShimError> {
+    extern "C" fn release(ctx: *mut c_void) {
+        // SAFETY: `ctx` is the `Box<Box<dyn Send>>` leaked below, released once.
+        drop(unsafe { Box::from_raw(ctx.cast::<Box<dyn Send>>()) });
+    }
+    let ctx = Box::into_raw(Box::new(owner)).cast::<c_void>();
+    // SAFETY: t is a live tensor handle; the shim owns `ctx` from here on
+    // and calls `release` exactly once.
+    check(unsafe { accel_storage_adopt(ptr(t), data.cast(), len, ctx, release) })
 }
 
 /// A libtorch error raised inside the shim.

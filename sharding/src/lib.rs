@@ -34,6 +34,27 @@
 //! micro-step and summed in the chunks (PyTorch FSDP's behaviour outside
 //! `no_sync`), which needs no whole-model gradient buffer; all-reduced
 //! gradients accumulate locally and sync on the last micro-step.
+//!
+//! # Mixed precision
+//!
+//! With [`Plan::param_dtype`] (FSDP's `MixedPrecision.param_dtype`,
+//! DeepSpeed's bf16/fp16 model weights) the chunks stay in the program's
+//! dtype — the fp32 masters the optimizer steps on, with its state — and
+//! the model's parameters become tensors of the compute dtype (cast once in
+//! `prepare_model`, in place, so the model's own tensors stay the same
+//! objects). A gathered unit is all-gathered from chunks cast to the compute
+//! dtype (half the traffic of fp32), so the forward and backward run on a
+//! half-precision copy and the gradients arrive in it. Gradients are
+//! reduce-scattered or all-reduced in [`Plan::reduce_dtype`] (default: the
+//! compute dtype) and added to the fp32 chunk gradients, which the host's
+//! precision policy unscales (fp16) and the optimizer steps on; a step
+//! all-gathers the updated masters into the kept parameters (ZeRO-1/2) in
+//! the compute dtype again. State dicts and checkpoints hold the masters.
+//! (NCCL reduces bf16/fp16 as they are; MPI has no 16-bit types, so the
+//! host's MPI communicator widens them to fp32 for the wire and the sum and
+//! rounds the result back.) Only plans whose optimizer steps on chunks ([`Plan::shard_optimizer`])
+//! can keep masters apart from the parameters; `prepare_model` refuses a
+//! compute or reduce dtype on any other.
 
 use accel_sdk::tch::{self, Device, Kind, Tensor};
 use accel_sdk::{
@@ -98,6 +119,35 @@ pub struct Plan {
     /// What the plugin's config decides over the program's choice
     /// (DeepSpeed's `gradient_accumulation_steps`, `fp16`/`bf16`).
     pub overrides: RunOverrides,
+    /// The dtype the model computes with: the whole parameters (and so
+    /// their gradients) are a copy of the chunks in it. `None`: the
+    /// program's own dtype (no copy). Needs `shard_optimizer`.
+    pub param_dtype: Option<Kind>,
+    /// The dtype gradients are reduced in before they are added to the
+    /// chunks' gradients. `None`: the parameters' dtype (`param_dtype`, else
+    /// the program's). Needs `shard_optimizer`.
+    pub reduce_dtype: Option<Kind>,
+}
+
+/// The dtype a `mixed_precision` value computes in: `bf16` and `fp8` (whose
+/// non-fp8 parts run in bf16, as Accelerate's FSDP plugin maps it) give
+/// bfloat16, `fp16` float16; `no` (and anything else) none.
+pub fn precision_dtype(mixed_precision: &str) -> Option<Kind> {
+    match mixed_precision {
+        "bf16" | "fp8" => Some(Kind::BFloat16),
+        "fp16" => Some(Kind::Half),
+        _ => None,
+    }
+}
+
+/// How messages name a dtype: `bf16`, `fp16`, `fp32`, else libtorch's name.
+pub fn dtype_name(kind: Kind) -> String {
+    match kind {
+        Kind::BFloat16 => "bf16".to_owned(),
+        Kind::Half => "fp16".to_owned(),
+        Kind::Float => "fp32".to_owned(),
+        other => format!("{other:?}"),
+    }
 }
 
 /// A wrap policy: `(name, numel)` of every parameter (model order) to units
@@ -132,6 +182,9 @@ pub struct Sharded {
     group_rank: i64,
     /// All-reduce mode: the flat buffer gradients are averaged in.
     flat_grad: Option<Tensor>,
+    /// The parameters' dtype as the program made them: the chunks' (the
+    /// masters under mixed precision).
+    master: Kind,
     peak: u64,
 }
 
@@ -157,6 +210,7 @@ impl Sharded {
             group: 1,
             group_rank: 0,
             flat_grad: None,
+            master: Kind::Float,
             peak: 0,
         }
     }
@@ -180,11 +234,16 @@ impl Sharded {
             .map_or(Device::Cpu, |(_, p)| p.device())
     }
 
-    fn kind(&self) -> Kind {
-        self.params
-            .items
-            .first()
-            .map_or(Kind::Float, |(_, p)| p.kind())
+    /// The dtype the model computes with: the whole parameters'.
+    fn compute_kind(&self) -> Kind {
+        self.plan.param_dtype.unwrap_or(self.master)
+    }
+
+    /// The dtype gradients are reduced in.
+    fn reduce_kind(&self) -> Kind {
+        self.plan
+            .reduce_dtype
+            .unwrap_or_else(|| self.compute_kind())
     }
 
     fn chunk_device(&self) -> Device {
@@ -220,13 +279,20 @@ impl Sharded {
         padded
     }
 
-    /// This rank's chunk of a whole-parameter tensor of parameter `i`.
+    /// This rank's chunk of a whole-parameter tensor of parameter `i`,
+    /// reading only this rank's elements of it (a parameter mapping a
+    /// checkpoint file is read from disk only there).
     fn chunk_of(&self, i: usize, whole: &Tensor) -> Tensor {
-        let c = self.chunk_len[i];
-        self.padded(i, whole)
-            .narrow(0, self.group_rank * c, c)
-            .to_device(self.chunk_device())
-            .copy()
+        let (c, n) = (self.chunk_len[i], self.numels[i]);
+        let start = (self.group_rank * c).min(n);
+        let len = (start + c).min(n) - start;
+        let chunk = Tensor::zeros([c], (whole.kind(), self.chunk_device()));
+        tch::no_grad(|| {
+            chunk
+                .narrow(0, 0, len)
+                .copy_(&whole.detach().reshape([-1]).narrow(0, start, len))
+        });
+        chunk
     }
 
     /// All-gathers one chunk-shaped tensor of every parameter in `idx`
@@ -272,12 +338,14 @@ impl Sharded {
         Ok(out)
     }
 
-    /// Writes the chunks of unit `u` back into its parameters' storage.
+    /// Writes the chunks of unit `u` back into its parameters' storage,
+    /// all-gathered in the compute dtype.
     fn fill_unit(&mut self, u: usize) -> Result<(), PluginError> {
         let idx = self.units[u].params.clone();
+        let compute = self.compute_kind();
         let parts: Vec<Tensor> = idx
             .iter()
-            .map(|&i| self.chunks[i].shallow_clone())
+            .map(|&i| self.chunks[i].detach().to_kind(compute))
             .collect();
         let wholes = self.gather_whole(&idx, &parts)?;
         for (&i, whole) in idx.iter().zip(&wholes) {
@@ -330,16 +398,17 @@ impl Sharded {
         }
     }
 
-    /// Reduce-scatters (averages) unit `u`'s gradients into its chunks'
-    /// gradients and frees the whole gradients.
+    /// Reduce-scatters (averages, in the reduce dtype) unit `u`'s gradients
+    /// into its chunks' gradients and frees the whole gradients.
     fn reduce_scatter_unit(&mut self, u: usize) -> Result<(), PluginError> {
         let idx = self.trainable(&self.units[u].params);
         if idx.is_empty() {
             return Ok(());
         }
         let device = self.compute_device();
+        let reduce = self.reduce_kind();
         let s: i64 = idx.iter().map(|&i| self.chunk_len[i]).sum();
-        let input = Tensor::zeros([self.group, s], (self.kind(), device));
+        let input = Tensor::zeros([self.group, s], (reduce, device));
         let mut offset = 0;
         for &i in &idx {
             let c = self.chunk_len[i];
@@ -366,7 +435,7 @@ impl Sharded {
         } else {
             input
         };
-        let mut out = Tensor::zeros([s], (self.kind(), device));
+        let mut out = Tensor::zeros([s], (reduce, device));
         self.ctx
             .reduce_scatter(
                 TensorRef::new(&input.reshape([-1])),
@@ -382,6 +451,7 @@ impl Sharded {
             let part = out
                 .narrow(0, offset, c)
                 .to_device(self.chunk_device())
+                .to_kind(self.master)
                 .copy();
             self.add_chunk_grad(i, part)?;
             offset += c;
@@ -389,9 +459,11 @@ impl Sharded {
         Ok(())
     }
 
-    /// All-reduce mode: averages every gradient in one flat buffer the
-    /// gradients then view; with a sharded optimizer the chunks take their
-    /// part and the whole gradients are zeroed for the next accumulation.
+    /// All-reduce mode: averages every gradient in one flat buffer (of the
+    /// reduce dtype) the gradients then view; with a sharded optimizer the
+    /// chunks take their part and the whole gradients are zeroed for the
+    /// next accumulation — or dropped, when the buffer's dtype is not
+    /// theirs (a reduce dtype apart from the compute dtype).
     fn all_reduce_grads(&mut self) -> Result<(), PluginError> {
         let all: Vec<usize> = (0..self.params.items.len()).collect();
         let trainable = self.trainable(&all);
@@ -414,9 +486,14 @@ impl Sharded {
             .collect();
         if self.flat_grad.is_none() {
             let total: i64 = trainable.iter().map(|&i| self.numels[i]).sum();
-            self.flat_grad = Some(Tensor::zeros([total], (self.kind(), self.compute_device())));
+            self.flat_grad = Some(Tensor::zeros(
+                [total],
+                (self.reduce_kind(), self.compute_device()),
+            ));
         }
         let mut buffer = self.flat_grad.take().expect("made above");
+        // Gradients can live in the buffer only when it has their dtype.
+        let views = buffer.kind() == self.compute_kind();
         let mut placed = Vec::new();
         let mut offset = 0;
         tch::no_grad(|| {
@@ -437,26 +514,35 @@ impl Sharded {
             .all_reduce(TensorMut::new(&mut buffer), ReduceOp::Avg);
         self.flat_grad = Some(buffer.shallow_clone());
         reduced.into_result()?;
-        for (i, offset) in placed {
-            let p = &self.params.items[i].1;
-            let view = buffer
-                .narrow(0, offset, self.numels[i])
-                .view(p.size().as_slice());
-            shim::set_grad(p, &view).map_err(|e| self.err(e.to_string()))?;
+        if views {
+            for (i, offset) in placed {
+                let p = &self.params.items[i].1;
+                let view = buffer
+                    .narrow(0, offset, self.numels[i])
+                    .view(p.size().as_slice());
+                shim::set_grad(p, &view).map_err(|e| self.err(e.to_string()))?;
+            }
         }
         self.note_peak(0);
         if self.plan.shard_optimizer {
             let mut offset = 0;
-            for i in trainable {
+            for &i in &trainable {
                 let n = self.numels[i];
                 let whole = buffer.narrow(0, offset, n);
-                let part = self.chunk_of(i, &whole);
+                let part = self.chunk_of(i, &whole).to_kind(self.master);
                 self.add_chunk_grad(i, part)?;
                 offset += n;
             }
-            tch::no_grad(|| {
-                let _ = buffer.zero_();
-            });
+            if views {
+                tch::no_grad(|| {
+                    let _ = buffer.zero_();
+                });
+            } else {
+                for &i in &trainable {
+                    shim::set_grad(&self.params.items[i].1, &Tensor::new())
+                        .map_err(|e| self.err(e.to_string()))?;
+                }
+            }
         }
         Ok(())
     }
@@ -575,17 +661,31 @@ impl Sharded {
         handles: &RSliceMut<'_, NamedTensorMut<'_>>,
     ) -> Result<RVec<WrapUnit>, PluginError> {
         self.params = ParamSet::from_handles(handles);
+        self.master = self
+            .params
+            .items
+            .first()
+            .map_or(Kind::Float, |(_, p)| p.kind());
         if let Some((name, p)) = self
             .params
             .items
             .iter()
-            .find(|(_, p)| p.kind() != self.kind())
+            .find(|(_, p)| p.kind() != self.master)
         {
             return Err(self.err(format!(
                 "parameter `{name}` is {:?}, the first parameter {:?}: sharding needs one dtype for every parameter",
                 p.kind(),
-                self.kind()
+                self.master
             )));
+        }
+        if !self.plan.shard_optimizer {
+            if let Some(k) = self.plan.param_dtype.or(self.plan.reduce_dtype) {
+                return Err(self.err(format!(
+                    "a compute or reduce dtype ({}) needs the optimizer to step on master \
+                     chunks apart from the parameters; this plan steps on the parameters",
+                    dtype_name(k)
+                )));
+            }
         }
         if self.plan.sync_module_states {
             self.params.broadcast(&self.ctx, 0)?;
@@ -641,6 +741,7 @@ impl Sharded {
                 })
                 .collect();
         }
+        self.cast_params();
         self.units = units
             .iter()
             .map(|(name, params)| Unit {
@@ -666,6 +767,26 @@ impl Sharded {
             .collect())
     }
 
+    /// Mixed precision: turns every parameter into a tensor of the compute
+    /// dtype (the same object, so the model computes with it; frozen ones
+    /// too, as FSDP's flat parameters). The chunks keep the program's dtype.
+    /// Parameters freed right after (sharded) get new memory, unread.
+    fn cast_params(&mut self) {
+        let compute = self.compute_kind();
+        if compute == self.master {
+            return;
+        }
+        let shard_params = self.plan.shard_params;
+        for (_, p) in &mut self.params.items {
+            let cast = if shard_params {
+                Tensor::empty(p.size(), (compute, p.device()))
+            } else {
+                p.detach().to_kind(compute)
+            };
+            p.set_data(&cast);
+        }
+    }
+
     fn optimizer_tensors(&self) -> RVec<NamedOwnedTensor> {
         if !self.plan.shard_optimizer {
             return self.params.shared();
@@ -688,9 +809,11 @@ impl Sharded {
                 .map(|(n, c)| NamedOwnedTensor::new(n, c.detach().copy()))
                 .collect()),
             StateDictKind::Sharded => Ok(self.params.copies()),
-            StateDictKind::Full if !self.plan.shard_params => {
+            StateDictKind::Full if !self.has_chunks() => {
                 Ok(self.params.replicated_state_dict(&self.ctx))
             }
+            // The masters, never the parameters (a compute-dtype copy
+            // under mixed precision).
             StateDictKind::Full => {
                 let mut out = RVec::new();
                 for (i, name) in names.into_iter().enumerate() {
@@ -731,18 +854,11 @@ impl Sharded {
                 let chunk = &mut self.chunks[i];
                 tch::no_grad(|| chunk.copy_(&value.to_kind(chunk.kind())));
             }
-        } else if kind == StateDictKind::Sharded || !self.plan.shard_params {
-            self.params.load(self.plan.plugin, tensors)?;
-            if self.has_chunks() {
-                for i in 0..self.params.items.len() {
-                    let p = self.params.items[i].1.shallow_clone();
-                    let part = self.chunk_of(i, &p);
-                    tch::no_grad(|| self.chunks[i].copy_(&part));
-                }
-            }
-            return Ok(());
+        } else if !self.has_chunks() {
+            return self.params.load(self.plan.plugin, tensors);
         } else {
-            // FULL into sharded parameters: check like ParamSet::load, keep the chunks.
+            // FULL into the chunks (the masters; the parameters follow
+            // them below): check like ParamSet::load.
             let expected = self
                 .params
                 .items
@@ -751,8 +867,7 @@ impl Sharded {
             check_state_dict(self.plan.plugin, expected, tensors)?;
             for i in 0..self.params.items.len() {
                 let value = self.entry(tensors, i);
-                let kind = self.params.items[i].1.kind();
-                let part = self.chunk_of(i, &value.to_kind(kind));
+                let part = self.chunk_of(i, &value);
                 tch::no_grad(|| self.chunks[i].copy_(&part));
             }
         }

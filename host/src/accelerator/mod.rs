@@ -29,6 +29,7 @@ mod checkpoint;
 mod checkpoint_safety;
 mod config_optim;
 mod data;
+mod loading;
 mod tracking;
 mod units;
 
@@ -39,6 +40,7 @@ pub use data::{
     shard_indices, Batches, DataLoader, DataLoaderConfiguration, LoaderPosition, ShardedLoader,
     Sharding,
 };
+pub use loading::deferred_var;
 pub use tracking::{IntoLogEntry, LOG_WITH_ENV};
 pub use units::ForwardScope;
 use units::{lock, SharedStrategy, Units};
@@ -838,6 +840,16 @@ impl Accelerator {
     /// Hands the model's variables to the strategy (DDP broadcasts them from
     /// rank 0 here). One model per Accelerator.
     pub fn prepare_model(&mut self, vs: &mut nn::VarStore) -> Result<(), AccelError> {
+        self.prepare_loaded(vs, &Default::default())
+    }
+
+    /// [`Accelerator::prepare_model`] after `from_file` (parameter names)
+    /// were loaded from a checkpoint ([`Accelerator::prepare_model_from`]).
+    fn prepare_loaded(
+        &mut self,
+        vs: &mut nn::VarStore,
+        from_file: &std::collections::BTreeSet<String>,
+    ) -> Result<(), AccelError> {
         if self.prepared.is_some() {
             return Err(AccelError::Usage(
                 "prepare_model was already called: one model per Accelerator".into(),
@@ -845,7 +857,17 @@ impl Accelerator {
         }
         let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
+        let unfilled = loading::unfilled(&named);
+        if !unfilled.is_empty() {
+            return Err(AccelError::Usage(format!(
+                "parameters made by deferred_var were never given values: {} (load them \
+                 with Accelerator::prepare_model_from from a checkpoint that has them, or \
+                 create them with values)",
+                unfilled.join(", ")
+            )));
+        }
         self.layer_classes.check(&named)?;
+        self.sync_unloaded(&named, from_file)?;
         if !self.layer_classes.is_empty() {
             // The strategy learns the model's layer classes (what
             // `fsdp_transformer_layer_cls_to_wrap` names): made again with

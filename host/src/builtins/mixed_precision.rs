@@ -1,5 +1,8 @@
 //! `fp16` and `bf16`: autocast around the forward on the process's device
-//! (CPU or CUDA), as `torch.autocast(device_type, dtype)`; weights stay fp32.
+//! (CPU or CUDA), as `torch.autocast(device_type, dtype)`; weights stay fp32
+//! (under FSDP and ZeRO 1-3 the strategy itself computes with a bf16/fp16
+//! copy of fp32 master shards, and this policy scales and unscales the
+//! shards' gradients: see `accel_sharding`).
 //!
 //! `fp16` adds dynamic loss scaling with `torch.amp.GradScaler`'s defaults
 //! and kernels: the loss is multiplied by the scale (initially 2^16); before

@@ -14,6 +14,12 @@
 //! keeps the shards, their gradients and the optimizer state in CPU memory;
 //! `fsdp_state_dict_type` picks FULL or SHARDED checkpoints;
 //! `fsdp_sync_module_states` broadcasts rank 0's parameters before sharding.
+//!
+//! Mixed precision (`mixed_precision: bf16`/`fp16`, or
+//! `fsdp_mixed_precision_policy`): the shards stay fp32 masters, the
+//! gathered parameters are a bf16/fp16 copy, gradients are reduced in the
+//! reduce dtype into fp32 shard gradients (see [`settings`] and the
+//! README).
 
 use accel_sdk::{Component, HostContextBox, PluginError, RunOverrides, StateDictKind, StrategyBox};
 use accel_sharding::{Plan, Sharded};
@@ -25,10 +31,14 @@ pub mod wrap;
 pub(crate) const PLUGIN: &str = "accel-fsdp";
 
 /// Checks that the settings are well-formed; requests accel-fsdp does not
-/// implement pass here (so Accelerate's files validate) and are refused when
-/// the strategy is made.
+/// implement pass `accel config validate` (so Accelerate's files validate)
+/// and are refused by `accel launch`, before any rank starts, and when the
+/// strategy is made.
 fn validate(settings: &str) -> Result<(), PluginError> {
     let s = settings::parse(settings)?;
+    if accel_sdk::registry::launching(settings) {
+        s.check_supported()?;
+    }
     accel_sharding::report_warnings(PLUGIN, None, &s.warnings);
     Ok(())
 }
@@ -45,13 +55,17 @@ pub fn plan(s: &Settings) -> Plan {
         shard_optimizer: sharded,
         hybrid: matches!(s.sharding, HybridShard | HybridShardZero2),
         offload: s.offload_params,
-        sync_module_states: s.sync_module_states,
+        // With efficient loading the host broadcasts what does not come
+        // from the checkpoint (every rank maps the same files).
+        sync_module_states: s.sync_module_states && !s.cpu_ram_efficient_loading,
         gradient_clipping: 0.0,
         state_dict_kind: match s.state_dict {
             StateDictType::Full => StateDictKind::Full,
             StateDictType::Sharded => StateDictKind::Sharded,
         },
         overrides: RunOverrides::default(),
+        param_dtype: s.param_dtype,
+        reduce_dtype: s.reduce_dtype,
     }
 }
 

@@ -24,6 +24,8 @@
 //! | `fsdp_offload_params` (also `fsdp_cpu_offload`, as the transformers docs write it) | boolean | `false` | [`Settings::offload_params`] |
 //! | `fsdp_activation_checkpointing` | boolean; `true` checkpoints the wrapped units: the host recomputes each in backward when the model runs it through `ForwardScope::checkpointable` (the host reads the key from this section) | `false` | validated here |
 //! | `fsdp_ignored_modules` | `null` (or empty); anything else is unsupported | `null` | — |
+//! | `fsdp_mixed_precision_policy` | a dtype (`bf16`, `fp16`, `fp32`, `fp8`, or torch's `bfloat16`, `float16`, `float32`, with or without `torch.`) for all three, or a mapping with `param_dtype` and `reduce_dtype` (and `buffer_dtype`, which must equal `param_dtype`) | — (the run's `mixed_precision`) | [`Settings::param_dtype`], [`Settings::reduce_dtype`]; see below |
+//! | `fsdp_cpu_ram_efficient_loading` | boolean; with `true` a program loading a checkpoint through `Accelerator::prepare_model_from` maps its files and each rank reads only its own slices (parameters made with `deferred_var` hold no memory before); the host then broadcasts rank 0's other parameters instead of this plugin's `fsdp_sync_module_states` broadcast | `true` (as `accelerate launch`) | [`Settings::cpu_ram_efficient_loading`] |
 //!
 //! Accepted, checked, and recorded nowhere, because they do not change the
 //! training result (only speed or host memory in PyTorch):
@@ -33,7 +35,6 @@
 //! | `fsdp_backward_prefetch` (old name `fsdp_backward_prefetch_policy`) | `BACKWARD_PRE`, `BACKWARD_POST`, `NO_PREFETCH` (any case, or `1`, `2`) | when the next unit is gathered during backward: a scheduling hint |
 //! | `fsdp_forward_prefetch` | boolean | the same, for forward |
 //! | `fsdp_use_orig_params` | boolean | accel's optimizer always sees the parameters it is given by the strategy |
-//! | `fsdp_cpu_ram_efficient_loading` | boolean | how 🤗 Transformers loads checkpoints; accel models are built in the program |
 //!
 //! As Accelerate's launcher (`utils/launch.py`), `fsdp_sync_module_states:
 //! false` is an error unless `fsdp_cpu_ram_efficient_loading` is `false`
@@ -46,12 +47,38 @@
 //! Accelerate's `str_to_bool` takes (`y`, `yes`, `t`, `true`, `on`, `1`;
 //! `n`, `no`, `f`, `false`, `off`, `0`; any case).
 //!
+//! # Mixed precision
+//!
+//! As Accelerate's `FullyShardedDataParallelPlugin.set_mixed_precision`,
+//! the run's `mixed_precision` (`bf16`, `fp16`; `fp8` maps to bf16) sets
+//! `param_dtype` and `reduce_dtype` (and `buffer_dtype`) to its dtype, and
+//! an `fsdp_mixed_precision_policy` replaces that: a dtype string sets all
+//! three, a mapping names them (`param_dtype` and `reduce_dtype` are
+//! required, as Accelerate requires them; an unknown key is an error). The
+//! master shards and the optimizer state keep the program's dtype (fp32);
+//! see `accel_sharding` for what runs in which dtype. `fp32` means "the
+//! program's dtype": `param_dtype: fp32, reduce_dtype: bf16` computes with
+//! fp32 parameters (autocast still runs matmuls in the run's precision) and
+//! reduces gradients in bf16. Refused by name when the strategy is made:
+//! a half-precision `param_dtype` other than the run's `mixed_precision`
+//! (accel runs the forward under that precision policy's autocast, which
+//! casts the inputs; `mixed_precision: no` has none, so bf16 parameters
+//! would meet fp32 inputs), a `buffer_dtype` unlike `param_dtype` (accel's
+//! frozen tensors are gathered with the parameters, in `param_dtype`) and
+//! `output_dtype` (accel does not cast the forward's outputs; the program
+//! casts what it computes its loss from). `NO_SHARD` keeps no master
+//! shards apart from the parameters: the parameters stay in the program's
+//! dtype and gradients are all-reduced in it, as under DDP (autocast still
+//! applies), with a warning saying so.
+//!
 //! The `settings` object (`accel.plugins.accel-fsdp`) has no keys yet.
 
 use accel_sdk::{
     serde_json::{Map, Value},
+    tch::Kind,
     PluginError,
 };
+use accel_sharding::dtype_name;
 
 use crate::PLUGIN;
 
@@ -111,6 +138,17 @@ pub struct Settings {
     pub state_dict: StateDictType,
     /// Broadcast rank 0's parameters when the model is prepared.
     pub sync_module_states: bool,
+    /// The dtype the gathered parameters are computed in (FSDP's
+    /// `param_dtype`); `None`: the program's own (fp32).
+    pub param_dtype: Option<Kind>,
+    /// The dtype gradients are reduced in (`reduce_dtype`); `None`: the
+    /// parameters' (`param_dtype`, else the program's).
+    pub reduce_dtype: Option<Kind>,
+    /// `fsdp_cpu_ram_efficient_loading` (true when absent, as `accelerate
+    /// launch` defaults it): every rank reads only its slices of a
+    /// checkpoint the program loads with `Accelerator::prepare_model_from`,
+    /// and the host, not this plugin, broadcasts rank 0's other parameters.
+    pub cpu_ram_efficient_loading: bool,
     /// Well-formed requests this plugin does not implement, one message each
     /// naming the key and value. `accel config validate` accepts them (the
     /// file is a valid Accelerate config); creating the strategy refuses them.
@@ -160,6 +198,7 @@ const KNOWN_KEYS: &[&str] = &[
     "fsdp_ignored_modules",
     "fsdp_activation_checkpointing",
     "fsdp_cpu_offload",
+    "fsdp_mixed_precision_policy",
 ];
 
 /// `fsdp_min_num_params` when absent (Accelerate's `--fsdp_min_num_params` default, 1e8).
@@ -392,12 +431,101 @@ fn state_dict_of(
     }
 }
 
-/// Parses the strategy's settings string (`{"section": ..., "settings": ...}`).
+const POLICY: &str = "fsdp_config.fsdp_mixed_precision_policy";
+const DTYPE_NAMES: &str = "bf16, fp16, fp32, fp8 (or torch's bfloat16, float16, float32)";
+
+/// A dtype of `fsdp_mixed_precision_policy`: Accelerate's names (`fp8`
+/// computes in bf16, as Accelerate maps it) or torch's, any case, with or
+/// without `torch.`.
+fn policy_dtype(v: &Value, key: &str) -> Result<Kind, PluginError> {
+    let name = v.as_str().map(|s| s.trim().to_ascii_lowercase());
+    let name = name
+        .as_deref()
+        .map(|s| s.strip_prefix("torch.").unwrap_or(s));
+    match name {
+        Some("bf16" | "bfloat16" | "fp8") => Ok(Kind::BFloat16),
+        Some("fp16" | "float16" | "half") => Ok(Kind::Half),
+        Some("fp32" | "float32" | "float") => Ok(Kind::Float),
+        _ => Err(err(format!(
+            "{key} must be one of {DTYPE_NAMES}, got {}",
+            shown(v)
+        ))),
+    }
+}
+
+/// `fsdp_mixed_precision_policy`: `(param_dtype, reduce_dtype)`; requests
+/// accel does not implement go to `unsupported`.
+fn policy_of(v: &Value, unsupported: &mut Vec<String>) -> Result<(Kind, Kind), PluginError> {
+    let map = match v {
+        Value::Object(map) => map,
+        Value::String(_) => {
+            let k = policy_dtype(v, POLICY)?;
+            return Ok((k, k));
+        }
+        _ => {
+            return Err(err(format!(
+                "{POLICY} must be a dtype ({DTYPE_NAMES}) or a mapping with param_dtype, \
+                 reduce_dtype and buffer_dtype, got {}",
+                shown(v)
+            )))
+        }
+    };
+    const KEYS: &[&str] = &[
+        "param_dtype",
+        "reduce_dtype",
+        "buffer_dtype",
+        "output_dtype",
+    ];
+    if let Some(k) = map.keys().find(|k| !KEYS.contains(&k.as_str())) {
+        return Err(err(format!(
+            "{POLICY}.{k} is not a key of the policy; allowed: param_dtype, reduce_dtype, \
+             buffer_dtype"
+        )));
+    }
+    let dtype = |key: &str| {
+        map.get(key)
+            .filter(|v| !v.is_null())
+            .map(|v| policy_dtype(v, &format!("{POLICY}.{key}")))
+            .transpose()
+    };
+    let (Some(param), Some(reduce)) = (dtype("param_dtype")?, dtype("reduce_dtype")?) else {
+        return Err(err(format!(
+            "{POLICY} must set both param_dtype and reduce_dtype (as Accelerate requires), got {}",
+            shown(v)
+        )));
+    };
+    if let Some(buffer) = dtype("buffer_dtype")? {
+        if buffer != param {
+            unsupported.push(format!(
+                "{POLICY}.buffer_dtype: {} unlike param_dtype {} is not supported by accel-fsdp \
+                 (frozen tensors are sharded and gathered with the parameters, in param_dtype)",
+                dtype_name(buffer),
+                dtype_name(param)
+            ));
+        }
+    }
+    if let Some(out) = map.get("output_dtype").filter(|v| !v.is_null()) {
+        policy_dtype(out, &format!("{POLICY}.output_dtype"))?;
+        unsupported.push(format!(
+            "{POLICY}.output_dtype: {} is not supported by accel-fsdp (it does not cast the \
+             forward's outputs; the program casts what it computes its loss from)",
+            shown(out)
+        ));
+    }
+    Ok((param, reduce))
+}
+
+/// Parses the strategy's settings string (`{"section": ..., "settings":
+/// ..., "mixed_precision": ...}`).
 pub fn parse(settings: &str) -> Result<Settings, PluginError> {
     let v: Value = accel_sdk::serde_json::from_str(settings)
         .map_err(|e| err(format!("settings are not JSON: {e}")))?;
     let section = v.get("section").cloned().unwrap_or(Value::Null);
-    let mut s = from_section(&section)?;
+    let mixed_precision = v
+        .get("mixed_precision")
+        .and_then(Value::as_str)
+        .unwrap_or("no");
+    let mut s = with_precision(&section, mixed_precision)?;
     s.layer_classes = v
         .get("layer_classes")
         .and_then(Value::as_array)
@@ -412,8 +540,15 @@ pub fn parse(settings: &str) -> Result<Settings, PluginError> {
     Ok(s)
 }
 
-/// The settings an `fsdp_config` section describes (`null`: all defaults).
+/// The settings an `fsdp_config` section describes (`null`: all defaults),
+/// in a run without mixed precision.
 pub fn from_section(section: &Value) -> Result<Settings, PluginError> {
+    with_precision(section, "no")
+}
+
+/// The settings an `fsdp_config` section describes in a run whose
+/// `mixed_precision` is `mixed_precision` (`no`, `fp16`, `bf16`, `fp8`).
+pub fn with_precision(section: &Value, mixed_precision: &str) -> Result<Settings, PluginError> {
     let empty = Map::new();
     let map = match section {
         Value::Null => &empty,
@@ -563,6 +698,42 @@ pub fn from_section(section: &Value) -> Result<Settings, PluginError> {
         )),
     }
     let mut warnings = Vec::new();
+
+    // Mixed precision: the run's, unless the policy says otherwise.
+    let run = accel_sharding::precision_dtype(mixed_precision);
+    let (param_dtype, reduce_dtype) = match get("fsdp_mixed_precision_policy") {
+        None => (run, run),
+        Some(v) => {
+            let (param, reduce) = policy_of(v, &mut unsupported)?;
+            if param != Kind::Float && Some(param) != run {
+                unsupported.push(format!(
+                    "{POLICY}: param_dtype {} needs mixed_precision: {} (accel runs the forward \
+                     under that precision policy's autocast, which casts the inputs to the \
+                     parameters' dtype); the run's mixed_precision is {mixed_precision}",
+                    dtype_name(param),
+                    dtype_name(param)
+                ));
+            }
+            (Some(param), Some(reduce))
+        }
+    };
+    // fp32 parameters are the program's own: no copy.
+    let mut param_dtype = param_dtype.filter(|k| *k != Kind::Float);
+    let mut reduce_dtype = reduce_dtype;
+    if sharding == ShardingStrategy::NoShard {
+        if let Some(k) = param_dtype.or(reduce_dtype.filter(|k| *k != Kind::Float)) {
+            warnings.push(format!(
+                "mixed precision ({}) with NO_SHARD: the parameters stay in the program's dtype \
+                 and gradients are all-reduced in it, as under DDP (autocast still runs the \
+                 forward's matmuls in the run's precision); FSDP's param_dtype and reduce_dtype \
+                 need a sharding strategy that keeps master shards apart from the parameters \
+                 (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2)",
+                dtype_name(k)
+            ));
+        }
+        param_dtype = None;
+        reduce_dtype = None;
+    }
     // Applied by the host (it reads the key from the section it hands us):
     // only its type is checked here.
     if let Some(v) = get("fsdp_activation_checkpointing") {
@@ -587,6 +758,9 @@ pub fn from_section(section: &Value) -> Result<Settings, PluginError> {
         offload_params,
         state_dict,
         sync_module_states,
+        param_dtype,
+        reduce_dtype,
+        cpu_ram_efficient_loading: cpu_ram_efficient_loading.unwrap_or(true),
         unsupported,
         warnings,
         layer_classes: Vec::new(),
@@ -621,6 +795,9 @@ mod tests {
             offload_params: false,
             state_dict: StateDictType::Full,
             sync_module_states: true,
+            param_dtype: None,
+            reduce_dtype: None,
+            cpu_ram_efficient_loading: true,
             unsupported: Vec::new(),
             warnings: Vec::new(),
             layer_classes: Vec::new(),
@@ -871,8 +1048,8 @@ mod tests {
         // is implemented (by the host), so no warning.
         let s = ok(json!({
             "fsdp_activation_checkpointing": true,
-            "fsdp_mixed_precision_policy": "bf16",
             "fsdp_shiny_new_knob": 1,
+            "fsdp_other_new_knob": 2,
         }));
         assert_eq!(s.warnings.len(), 2, "{:?}", s.warnings);
         assert!(s.warnings.iter().any(|w| w.contains("fsdp_shiny_new_knob")));
@@ -894,6 +1071,110 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(s.unsupported.len(), 2, "{:?}", s.unsupported);
+    }
+
+    #[test]
+    fn mixed_precision_follows_the_run_and_the_policy() {
+        let mp = |section: Value, run: &str| {
+            let s = with_precision(&section, run).unwrap_or_else(|e| panic!("{section}: {e}"));
+            s.check_supported()
+                .unwrap_or_else(|e| panic!("{section}: {e}"));
+            (s.param_dtype, s.reduce_dtype)
+        };
+        let bf16 = Some(Kind::BFloat16);
+        // Accelerate's set_mixed_precision: param = reduce = the run's.
+        assert_eq!(mp(json!({}), "no"), (None, None));
+        assert_eq!(mp(json!({}), "bf16"), (bf16, bf16));
+        assert_eq!(mp(json!({}), "fp16"), (Some(Kind::Half), Some(Kind::Half)));
+        assert_eq!(mp(json!({}), "fp8"), (bf16, bf16));
+        // The policy wins: a string for all three, or a mapping.
+        let policy = |p: Value| json!({ "fsdp_mixed_precision_policy": p });
+        assert_eq!(mp(policy(json!("torch.bfloat16")), "bf16"), (bf16, bf16));
+        assert_eq!(mp(policy(json!("fp32")), "bf16"), (None, Some(Kind::Float)));
+        assert_eq!(
+            mp(
+                policy(
+                    json!({"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "bf16"})
+                ),
+                "bf16"
+            ),
+            (bf16, Some(Kind::Float))
+        );
+        assert_eq!(
+            mp(
+                policy(json!({"param_dtype": "float32", "reduce_dtype": "BF16"})),
+                "no"
+            ),
+            (None, bf16)
+        );
+        // NO_SHARD has no master shards: nothing is cast, with a warning.
+        let s = with_precision(&json!({"fsdp_sharding_strategy": "NO_SHARD"}), "bf16").unwrap();
+        assert_eq!((s.param_dtype, s.reduce_dtype), (None, None));
+        assert!(
+            s.warnings.iter().any(|w| w.contains("NO_SHARD")),
+            "{:?}",
+            s.warnings
+        );
+        assert!(
+            with_precision(&json!({"fsdp_sharding_strategy": "NO_SHARD"}), "no")
+                .unwrap()
+                .warnings
+                .is_empty()
+        );
+        // Refused by name when the strategy is made.
+        let refused = |section: Value, run: &str| msg(with_precision(&section, run));
+        let m = refused(policy(json!("bf16")), "no");
+        assert!(
+            m.contains("param_dtype bf16 needs mixed_precision: bf16")
+                && m.contains("mixed_precision is no"),
+            "{m}"
+        );
+        let m = refused(policy(json!("fp16")), "bf16");
+        assert!(
+            m.contains("param_dtype fp16 needs mixed_precision: fp16"),
+            "{m}"
+        );
+        let m = refused(
+            policy(json!({"param_dtype": "bf16", "reduce_dtype": "bf16", "buffer_dtype": "fp32"})),
+            "bf16",
+        );
+        assert!(
+            m.contains("buffer_dtype: fp32 unlike param_dtype bf16"),
+            "{m}"
+        );
+        let m = refused(
+            policy(json!({"param_dtype": "bf16", "reduce_dtype": "bf16", "output_dtype": "bf16"})),
+            "bf16",
+        );
+        assert!(m.contains("output_dtype"), "{m}");
+        // Malformed: errors naming the key and the allowed values.
+        for (bad, want) in [
+            (json!("int8"), "must be one of bf16, fp16, fp32, fp8"),
+            (json!(16), "must be a dtype"),
+            (
+                json!({"param_dtype": "bf16"}),
+                "must set both param_dtype and reduce_dtype",
+            ),
+            (
+                json!({"param_dtype": "bf16", "reduce_dtype": "bf16", "keep_low_precision_grads": true}),
+                "keep_low_precision_grads is not a key of the policy",
+            ),
+            (
+                json!({"param_dtype": "bf16", "reduce_dtype": "double"}),
+                "fsdp_mixed_precision_policy.reduce_dtype must be one of",
+            ),
+        ] {
+            let e = with_precision(&policy(bad.clone()), "bf16")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("fsdp_config.fsdp_mixed_precision_policy") && e.contains(want),
+                "{bad}: {e}"
+            );
+        }
+        // The settings string carries the run's mixed_precision.
+        let s = parse(r#"{"section": {}, "settings": {}, "mixed_precision": "bf16"}"#).unwrap();
+        assert_eq!((s.param_dtype, s.reduce_dtype), (bf16, bf16));
     }
 
     /// YAML (as `yaml-rust2` reads it) to JSON.

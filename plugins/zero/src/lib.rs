@@ -12,6 +12,10 @@
 //!   and freed after, as DeepSpeed's module hooks do.
 //! * `offload_optimizer_device: cpu` / `offload_param_device: cpu`: the
 //!   chunks, their gradients and the optimizer state live in CPU memory.
+//! * `bf16`/`fp16` (the DeepSpeed file's `enabled`, or `mixed_precision`),
+//!   stages 1-3: the model's weights are bf16/fp16 (stage 3: the gathered
+//!   parameters), the partitions fp32 masters; gradients are reduced in
+//!   the half dtype into fp32 partition gradients (see the README).
 //!
 //! Checkpoints of stage 1 and up are SHARDED (each rank saves its chunks
 //! and optimizer state, as DeepSpeed does); stage 0 saves FULL state.
@@ -29,10 +33,14 @@ pub mod settings;
 const PLUGIN: &str = "accel-zero";
 
 /// Checks that the settings are well-formed. Requests this plugin does not
-/// implement (NVMe, MoE...) pass here, so DeepSpeed files that ask for them
-/// validate; creating the strategy refuses them.
+/// implement (NVMe, MoE...) pass `accel config validate`, so DeepSpeed files
+/// that ask for them validate; `accel launch` (before any rank starts) and
+/// creating the strategy refuse them.
 fn validate(settings: &str) -> Result<(), PluginError> {
     let s = settings::parse(settings)?;
+    if accel_sdk::registry::launching(settings) {
+        s.check_supported()?;
+    }
     accel_sharding::report_warnings(PLUGIN, None, &s.warnings);
     Ok(())
 }
@@ -47,7 +55,9 @@ fn plan(s: &settings::Settings) -> Plan {
         shard_optimizer: s.stage >= 1,
         hybrid: false,
         offload: s.offload_optimizer || s.offload_param,
-        sync_module_states: true,
+        // With zero3_init_flag the host broadcasts what does not come from
+        // the checkpoint (every rank maps the same files).
+        sync_module_states: !s.init_flag,
         gradient_clipping: s.gradient_clipping,
         state_dict_kind: if s.stage == 0 {
             StateDictKind::Full
@@ -61,6 +71,8 @@ fn plan(s: &settings::Settings) -> Plan {
             scheduler: s.scheduler.as_ref().map(|v| v.to_string().into()).into(),
             config_file: s.config_file.clone().map(RString::from).into(),
         },
+        param_dtype: s.param_dtype,
+        reduce_dtype: s.reduce_dtype,
     }
 }
 

@@ -4,8 +4,10 @@
 use accel_sdk::{
     deepspeed::{OptimizerSection, SchedulerSection, SectionError},
     serde_json::Value,
+    tch::Kind,
     PluginError,
 };
+use accel_sharding::dtype_name;
 use std::path::Path;
 
 use crate::PLUGIN;
@@ -29,6 +31,16 @@ pub struct Settings {
     /// The precision the DeepSpeed file enables (`fp16.enabled` or
     /// `bf16.enabled` true), which wins over `mixed_precision: no`.
     pub mixed_precision: Option<&'static str>,
+    /// The dtype the model's weights are kept and computed in under the
+    /// resolved precision (the file's, else the config's `mixed_precision`)
+    /// at stages 1-3, where fp32 master partitions stay apart from them
+    /// (DeepSpeed's bf16/fp16 model with fp32 master weights); gradients
+    /// are reduced in it unless `reduce_dtype` says otherwise. `None`: the
+    /// program's dtype.
+    pub param_dtype: Option<Kind>,
+    /// The DeepSpeed file's `communication_data_type` at stages 1-3: the
+    /// dtype gradients are reduced in. `None`: `param_dtype`'s.
+    pub reduce_dtype: Option<Kind>,
     /// Well-formed requests this plugin does not implement (NVMe offload,
     /// MoE, pipelines...), one message each naming the key and value.
     /// `accel config validate` accepts them (the file is a valid Accelerate
@@ -44,6 +56,11 @@ pub struct Settings {
     pub scheduler: Option<Value>,
     /// The DeepSpeed file, when there is one.
     pub config_file: Option<String>,
+    /// `zero3_init_flag`: a program loading a checkpoint through
+    /// `Accelerator::prepare_model_from` maps its files and each rank reads
+    /// only its own slices; the host, not this plugin, then broadcasts rank
+    /// 0's other parameters.
+    pub init_flag: bool,
 }
 
 /// The keys of Accelerate's `deepspeed_config` section (anything else is a
@@ -153,6 +170,8 @@ pub struct FileValues {
     pub fp16: Option<bool>,
     /// `bf16.enabled` (absent or `"auto"`: `None`).
     pub bf16: Option<bool>,
+    /// `communication_data_type` (`fp16`, `bf16`, `fp32`).
+    pub communication: Option<Kind>,
     /// The `optimizer` section, checked.
     pub optimizer: Option<Value>,
     /// The `scheduler` section, checked.
@@ -219,6 +238,19 @@ pub fn file_values(
             .unwrap_or(&Value::Null),
         &format!("{file}: gradient_accumulation_steps"),
     )?;
+    let communication = match json.get("communication_data_type") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_str().map(str::to_ascii_lowercase).as_deref() {
+            Some("fp16") => Some(Kind::Half),
+            Some("bf16") => Some(Kind::BFloat16),
+            Some("fp32") => Some(Kind::Float),
+            _ => {
+                return Err(err(format!(
+                    "{file}: communication_data_type must be fp16, bf16 or fp32, got {v}"
+                )))
+            }
+        },
+    };
     let enabled = |dtype: &str| -> Result<Option<bool>, PluginError> {
         let key = format!("{file}: {dtype}.enabled");
         match json.get(dtype).and_then(|d| d.get("enabled")) {
@@ -267,6 +299,7 @@ pub fn file_values(
         accum,
         offload_optimizer,
         offload_param,
+        communication,
         fp16: enabled("fp16")?,
         bf16: enabled("bf16")?,
         optimizer,
@@ -336,7 +369,7 @@ fn accumulation_of(v: Option<f64>, key: &str) -> Result<Option<u32>, PluginError
 pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, PluginError> {
     let get = |k: &str| section.get(k).unwrap_or(&Value::Null);
     let mut unsupported = Vec::new();
-    let warnings = match section {
+    let mut warnings = match section {
         Value::Object(map) => {
             accel_sharding::check_keys(PLUGIN, "deepspeed_config", map, KNOWN_KEYS)?
         }
@@ -361,6 +394,17 @@ pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, 
         )),
     }
     let stage = stage_of(get("zero_stage"), "deepspeed_config.zero_stage")?;
+    let init_flag = match get("zero3_init_flag") {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::String(s) if s.eq_ignore_ascii_case("true") => true,
+        Value::String(s) if s.eq_ignore_ascii_case("false") => false,
+        other => {
+            return Err(err(format!(
+                "deepspeed_config.zero3_init_flag must be true or false, got {other}"
+            )))
+        }
+    };
     let clip = number_of(
         get("gradient_clipping"),
         "deepspeed_config.gradient_clipping",
@@ -426,11 +470,39 @@ pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, 
         accum.or(file.accum),
         "deepspeed_config.gradient_accumulation_steps",
     )?;
-    let mixed_precision = file_precision(&file, mixed_precision)?;
+    let resolved = file_precision(&file, mixed_precision)?;
+    // Stage 0 steps on the parameters themselves: no master copy to keep
+    // apart from half-precision weights.
+    let param_dtype = accel_sharding::precision_dtype(resolved.unwrap_or(mixed_precision));
+    let (param_dtype, reduce_dtype) = match (param_dtype, file.communication) {
+        (p, c) if stage == 0 => {
+            let asked = match (p, c) {
+                (Some(k), _) => Some(format!("mixed precision {}", dtype_name(k))),
+                (None, Some(k)) if k != Kind::Float => {
+                    Some(format!("communication_data_type {}", dtype_name(k)))
+                }
+                // fp32 everywhere: what stage 0 does anyway.
+                _ => None,
+            };
+            if let Some(what) = asked {
+                warnings.push(format!(
+                    "{what} at zero_stage 0: the parameters stay in the program's dtype and \
+                     gradients are all-reduced in it, as under DDP (autocast still runs the \
+                     forward's matmuls in the run's precision); stages 1-3 keep half-precision \
+                     weights beside fp32 master partitions and reduce in \
+                     communication_data_type"
+                ));
+            }
+            (None, None)
+        }
+        pc => pc,
+    };
     Ok(Settings {
         stage,
         gradient_accumulation_steps,
-        mixed_precision,
+        mixed_precision: resolved,
+        param_dtype,
+        reduce_dtype,
         gradient_clipping: clip.or(file.clip).unwrap_or(0.0),
         offload_optimizer: offload_optimizer
             .or(file.offload_optimizer)
@@ -441,6 +513,7 @@ pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, 
         optimizer: file.optimizer,
         scheduler: file.scheduler,
         config_file: (!file.file.is_empty()).then_some(file.file),
+        init_flag,
     })
 }
 
@@ -469,11 +542,14 @@ mod tests {
                 offload_param: false,
                 gradient_accumulation_steps: None,
                 mixed_precision: None,
+                param_dtype: None,
+                reduce_dtype: None,
                 unsupported: Vec::new(),
                 warnings: Vec::new(),
                 optimizer: None,
                 scheduler: None,
                 config_file: None,
+                init_flag: false,
             }
         );
         let s = from_section(&json!({"zero_stage": 1, "zero_new_knob": true}), "no").unwrap();
@@ -638,6 +714,45 @@ mod tests {
         // The same precision on both sides is fine.
         let s = with_file(r#"{"fp16": {"enabled": true}}"#, "fp16").unwrap();
         assert_eq!(s.mixed_precision, Some("fp16"));
+        // The weights' dtype follows the resolved precision (the file's,
+        // else the config's) at stages 1-3 (the file says nothing of the
+        // stage: Accelerate's default, 2); stage 0 keeps the parameters.
+        assert_eq!(s.param_dtype, Some(Kind::Half));
+        let s = with_file(r#"{"bf16": {"enabled": true}}"#, "no").unwrap();
+        assert_eq!((s.stage, s.param_dtype), (2, Some(Kind::BFloat16)));
+        let s = with_file(r#"{"bf16": {"enabled": "auto"}}"#, "bf16").unwrap();
+        assert_eq!(s.param_dtype, Some(Kind::BFloat16));
+        let s = with_file(r#"{}"#, "no").unwrap();
+        assert_eq!(s.param_dtype, None);
+        let s = from_section(&json!({"zero_stage": 3}), "bf16").unwrap();
+        assert_eq!(s.param_dtype, Some(Kind::BFloat16));
+        let s = from_section(&json!({"zero_stage": 0}), "bf16").unwrap();
+        assert_eq!(s.param_dtype, None);
+        assert!(
+            s.warnings.iter().any(|w| w.contains("zero_stage 0")),
+            "{:?}",
+            s.warnings
+        );
+        // communication_data_type: the reduce dtype at stages 1-3.
+        let s = with_file(
+            r#"{"bf16": {"enabled": true}, "communication_data_type": "FP32"}"#,
+            "no",
+        )
+        .unwrap();
+        assert_eq!(
+            (s.param_dtype, s.reduce_dtype),
+            (Some(Kind::BFloat16), Some(Kind::Float))
+        );
+        let s = with_file(r#"{"communication_data_type": "bf16"}"#, "no").unwrap();
+        assert_eq!(
+            (s.param_dtype, s.reduce_dtype),
+            (None, Some(Kind::BFloat16))
+        );
+        let m = msg(with_file(r#"{"communication_data_type": "fp64"}"#, "no"));
+        assert!(
+            m.contains(path) && m.contains("communication_data_type must be fp16, bf16 or fp32"),
+            "{m}"
+        );
         // Conflicts and bad values name the file, the key and both values.
         let m = msg(with_file(r#"{"fp16": {"enabled": true}}"#, "bf16"));
         assert!(
