@@ -114,3 +114,32 @@ fn a_terminal_shows_the_bar_and_redirected_output_never_does() {
         );
     }
 }
+
+/// A checkpoint of at least 100 MB (`LARGE_CHECKPOINT_BYTES`) shows a bar
+/// on the local main process while it is saved and while it is loaded.
+#[test]
+fn large_checkpoints_show_a_bar_while_saved_and_loaded() {
+    let dir = tempfile::tempdir().unwrap();
+    let project = dir.path().join("proj");
+    let run = |steps: &str, resume: bool, draw: &std::path::Path| {
+        std::fs::create_dir_all(draw).unwrap();
+        let mut cmd = Command::new(accel_bin());
+        cmd.args(["launch", "--cpu", "--num_processes", "1"])
+            .arg(mlp())
+            // 2 layers of 3600 x 3600: 104 MB of fp32 weights.
+            .args(["--hidden", "3600", "--layers", "2", "--steps", steps])
+            .args(["--checkpoint-every", "1", "--project-dir"])
+            .arg(&project)
+            .args(resume.then_some("--resume"))
+            .env_remove("ACCEL_PLUGIN_DIR")
+            .env_remove("ACCEL_DISABLE_PROGRESS_BAR")
+            .env("ACCEL_TEST_PROGRESS_DIR", draw);
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", describe(&out));
+        std::fs::read_to_string(draw.join("progress_rank0.txt")).unwrap_or_default()
+    };
+    let saved = run("1", false, &dir.path().join("first"));
+    assert!(saved.contains("saving checkpoint"), "{saved:?}");
+    let loaded = run("2", true, &dir.path().join("second"));
+    assert!(loaded.contains("loading checkpoint"), "{loaded:?}");
+}

@@ -638,6 +638,14 @@ impl Accelerator {
             StateDictKind::Full => source.join("model.safetensors"),
             StateDictKind::Sharded => source.join(format!("model_rank{rank}.safetensors")),
         };
+        // A bar over the bytes read, for large models (as saving shows one).
+        let file_bytes = |f: &Path| fs::metadata(f).map_or(0, |m| m.len());
+        let model_bytes = file_bytes(&model_file);
+        let bar = crate::progress::ProgressBar::bytes(
+            model_bytes,
+            "loading checkpoint",
+            self.is_local_main_process() && model_bytes >= crate::progress::LARGE_CHECKPOINT_BYTES,
+        );
         let model = read_tensors(&model_file)?;
         let refs: Vec<NamedTensorRef<'_>> = model
             .iter()
@@ -652,19 +660,25 @@ impl Accelerator {
         drop(refs);
         drop(model);
         super::release_freed_memory();
+        bar.inc(model_bytes);
         for (i, opt) in objects.optimizers.into_iter().enumerate() {
             let stem = match kind {
                 StateDictKind::Full => nth("optimizer", i),
                 StateDictKind::Sharded => format!("{}_rank{rank}", nth("optimizer", i)),
             };
-            let mut tensors = read_tensors(&source.join(format!("{stem}.safetensors")))?;
+            let file = source.join(format!("{stem}.safetensors"));
+            let bytes = file_bytes(&file);
+            bar.inc_length(bytes);
+            let mut tensors = read_tensors(&file)?;
             if kind == StateDictKind::Full {
                 tensors = self.convert_optimizer_state(tensors, false)?;
             }
             let meta = read_json(&source.join(format!("{stem}.json")))?;
             opt.load_state_dict(&tensors, &meta)
                 .map_err(|e| AccelError::Usage(format!("{}: {e}", source.display())))?;
+            bar.inc(bytes);
         }
+        bar.finish_and_clear();
         for (i, s) in objects.schedulers.into_iter().enumerate() {
             let v = read_json(&source.join(format!("{}.json", nth("scheduler", i))))?;
             let steps = v["steps"].as_u64().ok_or_else(|| {
