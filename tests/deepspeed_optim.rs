@@ -5,27 +5,13 @@
 //! beside the file's, or a dummy without one, is refused with Accelerate's
 //! messages.
 
-use accel_integration_tests::{accel_bin, build_bin, describe, read_weights, write_config};
+use accel_integration_tests::{
+    accel_bin, build_bin, describe, read_weights, write_deepspeed_config,
+};
 use std::{
-    path::{Path, PathBuf},
+    path::Path,
     process::{Command, Output},
 };
-
-/// A 2-rank DEEPSPEED config naming the DeepSpeed file `ds` (JSON text).
-fn config(dir: &Path, name: &str, ds: &str) -> PathBuf {
-    let file = dir.join(format!("{name}.json"));
-    std::fs::write(&file, ds).unwrap();
-    write_config(
-        dir,
-        &format!("{name}.yaml"),
-        "DEEPSPEED",
-        2,
-        &format!(
-            "deepspeed_config:\n  deepspeed_config_file: {}\n",
-            file.display()
-        ),
-    )
-}
 
 /// `accel launch` of ds-optim-probe in `out` (created) with `mode`.
 fn probe(config: &Path, out: &Path, mode: &str) -> Output {
@@ -57,12 +43,12 @@ const SCHEDULER: &str = r#""scheduler": {"type": "WarmupLR", "params": {"warmup_
 fn a_files_adamw_and_warmup_lr_train_as_the_same_run_configured_in_code() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let from_file = config(
+    let from_file = write_deepspeed_config(
         d,
         "file",
         &format!(r#"{{"zero_optimization": {{"stage": 2}}, {OPTIMIZER}, {SCHEDULER}}}"#),
     );
-    let plain = config(d, "plain", r#"{"zero_optimization": {"stage": 2}}"#);
+    let plain = write_deepspeed_config(d, "plain", r#"{"zero_optimization": {"stage": 2}}"#);
     let (a, b) = (d.join("a"), d.join("b"));
     let out = probe(&from_file, &a, "config");
     assert!(out.status.success(), "{}", describe(&out));
@@ -88,7 +74,7 @@ fn a_files_adamw_and_warmup_lr_train_as_the_same_run_configured_in_code() {
     }
     // A different weight decay in the file gives other weights: the
     // file's values are what trained.
-    let other = config(
+    let other = write_deepspeed_config(
         d,
         "other",
         &format!(
@@ -108,7 +94,7 @@ fn unsupported_types_and_conflicts_are_refused_as_accelerate_refuses_them() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let out = d.join("out");
-    let lamb = config(
+    let lamb = write_deepspeed_config(
         d,
         "lamb",
         r#"{"optimizer": {"type": "OneBitAdam", "params": {"lr": 0.1}}}"#,
@@ -121,7 +107,7 @@ fn unsupported_types_and_conflicts_are_refused_as_accelerate_refuses_them() {
             "lamb.json",
         ],
     );
-    let cycle = config(
+    let cycle = write_deepspeed_config(
         d,
         "cycle",
         &format!(r#"{{{OPTIMIZER}, "scheduler": {{"type": "OneCycle", "params": {{}}}}}}"#),
@@ -133,7 +119,7 @@ fn unsupported_types_and_conflicts_are_refused_as_accelerate_refuses_them() {
             "WarmupLR, WarmupDecayLR, WarmupCosineLR",
         ],
     );
-    let both = config(d, "both", &format!("{{{OPTIMIZER}, {SCHEDULER}}}"));
+    let both = write_deepspeed_config(d, "both", &format!("{{{OPTIMIZER}, {SCHEDULER}}}"));
     refused(
         &probe(&both, &out, "own-optimizer"),
         &[
@@ -146,12 +132,12 @@ fn unsupported_types_and_conflicts_are_refused_as_accelerate_refuses_them() {
         &probe(&both, &out, "own-scheduler"),
         &["You cannot specify a scheduler in the config file and in the code at the same time"],
     );
-    let optimizer_only = config(d, "opt", &format!("{{{OPTIMIZER}}}"));
+    let optimizer_only = write_deepspeed_config(d, "opt", &format!("{{{OPTIMIZER}}}"));
     refused(
         &probe(&optimizer_only, &out, "own-scheduler"),
         &["You can only specify a DummyScheduler"],
     );
-    let plain = config(d, "plain", r#"{"zero_optimization": {"stage": 1}}"#);
+    let plain = write_deepspeed_config(d, "plain", r#"{"zero_optimization": {"stage": 1}}"#);
     refused(
         &probe(&plain, &out, "dummy"),
         &[

@@ -21,7 +21,7 @@ use accel_integration_tests::{
     accel_bin, adamw_mlp_args, describe,
     gpt2::{gpt2, write_tokens, SIZES},
     launch_mlp, launch_with_config, loss_records, max_abs_diff, memory_lines, read_weights, run_ok,
-    write_config,
+    write_config, write_deepspeed_config,
 };
 use accel_sdk::optim::OptimizerConfig;
 use serde_json::{json, Value};
@@ -92,20 +92,9 @@ fn fsdp_config(dir: &Path, name: &str, mixed_precision: &str, extra: &str) -> Pa
 
 /// A DEEPSPEED config at `stage` whose DeepSpeed file holds `file`.
 fn zero_config(dir: &Path, name: &str, stage: u32, file: Value) -> PathBuf {
-    let json = dir.join(format!("{name}.json"));
     let mut file = file;
     file["zero_optimization"] = json!({ "stage": stage });
-    std::fs::write(&json, file.to_string()).unwrap();
-    write_config(
-        dir,
-        &format!("{name}.yaml"),
-        "DEEPSPEED",
-        2,
-        &format!(
-            "deepspeed_config:\n  deepspeed_config_file: {}\n",
-            json.display()
-        ),
-    )
+    write_deepspeed_config(dir, name, &file.to_string())
 }
 
 /// Runs `mlp args` under `config`; asserts it used `strategy`.

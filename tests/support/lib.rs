@@ -300,6 +300,23 @@ pub fn write_config(
     path
 }
 
+/// A 2-rank DEEPSPEED config `<dir>/<name>.yaml` whose
+/// `deepspeed_config_file` is `<dir>/<name>.json`, written with `json`.
+pub fn write_deepspeed_config(dir: &Path, name: &str, json: &str) -> PathBuf {
+    let file = dir.join(format!("{name}.json"));
+    std::fs::write(&file, json).unwrap();
+    write_config(
+        dir,
+        &format!("{name}.yaml"),
+        "DEEPSPEED",
+        2,
+        &format!(
+            "deepspeed_config:\n  deepspeed_config_file: {}\n",
+            file.display()
+        ),
+    )
+}
+
 /// `accel launch -q --config_file <config> mlp <args>`, not yet run.
 pub fn launch_with_config(config: &Path, args: &[&str]) -> Command {
     let mut cmd = Command::new(accel_bin());
