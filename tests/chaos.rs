@@ -115,10 +115,24 @@ impl Tmpfs {
         ok.then_some(Tmpfs(at))
     }
 
-    /// Writes a file until the file system is full; returns it.
-    fn fill(&self) -> PathBuf {
-        let path = self.0.join("filler");
-        let mut f = fs::File::create(&path).unwrap();
+    /// Fills the file system to the last byte and keeps it full until
+    /// process `accel` has ended (or [`LIMIT`]): space the job frees
+    /// (an old checkpoint rotated out just after the fill) is taken again
+    /// at once, so the job's next save must meet a full disk.
+    fn fill_while_running(&self, accel: u32) {
+        let mut f = fs::File::create(self.0.join("filler")).unwrap();
+        let deadline = Instant::now() + LIMIT;
+        loop {
+            Self::top_up(&mut f);
+            if ended(accel) || Instant::now() > deadline {
+                break;
+            }
+            thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Appends to `f` until the file system has no byte left.
+    fn top_up(f: &mut fs::File) {
         let block = vec![7u8; 1 << 16];
         loop {
             match f.write(&block) {
@@ -132,7 +146,6 @@ impl Tmpfs {
         }
         // The last partial block: byte by byte.
         while f.write(&[7u8]).is_ok_and(|n| n == 1) {}
-        path
     }
 }
 
@@ -196,7 +209,14 @@ fn strike(
             libc::kill(pid, libc::SIGSTOP);
         },
         Fault::DiskFull => {
-            disk.expect("a disk to fill").fill();
+            let at = Instant::now();
+            disk.expect("a disk to fill").fill_while_running(accel);
+            return Some(Struck {
+                fault,
+                rank,
+                pid,
+                at,
+            });
         }
     }
     Some(Struck {
