@@ -357,3 +357,63 @@ fn plugin_settings_and_plugin_dir() {
     );
     assert_eq!(r.source("accel.plugins.ring"), Some(&Source::File(f)));
 }
+
+#[test]
+fn training_settings_of_every_strategy_come_from_the_environment() {
+    let d = tmpdir("training-settings");
+    let launched = json!({
+        "distributed_type": "NO",
+        "accel": {"trackers": ["jsonl"], "collective_timeout": 60.0}
+    });
+    let env = Env::new(
+        &d,
+        &[
+            ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4"),
+            ("ACCELERATE_LOG_WITH", " wandb, tensorboard ,"),
+            ("ACCEL_RESOLVED_CONFIG", &launched.to_string()),
+        ],
+    );
+    let r = resolve_training(&[], &|k| env.get(k), &[]).unwrap();
+    assert_eq!(r.gradient_accumulation_steps(), Some(4));
+    let accel = r.config.accel.as_ref().unwrap();
+    assert_eq!(accel.trackers.as_deref().unwrap(), ["wandb", "tensorboard"]);
+    assert_eq!(
+        r.source("accel.trackers"),
+        Some(&Source::Env("ACCELERATE_LOG_WITH".into()))
+    );
+    assert_eq!(accel.collective_timeout, Some(60.0));
+    // A list variable set to nothing counts as unset.
+    let env = Env::new(
+        &d,
+        &[
+            ("ACCELERATE_LOG_WITH", ""),
+            ("ACCEL_RESOLVED_CONFIG", &launched.to_string()),
+        ],
+    );
+    let r = resolve_training(&[], &|k| env.get(k), &[]).unwrap();
+    assert_eq!(
+        r.config
+            .accel
+            .as_ref()
+            .unwrap()
+            .trackers
+            .as_deref()
+            .unwrap(),
+        ["jsonl"]
+    );
+    assert_eq!(
+        r.source("accel.trackers"),
+        Some(&Source::Env("ACCEL_RESOLVED_CONFIG".into()))
+    );
+    // The builder beats the environment.
+    let builder = vec![("accel.trackers".to_string(), json!(["csv"]))];
+    let r = resolve_training(&builder, &|k| env.get(k), &[]).unwrap();
+    assert_eq!(r.config.accel.unwrap().trackers.unwrap(), ["csv"]);
+    let zero = Env::new(&d, &[("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "0")]);
+    let e = resolve_training(&[], &|k| zero.get(k), &[]).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
+        "{e}"
+    );
+}

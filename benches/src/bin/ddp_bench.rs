@@ -11,7 +11,7 @@
 
 use accel::{
     accelerator::{AccelError, Accelerator},
-    comm::{mpi::Mpi, Communicator},
+    comm::{collective_timeout, mpi::Mpi, Communicator},
     context::ProcessContext,
     plugins::{default_search_path, PluginSet},
 };
@@ -60,7 +60,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let local = step_time(h, b, steps, false)?;
 
     // The ddp plugin's bucketed all-reduce over a model's worth of gradients.
-    let mpi = Mpi::shared()?;
+    // Shared with the Accelerators above, which set its collective timeout.
+    let mpi = Mpi::shared(collective_timeout(None))?;
     let rank = mpi.rank();
     let ctx = ProcessContext::new(mpi.clone(), 0, 1, DeviceSpec::CPU).into_box();
     let plugins = PluginSet::discover(&default_search_path(&[]));

@@ -516,9 +516,7 @@ impl Accelerator {
             let v = json!({ "steps": s.scheduler().steps() });
             write_json(&out.join(format!("{}.json", nth("scheduler", i))), &v)?;
         }
-        let precision: Value = serde_json::from_str(&self.precision.state_json().into_result()?)
-            .map_err(|e| AccelError::Usage(format!("precision policy state is not JSON: {e}")))?;
-        write_json(&out.join("precision.json"), &precision)?;
+        write_json(&out.join("precision.json"), &self.precision.state()?)?;
         let loaders: Vec<Value> = self
             .loader_records()
             .iter()
@@ -687,9 +685,7 @@ impl Accelerator {
             s.restore_steps(steps);
         }
         let precision = read_json(&source.join("precision.json"))?;
-        self.precision
-            .load_state_json(precision.to_string().as_str().into())
-            .into_result()?;
+        self.precision.load_state(&precision)?;
         let rng_file = source.join(format!("random_states_{rank}.safetensors"));
         if rng_file.exists() {
             for (name, state) in read_tensors(&rng_file)? {

@@ -15,7 +15,7 @@
 //! a sync; `gather_for_metrics` drops the samples repeated to even out the
 //! ranks) and keeps its position (epoch, batches consumed) for checkpoints.
 
-use super::{AccelError, GradientState};
+use super::{AccelError, Accelerator, GradientState};
 use crate::comm::Communicator;
 pub use accel_data::{shard_indices, DataLoader, Sharding};
 use accel_data::{Batch, Epoch, Loaded, Shard};
@@ -351,6 +351,59 @@ impl ShardedLoader {
 
     fn lock_state(&self) -> std::sync::MutexGuard<'_, GradientState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+impl Accelerator {
+    /// Prepares a data loader for this process, as Accelerate's `prepare`:
+    /// this rank's shard of a map-style dataset (`BatchSamplerShard`), of a
+    /// stream (`IterableDatasetShard`), or its part of what rank 0 reads
+    /// (`dispatch_batches`). Refuses a batch size of 0, an empty dataset and
+    /// a `split_batches` batch size that the ranks cannot share evenly.
+    pub fn prepare_data_loader(&self, loader: DataLoader) -> Result<ShardedLoader, AccelError> {
+        self.prepare_data_loader_with(loader, self.dataloader)
+    }
+
+    /// [`Accelerator::prepare_data_loader`] with options of its own instead
+    /// of the Accelerator's (Accelerate's free `prepare_data_loader`).
+    pub fn prepare_data_loader_with(
+        &self,
+        loader: DataLoader,
+        config: DataLoaderConfiguration,
+    ) -> Result<ShardedLoader, AccelError> {
+        let prepare = Prepare {
+            rank: self.rank as usize,
+            world: self.world as usize,
+            config,
+            device: self.device,
+        };
+        let loader = ShardedLoader::new(loader, &prepare, &self.comm, Arc::clone(&self.state))?;
+        self.loaders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(loader.record_handle());
+        Ok(loader)
+    }
+
+    /// `loader` with its first `k` batches of the current epoch skipped at
+    /// its next iteration (Accelerate's `skip_first_batches`).
+    pub fn skip_first_batches<'a>(&self, loader: &'a ShardedLoader, k: usize) -> &'a ShardedLoader {
+        loader.skip_first_batches(k);
+        loader
+    }
+
+    pub(super) fn loader_records(&self) -> Vec<Arc<Mutex<LoaderRecord>>> {
+        self.loaders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Where every prepared data loader is, in preparation order.
+    pub fn loader_positions(&self) -> Vec<LoaderPosition> {
+        self.loader_records()
+            .iter()
+            .map(|h| h.lock().unwrap_or_else(|p| p.into_inner()).position)
+            .collect()
     }
 }
 

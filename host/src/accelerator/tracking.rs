@@ -24,11 +24,11 @@
 //! # Ok(()) }
 //! ```
 //!
-//! **Which trackers** (first that is set): the builder's
-//! [`AcceleratorBuilder::log_with`], the `ACCELERATE_LOG_WITH` environment
-//! variable (comma-separated; accel's own: Accelerate has `log_with` only as
-//! an argument), the config's `accel.trackers` (which `accel launch` hands
-//! every rank). `all` means every tracker component found: the built-ins
+//! **Which trackers**: the resolved config's `accel.trackers`, which comes
+//! from (first that is set) the builder's [`AcceleratorBuilder::log_with`],
+//! the `ACCELERATE_LOG_WITH` environment variable (comma-separated; accel's
+//! own: Accelerate has `log_with` only as an argument), the config file's
+//! `accel.trackers` (which `accel launch` hands every rank). `all` means every tracker component found: the built-ins
 //! (`jsonl`) and those of every plugin on the search path. A name is a
 //! tracker's selector or name, chosen through the
 //! [`PluginSet`](crate::plugins::PluginSet) like every other component, so
@@ -75,8 +75,9 @@ use std::{
     thread,
 };
 
-/// The environment variable naming the trackers (comma-separated), read
-/// when the builder names none.
+/// The environment variable naming the trackers (comma-separated): the
+/// config resolver reads it into `accel.trackers` (the builder's `log_with`
+/// beats it).
 pub const LOG_WITH_ENV: &str = "ACCELERATE_LOG_WITH";
 
 /// Log calls the worker may fall behind by before `log` waits.
@@ -116,6 +117,14 @@ impl AcceleratorBuilder {
     }
 }
 
+impl TrackingOptions {
+    /// The builder's `log_with` as the config setting it is
+    /// (`accel.trackers`), when it names any tracker.
+    pub(super) fn trackers_setting(&self) -> Option<(String, Value)> {
+        (!self.log_with.is_empty()).then(|| ("accel.trackers".to_owned(), json!(self.log_with)))
+    }
+}
+
 fn split_names<'a>(names: impl Iterator<Item = &'a str>) -> Vec<String> {
     names
         .flat_map(|n| n.split(','))
@@ -125,23 +134,15 @@ fn split_names<'a>(names: impl Iterator<Item = &'a str>) -> Vec<String> {
         .collect()
 }
 
-/// The tracker names asked for and where they came from: the builder, else
-/// `ACCELERATE_LOG_WITH`, else the config's `accel.trackers`.
-fn requested_trackers(
-    builder: &[String],
-    env: &dyn Fn(&str) -> Option<String>,
-    config: Option<&[String]>,
-) -> Vec<String> {
-    if !builder.is_empty() {
-        return builder.to_vec();
-    }
-    if let Some(v) = env(LOG_WITH_ENV) {
-        let names = split_names(std::iter::once(v.as_str()));
-        if !names.is_empty() {
-            return names;
-        }
-    }
-    config.map_or_else(Vec::new, |c| split_names(c.iter().map(String::as_str)))
+/// The tracker names the resolved config asks for (`accel.trackers`,
+/// comma-separated entries split).
+fn requested_trackers(config: &ResolvedConfig) -> Vec<String> {
+    config
+        .config
+        .accel
+        .as_ref()
+        .and_then(|a| a.trackers.as_deref())
+        .map_or_else(Vec::new, |c| split_names(c.iter().map(String::as_str)))
 }
 
 /// `names` with `all` replaced by every tracker component in `plugins`,
@@ -410,22 +411,17 @@ pub(super) struct Tracking {
 }
 
 impl Tracking {
-    /// Reads the tracker names (builder > `ACCELERATE_LOG_WITH` > config
-    /// `accel.trackers`) and the directories; starts nothing.
+    /// Takes the tracker names from the resolved config (builder >
+    /// `ACCELERATE_LOG_WITH` > config file `accel.trackers`) and the
+    /// directories from the builder; starts nothing.
     pub(super) fn new(
         options: TrackingOptions,
         plugins: PluginSet,
         config: &ResolvedConfig,
-        env: &dyn Fn(&str) -> Option<String>,
         is_main: bool,
     ) -> Self {
         let accel = config.config.accel.as_ref();
-        let requested = requested_trackers(
-            &options.log_with,
-            env,
-            accel.and_then(|a| a.trackers.as_deref()),
-        );
-        let log_with = expand_all(&requested, &plugins);
+        let log_with = expand_all(&requested_trackers(config), &plugins);
         let project_dir = options.project_dir.unwrap_or_else(|| PathBuf::from("."));
         let logging_dir = options.logging_dir.unwrap_or_else(|| project_dir.clone());
         Self {
@@ -765,21 +761,25 @@ mod tests {
 
     #[test]
     fn builder_beats_env_beats_config() {
-        let env = |k: &str| (k == LOG_WITH_ENV).then(|| " wandb, tensorboard ,".to_owned());
-        let none = |_: &str| None;
-        let config = names(&["jsonl"]);
-        assert_eq!(
-            requested_trackers(&names(&["csv"]), &env, Some(&config)),
-            ["csv"]
-        );
-        assert_eq!(
-            requested_trackers(&[], &env, Some(&config)),
-            ["wandb", "tensorboard"]
-        );
-        assert_eq!(requested_trackers(&[], &none, Some(&config)), ["jsonl"]);
-        assert!(requested_trackers(&[], &none, None).is_empty());
-        let empty = |k: &str| (k == LOG_WITH_ENV).then(String::new);
-        assert_eq!(requested_trackers(&[], &empty, Some(&config)), ["jsonl"]);
+        let requested = |builder: &[&str], log_with: Option<&str>, file: bool| {
+            let options = AcceleratorBuilder::default().log_with(builder).tracking;
+            let settings: Vec<(String, Value)> = options.trackers_setting().into_iter().collect();
+            let env = |k: &str| match k {
+                LOG_WITH_ENV => log_with.map(str::to_owned),
+                accel_config::RESOLVED_CONFIG_ENV if file => Some(
+                    r#"{"distributed_type": "NO", "accel": {"trackers": ["jsonl"]}}"#.to_owned(),
+                ),
+                _ => None,
+            };
+            let config = accel_config::resolve_training(&settings, &env, &[]).unwrap();
+            requested_trackers(&config)
+        };
+        let env = Some(" wandb, tensorboard ,");
+        assert_eq!(requested(&["csv"], env, true), ["csv"]);
+        assert_eq!(requested(&[], env, true), ["wandb", "tensorboard"]);
+        assert_eq!(requested(&[], None, true), ["jsonl"]);
+        assert!(requested(&[], None, false).is_empty());
+        assert_eq!(requested(&[], Some(""), true), ["jsonl"]);
     }
 
     #[test]

@@ -22,11 +22,6 @@ use tch::Tensor;
 /// `InitProcessGroupKwargs(timeout=...)`), used for MPI too.
 pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
-/// The variable that carries the collective timeout, in seconds, to every
-/// rank (`accel.collective_timeout` in the config, `accel launch
-/// --collective_timeout`).
-pub const COLLECTIVE_TIMEOUT_ENV: &str = "ACCEL_COLLECTIVE_TIMEOUT";
-
 /// Reads a timeout in seconds (`5`, `0.5`, `1800.0`): a number above 0;
 /// one too large for a [`Duration`] is no limit at all.
 pub fn parse_timeout(text: &str) -> Option<Duration> {
@@ -34,18 +29,15 @@ pub fn parse_timeout(text: &str) -> Option<Duration> {
     (secs > 0.0).then(|| Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
 }
 
-/// The collective timeout from [`COLLECTIVE_TIMEOUT_ENV`] (read through
-/// `get`), else [`DEFAULT_COLLECTIVE_TIMEOUT`].
-pub fn collective_timeout(get: &dyn Fn(&str) -> Option<String>) -> Result<Duration, CommError> {
-    match get(COLLECTIVE_TIMEOUT_ENV) {
-        None => Ok(DEFAULT_COLLECTIVE_TIMEOUT),
-        Some(text) => parse_timeout(&text).ok_or_else(|| {
-            CommError::new(
-                "init",
-                format!("{COLLECTIVE_TIMEOUT_ENV}={text}: expected a number of seconds above 0"),
-            )
-        }),
-    }
+/// The collective timeout of `seconds` (the resolved config's
+/// `accel.collective_timeout`: `--collective_timeout`,
+/// `ACCEL_COLLECTIVE_TIMEOUT`, the config file), else
+/// [`DEFAULT_COLLECTIVE_TIMEOUT`]; one too large for a [`Duration`] is no
+/// limit at all.
+pub fn collective_timeout(seconds: Option<f64>) -> Duration {
+    seconds.map_or(DEFAULT_COLLECTIVE_TIMEOUT, |s| {
+        Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX)
+    })
 }
 
 /// How long a wait spins (tests back to back) before it yields the core.
@@ -205,17 +197,8 @@ mod tests {
         for bad in ["0", "-1", "abc", "", "NaN"] {
             assert_eq!(parse_timeout(bad), None, "{bad}");
         }
-        let get =
-            |v: &'static str| move |k: &str| (k == COLLECTIVE_TIMEOUT_ENV).then(|| v.to_owned());
-        assert_eq!(
-            collective_timeout(&get("3")).unwrap(),
-            Duration::from_secs(3)
-        );
-        assert_eq!(
-            collective_timeout(&|_| None).unwrap(),
-            DEFAULT_COLLECTIVE_TIMEOUT
-        );
-        let err = collective_timeout(&get("soon")).unwrap_err().to_string();
-        assert!(err.contains("ACCEL_COLLECTIVE_TIMEOUT=soon"), "{err}");
+        assert_eq!(collective_timeout(Some(3.0)), Duration::from_secs(3));
+        assert_eq!(collective_timeout(Some(1e300)), Duration::MAX);
+        assert_eq!(collective_timeout(None), DEFAULT_COLLECTIVE_TIMEOUT);
     }
 }

@@ -23,8 +23,9 @@
 //!
 //! Every collective is MPI's non-blocking variant (`MPI_Iallreduce`,
 //! `MPI_Ibarrier`, ...) waited on with a deadline, the collective timeout
-//! ([`super::collective_timeout`]: `ACCEL_COLLECTIVE_TIMEOUT`, 30 minutes by
-//! default). The wait tests the request in a tight loop for the first
+//! (`accel.collective_timeout` of the resolved config, which
+//! `ACCEL_COLLECTIVE_TIMEOUT` sets; [`super::collective_timeout`], 30
+//! minutes by default). The wait tests the request in a tight loop for the first
 //! milliseconds (a fast collective is not slowed), then yields, then sleeps
 //! between tests (up to 1 ms), so a rank waiting long for a slow or stopped
 //! peer does not burn a core. A rank that waits past the deadline fails with
@@ -41,7 +42,7 @@
 //! glibc's `on_exit(3)`; on other C libraries only `atexit` exists, the
 //! status is unknown and the handler always finalises.
 
-use super::{collective_timeout, pause, seconds, write_back, CommError, Communicator};
+use super::{pause, seconds, write_back, CommError, Communicator};
 use accel_rendezvous::Client;
 use accel_sdk::ReduceOp;
 use mpi::{
@@ -267,19 +268,20 @@ static SHARED: std::sync::OnceLock<Arc<Mpi>> = std::sync::OnceLock::new();
 static INIT: Mutex<()> = Mutex::new(());
 
 impl Mpi {
-    /// The world communicator, initialising MPI on first use; every later
-    /// call (a second Accelerator in the same process) shares it.
-    pub fn shared() -> Result<Arc<Mpi>, CommError> {
+    /// The world communicator, initialising MPI on first use with
+    /// collectives that wait at most `timeout`; every later call (a second
+    /// Accelerator in the same process) shares it, timeout included.
+    pub fn shared(timeout: Duration) -> Result<Arc<Mpi>, CommError> {
         let _once = INIT.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(m) = SHARED.get() {
             return Ok(Arc::clone(m));
         }
-        let m = Arc::new(Self::init()?);
+        let m = Arc::new(Self::init(timeout)?);
         Ok(Arc::clone(SHARED.get_or_init(|| m)))
     }
 
     /// Initialises MPI and returns the world communicator.
-    fn init() -> Result<Mpi, CommError> {
+    fn init(timeout: Duration) -> Result<Mpi, CommError> {
         let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized)
             .ok_or_else(|| CommError::new("init", "MPI was already initialised"))?;
         if threading < Threading::Serialized {
@@ -296,13 +298,11 @@ impl Mpi {
         std::mem::forget(universe);
         WORLD_RANK.store(world.rank(), Ordering::Relaxed);
         register_exit_handler();
-        let env = |k: &str| std::env::var(k).ok();
-        let timeout = collective_timeout(&env)?;
         // Only `accel launch` hosts an accel store at MASTER_ADDR:MASTER_PORT.
         let addr = crate::launch::detect::detect_here()
             .ok()
             .and_then(|d| d.launcher_store().map(str::to_owned));
-        let attempt = env("ACCEL_RESTART_COUNT").unwrap_or_else(|| "0".into());
+        let attempt = std::env::var("ACCEL_RESTART_COUNT").unwrap_or_else(|_| "0".into());
         if let Some(addr) = &addr {
             let _ = REPORT_TO.set((addr.clone(), attempt.clone()));
         }

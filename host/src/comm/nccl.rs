@@ -9,7 +9,7 @@
 //! there. Collectives run on the default stream, the one libtorch uses
 //! unless told otherwise, so they are ordered with the surrounding kernels.
 
-use super::{collective_timeout, pause, seconds, write_back, CommError, Communicator};
+use super::{pause, seconds, write_back, CommError, Communicator};
 use crate::launch::detect::IdStore;
 use accel_rendezvous::{torch::TorchStoreClient, Client, Server, StoreError};
 use accel_sdk::ReduceOp;
@@ -108,15 +108,15 @@ impl Nccl {
     /// Joins the job's NCCL communicator as `rank` of `size` on CUDA device
     /// `device`, exchanging the unique id through the store at `store_addr`
     /// ([`IdStore`]: `accel launch`'s, torchrun's TCPStore, or one rank 0
-    /// hosts on that port).
+    /// hosts on that port); its collectives wait at most `timeout`.
     pub fn init(
         rank: u32,
         size: u32,
         device: usize,
         store_addr: &str,
         store: IdStore,
+        timeout: Duration,
     ) -> Result<Nccl, CommError> {
-        let timeout = collective_timeout(&|k| std::env::var(k).ok())?;
         cudarc::runtime::result::device::set(device as i32).map_err(|e| err("init", e))?;
         let store_err = |e: accel_rendezvous::StoreError| CommError::new("init", e.to_string());
         let wait = Duration::from_secs(300);

@@ -24,7 +24,10 @@ pub fn claimed_distributed_types(set: &PluginSet) -> Vec<String> {
     set.selectors(PluginKind::Strategy)
 }
 
-/// The settings JSON the strategy plugin `plugin` receives for `config`.
+/// The settings JSON the strategy plugin `plugin` receives for `config`:
+/// its section, its `accel.plugins.<plugin>` settings, and the precision
+/// settings a strategy may act on (`mixed_precision`, `downcast_bf16`), so
+/// no plugin reads them from the environment.
 pub fn strategy_settings(config: &Config, plugin: &str) -> Value {
     let dt = config
         .distributed_type
@@ -42,6 +45,7 @@ pub fn strategy_settings(config: &Config, plugin: &str) -> Value {
         "section": section,
         "settings": settings,
         "mixed_precision": mixed_precision,
+        "downcast_bf16": config.downcast_bf16.unwrap_or(false),
     })
 }
 

@@ -210,25 +210,25 @@ pub fn parse_settings(json: &str) -> Result<Settings, PluginError> {
     Ok(s)
 }
 
-/// `mixed_precision` and `downcast_bf16` for this run: the settings, else
-/// the launcher's `ACCEL_RESOLVED_CONFIG`, else `ACCELERATE_MIXED_PRECISION`
-/// / `ACCELERATE_DOWNCAST_BF16`.
-fn precision(s: &Settings, env: &dyn Fn(&str) -> Option<String>) -> (bool, bool) {
-    let resolved: Option<Value> =
-        env("ACCEL_RESOLVED_CONFIG").and_then(|j| serde_json::from_str(&j).ok());
-    let from_resolved = |k: &str| resolved.as_ref().and_then(|r| r.get(k)).cloned();
-    let mp = s
-        .mixed_precision
-        .clone()
-        .or_else(|| from_resolved("mixed_precision").and_then(|v| v.as_str().map(String::from)))
-        .or_else(|| env("ACCELERATE_MIXED_PRECISION"))
-        .unwrap_or_else(|| "no".into());
+/// `mixed_precision` and `downcast_bf16` for this run: this plugin's
+/// settings, else what the host resolved (`"mixed_precision"` and
+/// `"downcast_bf16"` beside the section in the JSON it passes: builder >
+/// `ACCELERATE_*` > the launcher's config > defaults).
+fn precision(s: &Settings, json: &str) -> Result<(bool, bool), PluginError> {
+    let v: Value = serde_json::from_str(json)
+        .map_err(|e| config_err(format!("settings are not JSON: {e}")))?;
+    let mp = match &s.mixed_precision {
+        Some(m) => m.as_str(),
+        None => v
+            .get("mixed_precision")
+            .and_then(Value::as_str)
+            .unwrap_or("no"),
+    };
     let downcast = s
         .downcast_bf16
-        .or_else(|| from_resolved("downcast_bf16").as_ref().and_then(yes_no))
-        .or_else(|| env("ACCELERATE_DOWNCAST_BF16").and_then(|v| yes_no(&Value::String(v))))
+        .or_else(|| v.get("downcast_bf16").and_then(yes_no))
         .unwrap_or(false);
-    (mp == "bf16", downcast)
+    Ok((mp == "bf16", downcast))
 }
 
 /// The element type a tensor of kind `k` travels as: with bf16 mixed
@@ -292,7 +292,7 @@ struct Xla {
 
 fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError> {
     let s = parse_settings(settings)?;
-    let (bf16, downcast) = precision(&s, &|k| std::env::var(k).ok());
+    let (bf16, downcast) = precision(&s, settings)?;
     let ranks = RankInfo {
         rank: ctx.rank(),
         world_size: ctx.world_size(),

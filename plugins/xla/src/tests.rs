@@ -300,16 +300,18 @@ fn bf16_rules_follow_torch_xla() {
     assert_eq!(wire_kind(Kind::Double, true, false), Kind::BFloat16);
     assert_eq!(wire_kind(Kind::Float, true, true), Kind::BFloat16);
     assert_eq!(wire_kind(Kind::Double, true, true), Kind::Float);
-    let s = parse_settings("{}").unwrap();
-    let env = |k: &str| match k {
-        "ACCEL_RESOLVED_CONFIG" => {
-            Some(r#"{"mixed_precision": "bf16", "downcast_bf16": "yes"}"#.to_owned())
-        }
-        _ => None,
-    };
-    assert_eq!(precision(&s, &env), (true, true));
-    let env = |k: &str| (k == "ACCELERATE_MIXED_PRECISION").then(|| "bf16".to_owned());
-    assert_eq!(precision(&s, &env), (true, false));
+    let host =
+        r#"{"section": null, "settings": {}, "mixed_precision": "bf16", "downcast_bf16": true}"#;
+    let s = parse_settings(host).unwrap();
+    assert_eq!(precision(&s, host).unwrap(), (true, true));
+    let host = r#"{"section": null, "settings": null, "mixed_precision": "bf16"}"#;
+    assert_eq!(precision(&s, host).unwrap(), (true, false));
+    let own = r#"{"settings": {"mixed_precision": "no"}, "mixed_precision": "bf16"}"#;
+    assert_eq!(
+        precision(&parse_settings(own).unwrap(), own).unwrap(),
+        (false, false)
+    );
+    assert_eq!(precision(&s, "{}").unwrap(), (false, false));
 }
 
 /// The evidence that xla-cpu-pjrt 0.0.1 cannot run collectives across

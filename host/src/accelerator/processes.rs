@@ -1,0 +1,147 @@
+//! What the processes of a job do together: waiting for each other,
+//! main-process-only work, and the collectives on tensors.
+
+use super::{AccelError, Accelerator};
+use accel_sdk::ReduceOp;
+use tch::{Device, Tensor};
+
+/// How `reduce` combines ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// Elementwise sum.
+    Sum,
+    /// Elementwise mean.
+    Mean,
+}
+
+impl Accelerator {
+    /// Prints on the main process only.
+    pub fn print(&self, message: impl std::fmt::Display) {
+        if self.is_main_process() {
+            println!("{message}");
+        }
+    }
+
+    /// Waits until every process gets here.
+    pub fn wait_for_everyone(&self) -> Result<(), AccelError> {
+        Ok(self.comm.barrier()?)
+    }
+
+    /// Runs `f` on the main process first, then on the others.
+    pub fn main_process_first<R>(&self, f: impl FnOnce() -> R) -> Result<R, AccelError> {
+        if !self.is_main_process() {
+            self.wait_for_everyone()?;
+        }
+        let r = f();
+        if self.is_main_process() {
+            self.wait_for_everyone()?;
+        }
+        Ok(r)
+    }
+
+    /// Runs `f` on the main process only.
+    pub fn on_main_process<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
+        self.is_main_process().then(f)
+    }
+
+    /// Runs `f` on each machine's local main process only.
+    pub fn on_local_main_process<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
+        self.is_local_main_process().then(f)
+    }
+
+    /// This process's contiguous share of `items`, as Accelerate's
+    /// `split_between_processes`: the first `len % n` ranks get one more.
+    pub fn split_between_processes<T: Clone>(&self, items: &[T]) -> Vec<T> {
+        let n = self.world as usize;
+        let r = self.rank as usize;
+        let (per, extra) = (items.len() / n, items.len() % n);
+        let start = r * per + r.min(extra);
+        let end = start + per + usize::from(r < extra);
+        items[start..end].to_vec()
+    }
+
+    /// Every rank's `tensor` (same shape everywhere) concatenated along dim 0.
+    pub fn gather(&self, tensor: &Tensor) -> Result<Tensor, AccelError> {
+        let t = if tensor.dim() == 0 {
+            tensor.reshape([1])
+        } else {
+            tensor.shallow_clone()
+        };
+        let mut size = t.size();
+        let mut out = Tensor::zeros(
+            [t.numel() as i64 * i64::from(self.world)],
+            (t.kind(), t.device()),
+        );
+        self.comm.all_gather(&t, &mut out)?;
+        size[0] *= i64::from(self.world);
+        Ok(out.reshape(size))
+    }
+
+    /// [`Accelerator::gather`], minus the samples the last round of the data
+    /// loader duplicated to even out the ranks.
+    pub fn gather_for_metrics(&self, tensor: &Tensor) -> Result<Tensor, AccelError> {
+        let all = self.gather(tensor)?;
+        let st = self.lock_state().clone();
+        if st.end_of_dataloader && st.remainder > 0 {
+            return Ok(all.narrow(0, 0, st.remainder.min(all.size()[0])));
+        }
+        Ok(all)
+    }
+
+    /// `tensor` summed or averaged over every rank.
+    pub fn reduce(&self, tensor: &Tensor, how: Reduction) -> Result<Tensor, AccelError> {
+        let mut t = tensor.detach().copy();
+        let op = match how {
+            Reduction::Sum => ReduceOp::Sum,
+            Reduction::Mean => ReduceOp::Avg,
+        };
+        self.comm.all_reduce(&mut t, op)?;
+        Ok(t)
+    }
+
+    /// Rank `from`'s `tensor` on every rank.
+    pub fn broadcast(&self, tensor: &Tensor, from: u32) -> Result<Tensor, AccelError> {
+        let mut t = tensor.detach().copy();
+        self.comm.broadcast(&mut t, from)?;
+        Ok(t)
+    }
+
+    /// Pads `tensor` along `dim` with `pad_index` to the largest size any
+    /// rank has (at the start when `pad_first`), so it can be gathered.
+    pub fn pad_across_processes(
+        &self,
+        tensor: &Tensor,
+        dim: usize,
+        pad_index: f64,
+        pad_first: bool,
+    ) -> Result<Tensor, AccelError> {
+        let size = tensor.size();
+        if dim >= size.len() {
+            return Err(AccelError::Usage(format!(
+                "dim {dim} of a {}-dim tensor",
+                size.len()
+            )));
+        }
+        let mine = Tensor::from_slice(&size);
+        let mut all = Tensor::zeros(
+            [size.len() as i64 * i64::from(self.world)],
+            (tch::Kind::Int64, Device::Cpu),
+        );
+        self.comm.all_gather(&mine, &mut all)?;
+        let sizes = Vec::<i64>::try_from(
+            &all.reshape([i64::from(self.world), size.len() as i64])
+                .select(1, dim as i64),
+        )
+        .map_err(|e| AccelError::Usage(e.to_string()))?;
+        let max = sizes.into_iter().max().unwrap_or(size[dim]);
+        if max == size[dim] {
+            return Ok(tensor.shallow_clone());
+        }
+        let mut new_size = size.clone();
+        new_size[dim] = max;
+        let out = Tensor::full(new_size, pad_index, (tensor.kind(), tensor.device()));
+        let start = if pad_first { max - size[dim] } else { 0 };
+        out.narrow(dim as i64, start, size[dim]).copy_(tensor);
+        Ok(out)
+    }
+}
