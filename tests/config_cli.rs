@@ -4,7 +4,7 @@
 //! the conformance corpus beside this repository when it is there (CI);
 //! without it that test says it skipped.
 
-use accel_integration_tests::{accel_bin, build_plugin_into, describe, run};
+use accel_integration_tests::{accel_bin, describe, plugin_dir, run};
 use std::{
     io::Write,
     path::{Path, PathBuf},
@@ -133,12 +133,7 @@ fn validate_names_every_invalid_key_and_accepts_the_repositorys_configs() {
 
 #[test]
 fn a_strategy_plugin_checks_its_own_section() {
-    let plugins = tempfile::tempdir().unwrap();
-    build_plugin_into(
-        "accel-test-faulty",
-        &[],
-        &plugins.path().join("libaccel_test_faulty.so"),
-    );
+    let plugins = plugin_dir("accel-test-faulty");
     let d = plugins.path().to_str().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let write = |name: &str, mb: &str| {

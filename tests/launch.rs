@@ -3,9 +3,7 @@
 //! down with no process left behind, signals, restarts, output handling,
 //! refused combinations, dry runs, and two machines in network namespaces.
 
-use accel_integration_tests::{
-    accel_bin, assert_no_leftovers, build_bin, build_plugin_into, describe,
-};
+use accel_integration_tests::{accel_bin, assert_no_leftovers, build_bin, describe, plugin_dir};
 use serde_json::Value;
 use std::{
     collections::BTreeSet,
@@ -838,12 +836,7 @@ fn two_machines_in_network_namespaces_form_one_job() {
 
 #[test]
 fn a_third_party_launcher_from_a_plugin_dir_is_selectable() {
-    let plugins = tempfile::tempdir().unwrap();
-    build_plugin_into(
-        "accel-test-faulty",
-        &[],
-        &plugins.path().join("libaccel_test_faulty.so"),
-    );
+    let plugins = plugin_dir("accel-test-faulty");
     let dir = tempfile::tempdir().unwrap();
     let out = output(launch(&[
         "--plugin-dir",

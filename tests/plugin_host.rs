@@ -5,7 +5,7 @@
 use accel::plugins::{DirOrigin, PluginSet, SearchDir};
 use accel_integration_tests::{
     accel_bin, build_bin, build_plain_c_library, build_plugin_into, build_plugin_variant_into,
-    describe, run,
+    describe, plugin_dir, run,
 };
 use accel_sdk::{abi_stable::std_types::ROption, ErrorKind, LogEntry, PluginKind};
 use serde_json::Value;
@@ -244,12 +244,7 @@ fn two_plugins_claiming_one_selector_is_an_error_naming_both() {
 
 #[test]
 fn a_panicking_plugin_call_is_an_error_and_the_host_survives() {
-    let dir = tempfile::tempdir().unwrap();
-    build_plugin_into(
-        "accel-test-faulty",
-        &[],
-        &dir.path().join("libaccel_test_faulty.so"),
-    );
+    let dir = plugin_dir("accel-test-faulty");
     let set = PluginSet::discover(&[SearchDir {
         path: dir.path().to_owned(),
         origin: DirOrigin::Flag,

@@ -5,8 +5,8 @@
 
 use accel::accelerator::{shard_indices, Sharding};
 use accel_integration_tests::{
-    accel_bin, build_bin, build_plugin_into, describe, file_weights_diff, free_port, launch_mlp,
-    loss_log, max_abs_diff, mlp, read_weights, run_ok as run, venv_bin,
+    accel_bin, build_bin, describe, file_weights_diff, free_port, launch_mlp, loss_log,
+    max_abs_diff, mlp, plugin_dir, read_weights, run_ok as run, venv_bin,
 };
 use serde_json::Value;
 use std::{path::Path, process::Command};
@@ -263,12 +263,7 @@ fn collectives_give_what_accelerate_gives_on_1_2_and_3_ranks() {
 
 #[test]
 fn out_of_tree_local_sgd_trains_mlp_and_follows_its_rule() {
-    let plugins = tempfile::tempdir().unwrap();
-    build_plugin_into(
-        "accel-local-sgd",
-        &[],
-        &plugins.path().join("libaccel_local_sgd.so"),
-    );
+    let plugins = plugin_dir("accel-local-sgd");
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("local_sgd.yaml");
     std::fs::write(

@@ -4,7 +4,7 @@
 
 use accel::accelerator::{AccelError, Accelerator};
 use accel_integration_tests::{
-    accel_bin, build_plugin_into, loss_records, mlp, run_ok, venv_bin, workspace_root,
+    accel_bin, loss_records, mlp, plugin_dir, run_ok, venv_bin, workspace_root,
 };
 use accel_sdk::{ErrorKind, LogEntry};
 use serde_json::{json, Value};
@@ -203,18 +203,6 @@ fn mlp_logs_every_step_to_tensorboard_wandb_and_jsonl_from_rank_0_only() {
     assert_eq!(config, hyper);
 }
 
-/// The faulty fixture plugin (panicky, exploding and slow trackers) in a
-/// directory of its own.
-fn faulty_plugin_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    build_plugin_into(
-        "accel-test-faulty",
-        &[],
-        &dir.path().join("libaccel_test_faulty.so"),
-    );
-    dir
-}
-
 fn accelerator(plugins: Option<&Path>, log_with: &[&str], project: &Path) -> Accelerator {
     let mut b = Accelerator::builder()
         .log_with(log_with)
@@ -227,7 +215,7 @@ fn accelerator(plugins: Option<&Path>, log_with: &[&str], project: &Path) -> Acc
 
 #[test]
 fn log_returns_at_once_and_end_training_waits_until_everything_is_written() {
-    let plugins = faulty_plugin_dir();
+    let plugins = plugin_dir("accel-test-faulty");
     let project = tempfile::tempdir().unwrap();
     let mut acc = accelerator(Some(plugins.path()), &["slow", "jsonl"], project.path());
     assert_eq!(acc.log_with(), ["slow", "jsonl"]);
@@ -309,7 +297,7 @@ fn an_unknown_tracker_is_an_error_naming_it_and_listing_the_others() {
 
 #[test]
 fn a_failing_tracker_surfaces_from_end_training_and_the_others_keep_going() {
-    let plugins = faulty_plugin_dir();
+    let plugins = plugin_dir("accel-test-faulty");
     let project = tempfile::tempdir().unwrap();
     let mut acc = accelerator(Some(plugins.path()), &["panicky", "jsonl"], project.path());
     acc.init_trackers("run", Value::Null, Value::Null).unwrap();
@@ -340,7 +328,7 @@ fn a_failing_tracker_surfaces_from_end_training_and_the_others_keep_going() {
 
 #[test]
 fn flush_reports_the_errors_since_the_last_flush() {
-    let plugins = faulty_plugin_dir();
+    let plugins = plugin_dir("accel-test-faulty");
     let project = tempfile::tempdir().unwrap();
     let mut acc = accelerator(Some(plugins.path()), &["panicky"], project.path());
     acc.init_trackers("run", json!({}), json!({})).unwrap();
@@ -355,7 +343,7 @@ fn flush_reports_the_errors_since_the_last_flush() {
 
 #[test]
 fn a_tracker_that_cannot_be_created_is_an_error_and_the_started_ones_are_finished() {
-    let plugins = faulty_plugin_dir();
+    let plugins = plugin_dir("accel-test-faulty");
     let project = tempfile::tempdir().unwrap();
     let mut acc = accelerator(Some(plugins.path()), &["slow", "exploding"], project.path());
     let err = acc

@@ -32,6 +32,8 @@
 //! * [`error`]: [`PluginError`], returned by every call.
 //! * [`grad`]: gradient norms and clipping, as PyTorch computes them.
 //! * [`params`]: [`params::ParamSet`], the parameters a strategy keeps and what it does with them.
+//! * [`replicated`]: [`replicated::Replicated`], the whole strategy of a plugin that keeps a
+//!   copy of the model on every rank, given a [`replicated::Replica`] that says when ranks talk.
 //! * [`guard`]: panics become errors; [`guard::into_tracker`] & co. erase a
 //!   component for the host.
 //! * [`registry`]: [`Component`] registration with `inventory`.
@@ -56,6 +58,7 @@ pub mod optim;
 pub mod params;
 pub mod precision;
 pub mod registry;
+pub mod replicated;
 pub mod root;
 pub mod schedule;
 pub mod shim;

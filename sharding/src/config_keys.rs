@@ -71,3 +71,36 @@ pub fn report_warnings(plugin: &str, ctx: Option<&HostContextBox>, warnings: &[S
         }
     }
 }
+
+/// What a sharded strategy's validator does once its settings parsed:
+/// refuses the first of `unsupported` when `accel launch` or the strategy
+/// asks (so `accel config validate` still passes files that make requests
+/// the plugin does not implement), and shows `warnings` on stderr.
+pub fn validate_parsed(
+    plugin: &str,
+    settings_json: &str,
+    unsupported: &[String],
+    warnings: &[String],
+) -> Result<(), PluginError> {
+    if accel_sdk::registry::launching(settings_json) {
+        crate::refuse_unsupported(plugin, unsupported)?;
+    }
+    report_warnings(plugin, None, warnings);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unsupported_requests_are_refused_only_when_launching() {
+        let unsupported = ["`offload_param.device: nvme` is not supported".to_owned()];
+        let validating = r#"{"section": null}"#;
+        let launching = r#"{"section": null, "launching": true}"#;
+        assert!(validate_parsed("p", validating, &unsupported, &[]).is_ok());
+        let err = validate_parsed("p", launching, &unsupported, &[]).unwrap_err();
+        assert_eq!(err.message.as_str(), unsupported[0]);
+        assert!(validate_parsed("p", launching, &[], &["a warning".to_owned()]).is_ok());
+    }
+}

@@ -69,7 +69,7 @@ use accel_sdk::{
 };
 
 mod config_keys;
-pub use config_keys::{check_keys, report_warnings};
+pub use config_keys::{check_keys, report_warnings, validate_parsed};
 
 /// Optimizer state slots per element assumed by the `optimizer_bytes`
 /// estimate (Adam/AdamW: `exp_avg` and `exp_avg_sq`; the optimizer itself

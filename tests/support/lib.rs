@@ -69,16 +69,47 @@ pub fn build_locked<T>(
     result
 }
 
-/// Builds the cdylib of `package` (with extra `env`) and copies it to `dest`.
-pub fn build_plugin_into(package: &str, env: &[(&str, &str)], dest: &Path) {
-    let lib_name = format!("lib{}.so", package.replace('-', "_"));
+/// The test-only plugins (`tests/fixtures/`): built for the tests that load
+/// them, and never left in the target directory, where the plugin search of
+/// `target/debug/accel` (its executable directory) would list them to users.
+const FIXTURE_PLUGINS: &[&str] = &["accel-test-faulty"];
+
+/// The file name of `package`'s cdylib: `libaccel_ddp.so` for `accel-ddp`.
+pub fn plugin_file_name(package: &str) -> String {
+    format!("lib{}.so", package.replace('-', "_"))
+}
+
+/// Builds the cdylib of `package` (with extra `env`) and runs `with_so` on
+/// it, under the build lock. A test fixture's copy in the target directory
+/// is removed afterwards (cargo's own in `deps/` stays, so the next build
+/// of it is still fresh).
+fn build_plugin(package: &str, env: &[(&str, &str)], with_so: impl FnOnce(&Path)) {
+    let lib_name = plugin_file_name(package);
     build_locked(&["-p", package], env, |files| {
         let so = files
             .iter()
             .find(|f| f.file_name().is_some_and(|n| n == lib_name.as_str()))
             .unwrap_or_else(|| panic!("no {lib_name} among {files:?}"));
+        with_so(so);
+        if FIXTURE_PLUGINS.contains(&package) {
+            std::fs::remove_file(so).unwrap();
+        }
+    });
+}
+
+/// Builds the cdylib of `package` (with extra `env`) and copies it to `dest`.
+pub fn build_plugin_into(package: &str, env: &[(&str, &str)], dest: &Path) {
+    build_plugin(package, env, |so| {
         std::fs::copy(so, dest).unwrap();
     });
+}
+
+/// A new temporary directory holding `package`'s cdylib (as
+/// [`plugin_file_name`]), for `--plugin-dir`.
+pub fn plugin_dir(package: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    build_plugin_into(package, &[], &dir.path().join(plugin_file_name(package)));
+    dir
 }
 
 /// Builds `package` with extra `env` (a test-only variant), copies its
@@ -86,7 +117,7 @@ pub fn build_plugin_into(package: &str, env: &[(&str, &str)], dest: &Path) {
 /// output is the ordinary plugin again.
 pub fn build_plugin_variant_into(package: &str, env: &[(&str, &str)], dest: &Path) {
     build_plugin_into(package, env, dest);
-    build_locked(&["-p", package], &[], |_| ());
+    build_plugin(package, &[], |_| ());
 }
 
 /// The plugins accel ships, linked beside every test binary as an install
@@ -118,10 +149,9 @@ pub fn build_bin(package: &str, bin: &str) -> PathBuf {
         let shipped: Vec<&PathBuf> = plugin_files
             .iter()
             .filter(|f| {
-                SHIPPED_PLUGINS.iter().any(|p| {
-                    f.file_name().and_then(|n| n.to_str())
-                        == Some(&format!("lib{}.so", p.replace('-', "_")))
-                })
+                SHIPPED_PLUGINS
+                    .iter()
+                    .any(|p| f.file_name().and_then(|n| n.to_str()) == Some(&plugin_file_name(p)))
             })
             .collect();
         let test_exe = std::env::current_exe().unwrap();

@@ -2,22 +2,36 @@
 //! nothing to communicate, everything else as the protocol says.
 
 use accel_sdk::{
-    abi_stable::std_types::{ROk, RSlice, RSliceMut, RVec},
+    abi_stable::std_types::RVec,
     params::ParamSet,
-    strategy::OptimizerStepRef,
-    tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef},
-    Component, DistributedStrategy, HostContextBox, MemoryStats, PluginError, PluginResult,
-    StateDictKind, StrategyBox, WrapUnit,
+    replicated::{Replica, Replicated},
+    tensor::NamedOwnedTensor,
+    Component, HostContextBox, PluginError, StrategyBox,
 };
 
-struct SingleDevice {
-    params: ParamSet,
+/// Nothing to communicate: the parameters stay as the model has them.
+struct SingleDevice;
+
+impl Replica for SingleDevice {
+    fn plugin(&self) -> &str {
+        "accel"
+    }
+
+    fn prepared(&mut self, _: &mut ParamSet, _: &HostContextBox) -> Result<(), PluginError> {
+        Ok(())
+    }
+
+    fn state_dict(
+        &mut self,
+        params: &ParamSet,
+        _: &HostContextBox,
+    ) -> Result<RVec<NamedOwnedTensor>, PluginError> {
+        Ok(params.copies())
+    }
 }
 
-fn make(_ctx: HostContextBox, _config: &str) -> Result<StrategyBox, PluginError> {
-    Ok(accel_sdk::into_strategy(SingleDevice {
-        params: ParamSet::default(),
-    }))
+fn make(ctx: HostContextBox, _config: &str) -> Result<StrategyBox, PluginError> {
+    Ok(Replicated::into_box(ctx, SingleDevice))
 }
 
 inventory::submit! {
@@ -29,56 +43,15 @@ inventory::submit! {
     )
 }
 
-impl DistributedStrategy for SingleDevice {
-    fn prepare_model(
-        &mut self,
-        params: RSliceMut<'_, NamedTensorMut<'_>>,
-    ) -> PluginResult<RVec<WrapUnit>> {
-        self.params = ParamSet::from_handles(&params);
-        ROk(self.params.single_unit())
-    }
-
-    fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self.params.shared())
-    }
-
-    fn post_backward(&mut self, _sync: bool) -> PluginResult<()> {
-        ROk(())
-    }
-
-    fn optimizer_step(&mut self, mut step: OptimizerStepRef<'_>) -> PluginResult<()> {
-        step.step()
-    }
-
-    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
-        ROk(self.params.clip_grad_norm(max_norm, norm_type))
-    }
-
-    fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self.params.copies())
-    }
-
-    fn load_state_dict(
-        &mut self,
-        _kind: StateDictKind,
-        tensors: RSlice<'_, NamedTensorRef<'_>>,
-    ) -> PluginResult<()> {
-        self.params.load("accel", tensors).into()
-    }
-
-    fn memory_stats(&self) -> PluginResult<MemoryStats> {
-        ROk(self.params.memory_stats(0, 0))
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::context::ProcessContext;
     use accel_sdk::abi_stable::{sabi_trait::TD_Opaque, sabi_types::RMut};
     use accel_sdk::{
+        abi_stable::std_types::ROk,
         strategy::{OptimizerStep, OptimizerStep_TO},
-        DeviceSpec,
+        tensor::{NamedTensorMut, NamedTensorRef},
+        DeviceSpec, PluginResult, StateDictKind,
     };
     use tch::Tensor;
 

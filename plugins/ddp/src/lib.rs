@@ -19,25 +19,24 @@
 
 use accel_sdk::tch::Tensor;
 use accel_sdk::{
-    abi_stable::std_types::{RErr, ROk, RSlice, RSliceMut, RVec},
     params::{bytes, ParamSet},
+    replicated::{Replica, Replicated},
     serde_json::Value,
-    strategy::OptimizerStepRef,
-    tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef, TensorMut},
-    Component, DistributedStrategy, HostContextBox, MemoryStats, PluginError, PluginResult,
-    ReduceOp, StateDictKind, StrategyBox, WrapUnit,
+    tensor::TensorMut,
+    Component, HostContextBox, PluginError, ReduceOp, StrategyBox,
 };
 
 const PLUGIN: &str = "accel-ddp";
 
+/// DDP's own part: the gradient buckets. [`Replicated`] keeps the
+/// parameters and does the rest (broadcast at prepare, plain steps, rank
+/// 0's state dict).
 struct Ddp {
-    ctx: HostContextBox,
     bucket_bytes: u64,
     /// PyTorch DDP's `find_unused_parameters`: a trainable parameter that got
     /// no gradient in a step counts as a zero gradient instead of an error.
     find_unused: bool,
-    params: ParamSet,
-    /// Indices into `params`, one list per bucket.
+    /// Indices into the parameters, one list per bucket.
     buckets: Vec<Vec<usize>>,
     /// One flat buffer per bucket, made at the first sync; the gradients
     /// then become views into it.
@@ -88,15 +87,14 @@ fn validate(settings: &str) -> Result<(), PluginError> {
 
 fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError> {
     let s = settings_of(settings)?;
-    Ok(accel_sdk::into_strategy(Ddp {
-        ctx,
+    let ddp = Ddp {
         bucket_bytes: (s.bucket_cap_mb * 1024.0 * 1024.0) as u64,
         find_unused: s.find_unused_parameters,
-        params: ParamSet::default(),
         buckets: Vec::new(),
         buffers: Vec::new(),
         peak: 0,
-    }))
+    };
+    Ok(Replicated::into_box(ctx, ddp))
 }
 
 accel_sdk::inventory::submit! {
@@ -137,10 +135,15 @@ impl Ddp {
     /// `gradient_as_bucket_view`), so the all-reduce works on them in place;
     /// gradients that are not views yet (first step, or a `zero_grad` that
     /// freed them) are copied in once and turned into views.
-    fn sync_bucket(&mut self, bucket: usize) -> Result<(), PluginError> {
+    fn sync_bucket(
+        &mut self,
+        params: &ParamSet,
+        ctx: &HostContextBox,
+        bucket: usize,
+    ) -> Result<(), PluginError> {
         let mut grads = Vec::with_capacity(self.buckets[bucket].len());
         for &i in &self.buckets[bucket] {
-            let p = &self.params.items[i].1;
+            let p = &params.items[i].1;
             let g = p.grad();
             // Unused this step (find_unused_parameters): a zero gradient,
             // averaged with the ranks that did use it.
@@ -158,7 +161,7 @@ impl Ddp {
         let mut placed = Vec::new();
         accel_sdk::tch::no_grad(|| {
             for (i, g) in &grads {
-                let p = &self.params.items[*i].1;
+                let p = &params.items[*i].1;
                 let n = g.numel() as i64;
                 if !accel_sdk::params::grad_views_buffer(g, buffer, offset, p) {
                     buffer.narrow(0, offset, n).copy_(&g.reshape([-1]));
@@ -168,11 +171,10 @@ impl Ddp {
             }
         });
         self.peak = self.peak.max(bytes(buffer));
-        self.ctx
-            .all_reduce(TensorMut::new(buffer), ReduceOp::Avg)
+        ctx.all_reduce(TensorMut::new(buffer), ReduceOp::Avg)
             .into_result()?;
         for (i, offset, n) in placed {
-            let p = &self.params.items[i].1;
+            let p = &params.items[i].1;
             let view = buffer.narrow(0, offset, n).view(p.size().as_slice());
             accel_sdk::shim::set_grad(p, &view)
                 .map_err(|e| PluginError::other(PLUGIN, e.to_string()))?;
@@ -181,49 +183,48 @@ impl Ddp {
     }
 }
 
-impl DistributedStrategy for Ddp {
-    fn prepare_model(
-        &mut self,
-        params: RSliceMut<'_, NamedTensorMut<'_>>,
-    ) -> PluginResult<RVec<WrapUnit>> {
-        self.params = ParamSet::from_handles(&params);
-        if let Err(e) = self.params.broadcast(&self.ctx, 0) {
-            return RErr(e);
-        }
+impl Replica for Ddp {
+    fn plugin(&self) -> &str {
+        PLUGIN
+    }
+
+    fn prepared(&mut self, params: &mut ParamSet, ctx: &HostContextBox) -> Result<(), PluginError> {
+        params.broadcast(ctx, 0)?;
         // Frozen parameters (requires_grad false) are never all-reduced.
-        let trainable: Vec<usize> = (0..self.params.items.len())
-            .filter(|&i| self.params.items[i].1.requires_grad())
+        let trainable: Vec<usize> = (0..params.items.len())
+            .filter(|&i| params.items[i].1.requires_grad())
             .collect();
         let sizes: Vec<u64> = trainable
             .iter()
-            .map(|&i| bytes(&self.params.items[i].1))
+            .map(|&i| bytes(&params.items[i].1))
             .collect();
         self.buckets = plan_buckets(&sizes, self.bucket_bytes)
             .into_iter()
             .map(|b| b.into_iter().map(|k| trainable[k]).collect())
             .collect();
-        ROk(self.params.single_unit())
+        Ok(())
     }
 
-    fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self.params.shared())
-    }
-
-    fn post_backward(&mut self, sync: bool) -> PluginResult<()> {
+    fn post_backward(
+        &mut self,
+        params: &ParamSet,
+        ctx: &HostContextBox,
+        sync: bool,
+    ) -> Result<(), PluginError> {
         if !sync {
-            return ROk(());
+            return Ok(());
         }
         if !self.find_unused {
             let unused: Vec<&str> = self
                 .buckets
                 .iter()
                 .flatten()
-                .map(|&i| &self.params.items[i])
+                .map(|&i| &params.items[i])
                 .filter(|(_, p)| !p.grad().defined())
                 .map(|(n, _)| n.as_str())
                 .collect();
             if !unused.is_empty() {
-                return RErr(PluginError::other(
+                return Err(PluginError::other(
                     PLUGIN,
                     format!(
                         "parameters that received no gradient in this step: {}; DDP needs every \
@@ -236,35 +237,13 @@ impl DistributedStrategy for Ddp {
             }
         }
         for b in 0..self.buckets.len() {
-            if let Err(e) = self.sync_bucket(b) {
-                return RErr(e);
-            }
+            self.sync_bucket(params, ctx, b)?;
         }
-        ROk(())
+        Ok(())
     }
 
-    fn optimizer_step(&mut self, mut step: OptimizerStepRef<'_>) -> PluginResult<()> {
-        step.step()
-    }
-
-    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
-        ROk(self.params.clip_grad_norm(max_norm, norm_type))
-    }
-
-    fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self.params.replicated_state_dict(&self.ctx))
-    }
-
-    fn load_state_dict(
-        &mut self,
-        _kind: StateDictKind,
-        tensors: RSlice<'_, NamedTensorRef<'_>>,
-    ) -> PluginResult<()> {
-        self.params.load(PLUGIN, tensors).into()
-    }
-
-    fn memory_stats(&self) -> PluginResult<MemoryStats> {
-        ROk(self.params.memory_stats(0, self.peak))
+    fn peak_bytes(&self) -> u64 {
+        self.peak
     }
 }
 

@@ -36,11 +36,7 @@ pub(crate) const PLUGIN: &str = "accel-fsdp";
 /// strategy is made.
 fn validate(settings: &str) -> Result<(), PluginError> {
     let s = settings::parse(settings)?;
-    if accel_sdk::registry::launching(settings) {
-        s.check_supported()?;
-    }
-    accel_sharding::report_warnings(PLUGIN, None, &s.warnings);
-    Ok(())
+    accel_sharding::validate_parsed(PLUGIN, settings, &s.unsupported, &s.warnings)
 }
 
 /// The engine plan for the settings.

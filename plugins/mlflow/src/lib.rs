@@ -27,11 +27,8 @@
 //! `accel.plugins.accel-mlflow` section), as the W&B plugin reads
 //! `WANDB_*`.
 
-use accel_sdk::{
-    abi_stable::std_types::{ROption, RSlice, RStr},
-    serde_json::{Map, Value},
-    Component, LogEntry, PluginError, PluginResult, Tracker, TrackerBox,
-};
+use accel_sdk::{Component, LogEntry, PluginError, TrackerBox};
+use accel_tracker_kit::RunTracker;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub mod filestore;
@@ -117,6 +114,23 @@ fn run_tags(plan: &Plan, new_run: bool, with_name: bool) -> Vec<(String, String)
     tags
 }
 
+/// The factory: settings JSON in, tracker out (environment read from the
+/// process).
+fn make(settings: &str) -> Result<TrackerBox, PluginError> {
+    MlflowTracker::new(settings, settings::process_env()).map(accel_tracker_kit::into_tracker)
+}
+
+accel_sdk::inventory::submit! {
+    Component::tracker(
+        "mlflow",
+        "MLflow: a tracking server's REST API (batched, retried, spooled on disk), or the ./mlruns file store",
+        &["mlflow"],
+        make,
+    )
+    // Checks a settings JSON without starting anything.
+    .with_validator(|settings| Settings::parse(settings).map(|_| ()))
+}
+
 /// The MLflow tracker.
 pub struct MlflowTracker {
     settings: Settings,
@@ -173,45 +187,6 @@ impl MlflowTracker {
             State::Rest(r) => Some(r.sender.spool()),
             _ => None,
         }
-    }
-
-    fn do_start(&mut self, project: &str, config_json: &str) -> Result<(), PluginError> {
-        if !matches!(self.state, State::NotStarted) {
-            return Err(PluginError::other(PLUGIN, "start called twice"));
-        }
-        let plan = self.settings.resolve(&self.env, project)?;
-        let config: Map<String, Value> = match config_json.trim() {
-            "" | "null" => Map::new(),
-            text => match accel_sdk::serde_json::from_str(text) {
-                Ok(Value::Object(m)) => m,
-                Ok(other) => {
-                    return Err(PluginError::config(
-                        PLUGIN,
-                        format!("the run config must be a JSON object, got {other}"),
-                    ))
-                }
-                Err(e) => {
-                    return Err(PluginError::config(
-                        PLUGIN,
-                        format!("the run config is not JSON: {e}"),
-                    ))
-                }
-            },
-        };
-        let params = record::params_records(&config, plan.max_param_len)?;
-        let new_run = plan.run_id.is_none();
-        self.state = match &plan.backend {
-            Backend::File(root) => {
-                let tags = run_tags(&plan, new_run, true);
-                let mut run = FileRun::start(root, &plan, &tags, now_ms())?;
-                run.write(&params)?;
-                State::File(Box::new(run))
-            }
-            Backend::Rest(server) => {
-                State::Rest(Box::new(Self::start_rest(server, &plan, new_run, &params)?))
-            }
-        };
-        Ok(())
     }
 
     fn start_rest(
@@ -285,7 +260,40 @@ impl MlflowTracker {
         })
     }
 
-    fn do_log(&mut self, values: &[LogEntry], step: Option<u64>) -> Result<(), PluginError> {
+    fn refused(r: &RestRun) -> Result<(), PluginError> {
+        let errors = r.sender.take_errors();
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(PluginError::other(PLUGIN, errors.join("; ")))
+        }
+    }
+}
+
+impl RunTracker for MlflowTracker {
+    fn start(&mut self, project: &str, config_json: &str) -> Result<(), PluginError> {
+        if !matches!(self.state, State::NotStarted) {
+            return Err(PluginError::other(PLUGIN, "start called twice"));
+        }
+        let plan = self.settings.resolve(&self.env, project)?;
+        let config = accel_tracker_kit::settings::run_config(PLUGIN, config_json)?;
+        let params = record::params_records(&config, plan.max_param_len)?;
+        let new_run = plan.run_id.is_none();
+        self.state = match &plan.backend {
+            Backend::File(root) => {
+                let tags = run_tags(&plan, new_run, true);
+                let mut run = FileRun::start(root, &plan, &tags, now_ms())?;
+                run.write(&params)?;
+                State::File(Box::new(run))
+            }
+            Backend::Rest(server) => {
+                State::Rest(Box::new(Self::start_rest(server, &plan, new_run, &params)?))
+            }
+        };
+        Ok(())
+    }
+
+    fn log(&mut self, values: &[LogEntry], step: Option<u64>) -> Result<(), PluginError> {
         let step = step.unwrap_or(self.next_step);
         let step_i = i64::try_from(step).map_err(|_| {
             PluginError::config(
@@ -307,16 +315,7 @@ impl MlflowTracker {
         bad.map_or(Ok(()), Err)
     }
 
-    fn refused(r: &RestRun) -> Result<(), PluginError> {
-        let errors = r.sender.take_errors();
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(PluginError::other(PLUGIN, errors.join("; ")))
-        }
-    }
-
-    fn do_flush(&mut self) -> Result<(), PluginError> {
+    fn flush(&mut self) -> Result<(), PluginError> {
         match &mut self.state {
             State::Rest(r) => {
                 let left = r.sender.drain(r.drain_timeout);
@@ -333,7 +332,7 @@ impl MlflowTracker {
         }
     }
 
-    fn do_finish(&mut self) -> Result<(), PluginError> {
+    fn finish(&mut self) -> Result<(), PluginError> {
         let end = Record::End {
             status: "FINISHED".into(),
             end_time: now_ms(),
@@ -362,62 +361,13 @@ impl MlflowTracker {
                 }
                 Ok(())
             }
-            other => {
-                let was_started = !matches!(other, State::NotStarted);
-                self.state = other;
-                Err(PluginError::other(
-                    PLUGIN,
-                    if was_started {
-                        "finish called twice"
-                    } else {
-                        "finish called before start"
-                    },
-                ))
+            State::NotStarted => {
+                self.state = State::NotStarted;
+                Err(accel_tracker_kit::not_running(PLUGIN, "finish", false))
             }
+            State::Finished => Err(accel_tracker_kit::not_running(PLUGIN, "finish", true)),
         }
     }
-}
-
-impl Tracker for MlflowTracker {
-    fn start(&mut self, project: RStr<'_>, config_json: RStr<'_>) -> PluginResult<()> {
-        self.do_start(project.as_str(), config_json.as_str()).into()
-    }
-
-    fn log(&mut self, values: RSlice<'_, LogEntry>, step: ROption<u64>) -> PluginResult<()> {
-        self.do_log(values.as_slice(), step.into_option()).into()
-    }
-
-    fn flush(&mut self) -> PluginResult<()> {
-        self.do_flush().into()
-    }
-
-    fn finish(&mut self) -> PluginResult<()> {
-        self.do_finish().into()
-    }
-}
-
-/// The factory: settings JSON in, tracker out (environment read from the
-/// process).
-fn make(settings: &str) -> Result<TrackerBox, PluginError> {
-    Ok(accel_sdk::into_tracker(MlflowTracker::new(
-        settings,
-        settings::process_env(),
-    )?))
-}
-
-/// Checks a settings JSON without starting anything.
-fn validate(settings: &str) -> Result<(), PluginError> {
-    Settings::parse(settings).map(|_| ())
-}
-
-accel_sdk::inventory::submit! {
-    Component::tracker(
-        "mlflow",
-        "MLflow: a tracking server's REST API (batched, retried, spooled on disk), or the ./mlruns file store",
-        &["mlflow"],
-        make,
-    )
-    .with_validator(validate)
 }
 
 accel_sdk::export_plugin!();

@@ -344,6 +344,18 @@ pub enum Work {
 }
 
 impl Work {
+    /// A batch with nothing in it: what acknowledges spool lines that send
+    /// nothing.
+    pub fn empty_batch() -> Work {
+        Work::Batch {
+            metrics: vec![],
+            params: vec![],
+            tags: vec![],
+        }
+    }
+}
+
+impl Work {
     /// The `runs/log-batch` body for `run_id` (batches only).
     pub fn batch_body(&self, run_id: &str) -> Option<Value> {
         match self {

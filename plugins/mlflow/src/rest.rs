@@ -3,7 +3,7 @@
 
 use crate::settings::HttpSettings;
 use accel_sdk::serde_json::{self, json, Value};
-use std::time::Duration;
+use accel_tracker_kit::http::{self, snippet, Backoff};
 
 /// Why one request failed.
 #[derive(Debug, Clone, PartialEq)]
@@ -48,26 +48,12 @@ pub struct Client {
     auth: Option<String>,
 }
 
-fn snippet(text: &str) -> String {
-    let t = text.trim();
-    match t.char_indices().nth(300) {
-        Some((i, _)) => format!("{}…", &t[..i]),
-        None => t.to_owned(),
-    }
-}
-
 impl Client {
     /// A client for the server at `base` (no trailing `/`), sending `auth`
     /// as the `Authorization` header when given.
-    pub fn new(base: &str, auth: Option<String>, http: &HttpSettings) -> Client {
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .timeout_global(Some(http.request_timeout))
-            .http_status_as_error(false)
-            .user_agent(concat!("accel-mlflow/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .into();
+    pub fn new(base: &str, auth: Option<String>, timing: &HttpSettings) -> Client {
         Client {
-            agent,
+            agent: http::agent(concat!("accel-mlflow/", env!("CARGO_PKG_VERSION")), timing),
             base: base.to_owned(),
             auth,
         }
@@ -92,7 +78,7 @@ impl Client {
         let body: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
         match status {
             200..=299 => Ok(body),
-            408 | 429 | 500..=599 => Err(Failure::Transient(format!(
+            s if http::is_transient(s) => Err(Failure::Transient(format!(
                 "{what}: HTTP {status} {}",
                 snippet(&text)
             ))),
@@ -246,7 +232,7 @@ impl Client {
     /// (`PUT /api/2.0/mlflow-artifacts/artifacts/<path>`), where `path` is
     /// what follows `mlflow-artifacts:/` in the run's artifact URI.
     pub fn put_artifact(&self, path: &str, bytes: &[u8]) -> Result<(), Failure> {
-        let encoded: Vec<String> = path.split('/').map(percent_encode).collect();
+        let encoded: Vec<String> = path.split('/').map(http::path_segment).collect();
         let url = format!(
             "{}/api/2.0/mlflow-artifacts/artifacts/{}",
             self.base,
@@ -261,43 +247,6 @@ impl Client {
         }
         self.answer(&format!("PUT {url}"), req.send(bytes))
             .map(|_| ())
-    }
-}
-
-/// Percent-encodes one URL path segment.
-fn percent_encode(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-/// Exponential backoff: `first`, doubling, capped at `max`.
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    next: Duration,
-    max: Duration,
-}
-
-impl Backoff {
-    /// Starts at `http.retry_backoff`, capped at `http.max_backoff`.
-    pub fn new(http: &HttpSettings) -> Backoff {
-        Backoff {
-            next: http.retry_backoff,
-            max: http.max_backoff.max(http.retry_backoff),
-        }
-    }
-
-    /// The delay before the next try.
-    pub fn delay(&mut self) -> Duration {
-        let d = self.next;
-        self.next = (self.next * 2).min(self.max);
-        d
     }
 }
 
@@ -329,25 +278,15 @@ pub fn retry<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn backoff_doubles_up_to_the_cap() {
-        let http = HttpSettings {
-            retry_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_millis(350),
-            ..HttpSettings::default()
-        };
-        let mut b = Backoff::new(&http);
-        let got: Vec<u128> = (0..5).map(|_| b.delay().as_millis()).collect();
-        assert_eq!(got, [100, 200, 350, 350, 350]);
-    }
+    use crate::settings::DEFAULT_HTTP;
+    use std::time::Duration;
 
     #[test]
     fn retry_stops_on_success_on_fatal_and_after_the_retries() {
         let http = HttpSettings {
             max_retries: 2,
             retry_backoff: Duration::from_millis(1),
-            ..HttpSettings::default()
+            ..DEFAULT_HTTP
         };
         let mut n = 0;
         let r = retry(&http, || {
@@ -388,11 +327,7 @@ mod tests {
             .local_addr()
             .unwrap()
             .port();
-        let c = Client::new(
-            &format!("http://127.0.0.1:{port}"),
-            None,
-            &HttpSettings::default(),
-        );
+        let c = Client::new(&format!("http://127.0.0.1:{port}"), None, &DEFAULT_HTTP);
         assert!(matches!(
             c.experiment_by_name("x"),
             Err(Failure::Transient(_))

@@ -23,10 +23,11 @@
 
 use crate::{
     record::{group, Record, Work},
-    rest::{Backoff, Client, Failure, RunInfo},
+    rest::{Client, Failure, RunInfo},
     settings::HttpSettings,
 };
 use accel_sdk::serde_json::{self, json, Value};
+use accel_tracker_kit::http::Backoff;
 use std::{
     fs::{self, File, OpenOptions},
     io::{self, Read, Seek, SeekFrom, Write},
@@ -421,14 +422,7 @@ impl Worker {
                     files.log.display()
                 ));
                 // Nothing can be sent from a spool that cannot be read.
-                ack(
-                    &Work::Batch {
-                        metrics: vec![],
-                        params: vec![],
-                        tags: vec![],
-                    },
-                    to,
-                );
+                ack(&Work::empty_batch(), to);
                 return true;
             }
         };
@@ -442,14 +436,7 @@ impl Worker {
             last = end;
         }
         if last < to {
-            ack(
-                &Work::Batch {
-                    metrics: vec![],
-                    params: vec![],
-                    tags: vec![],
-                },
-                to,
-            );
+            ack(&Work::empty_batch(), to);
         }
         true
     }

@@ -4,9 +4,10 @@
 
 use crate::PLUGIN;
 use accel_sdk::{
-    serde_json::{self, Map, Value},
+    serde_json::{self, Value},
     PluginError,
 };
+use accel_tracker_kit::settings::{self, Keys};
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
 /// MLflow's longest parameter value (`MAX_PARAM_VAL_LENGTH`, 6000 since
@@ -23,34 +24,21 @@ pub fn process_env() -> Env {
     Env::from_process(|k| k.starts_with("MLFLOW_") || k == "USER")
 }
 
-/// Timing of the requests to a tracking server.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HttpSettings {
-    /// Retries of a failed request at `start` (creating the run) before
-    /// `start` fails. After `start`, sending never gives up: records wait in
-    /// the spool until the server answers.
-    pub max_retries: u32,
-    /// Delay before the first retry; doubled for each further one.
-    pub retry_backoff: Duration,
-    /// The longest delay between two tries.
-    pub max_backoff: Duration,
-    /// Time limit of one HTTP request.
-    pub request_timeout: Duration,
-    /// How long `flush` and `finish` wait for the spool to reach the server.
-    pub drain_timeout: Duration,
-}
+/// Timing of the requests to a tracking server. `max_retries` counts the
+/// retries at `start` (creating the run) before `start` fails; after
+/// `start`, sending never gives up: records wait in the spool until the
+/// server answers. `drain_timeout` bounds how long `flush` and `finish` wait
+/// for the spool to reach the server.
+pub use accel_tracker_kit::settings::HttpTiming as HttpSettings;
 
-impl Default for HttpSettings {
-    fn default() -> Self {
-        Self {
-            max_retries: 4,
-            retry_backoff: Duration::from_millis(500),
-            max_backoff: Duration::from_secs(10),
-            request_timeout: Duration::from_secs(30),
-            drain_timeout: Duration::from_secs(60),
-        }
-    }
-}
+/// MLflow's request timing unless the settings say otherwise.
+pub const DEFAULT_HTTP: HttpSettings = HttpSettings {
+    max_retries: 4,
+    retry_backoff: Duration::from_millis(500),
+    max_backoff: Duration::from_secs(10),
+    request_timeout: Duration::from_secs(30),
+    drain_timeout: Duration::from_secs(60),
+};
 
 /// The settings JSON, parsed and type-checked (nothing resolved yet).
 #[derive(Debug, Clone, Default)]
@@ -83,29 +71,7 @@ pub struct Settings {
 }
 
 fn bad(key: &str, expected: &str, got: &Value) -> PluginError {
-    PluginError::config(PLUGIN, format!("`{key}` must be {expected}, got {got}"))
-}
-
-fn string(
-    obj: &Map<String, Value>,
-    prefix: &str,
-    key: &str,
-) -> Result<Option<String>, PluginError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(other) => Err(bad(&format!("{prefix}{key}"), "a string", other)),
-    }
-}
-
-fn millis(obj: &Map<String, Value>, key: &str) -> Result<Option<Duration>, PluginError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => match v.as_u64() {
-            Some(ms) => Ok(Some(Duration::from_millis(ms))),
-            None => Err(bad(key, "a whole number of milliseconds (>= 0)", v)),
-        },
-    }
+    settings::invalid(PLUGIN, key, expected, got)
 }
 
 /// A tag value as MLflow stores it: strings as they are, anything else as
@@ -158,74 +124,44 @@ impl Settings {
     /// passes its own); known keys of the wrong type are an error naming the
     /// key and the value.
     pub fn parse(json: &str) -> Result<Settings, PluginError> {
-        let value: Value = if json.trim().is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_str(json)
-                .map_err(|e| PluginError::config(PLUGIN, format!("settings are not JSON: {e}")))?
-        };
-        let top = match value {
-            Value::Null => Map::new(),
-            Value::Object(map) => map,
-            other => return Err(bad("settings", "a JSON object", &other)),
-        };
+        let map = settings::settings_object(PLUGIN, json)?;
+        let top = Keys::new(PLUGIN, &map);
         let mut s = Settings {
-            logging_dir: PathBuf::from(string(&top, "", "logging_dir")?.unwrap_or(".".into())),
-            tracking_uri: string(&top, "", "tracking_uri")?,
-            spool_dir: string(&top, "", "spool_dir")?.map(PathBuf::from),
+            logging_dir: PathBuf::from(top.string("logging_dir")?.unwrap_or(".".into())),
+            tracking_uri: top.string("tracking_uri")?,
+            spool_dir: top.string("spool_dir")?.map(PathBuf::from),
             max_param_len: DEFAULT_MAX_PARAM_LENGTH,
+            http: DEFAULT_HTTP,
             ..Settings::default()
         };
-        if let Some(v) = top.get("max_param_value_length").filter(|v| !v.is_null()) {
+        if let Some(v) = top.get("max_param_value_length") {
             s.max_param_len = v
                 .as_u64()
                 .filter(|n| *n > 0)
                 .map(|n| n as usize)
                 .ok_or_else(|| bad("max_param_value_length", "a whole number > 0", v))?;
         }
-        let http = &mut s.http;
-        if let Some(v) = top.get("max_retries").filter(|v| !v.is_null()) {
-            http.max_retries = v
-                .as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| bad("max_retries", "a whole number >= 0", v))?;
-        }
-        for (key, slot) in [
-            ("retry_backoff_ms", &mut http.retry_backoff),
-            ("max_backoff_ms", &mut http.max_backoff),
-            ("request_timeout_ms", &mut http.request_timeout),
-            ("drain_timeout_ms", &mut http.drain_timeout),
-        ] {
-            if let Some(d) = millis(&top, key)? {
-                *slot = d;
-            }
-        }
-        if http.request_timeout.is_zero() {
-            return Err(bad("request_timeout_ms", "more than 0", &Value::from(0)));
-        }
+        s.http.read(&top)?;
 
-        let kw = match top.get("init_kwargs") {
-            None | Some(Value::Null) => return Ok(s),
-            Some(Value::Object(map)) => map,
-            Some(other) => return Err(bad("init_kwargs", "a JSON object", other)),
+        let Some(kw) = top.object("init_kwargs")? else {
+            return Ok(s);
         };
-        let p = "init_kwargs.";
-        s.experiment_name = string(kw, p, "experiment_name")?;
-        s.run_id = string(kw, p, "run_id")?;
-        s.run_name = string(kw, p, "run_name")?;
-        s.description = string(kw, p, "description")?;
-        s.parent_run_id = string(kw, p, "parent_run_id")?;
+        s.experiment_name = kw.string("experiment_name")?;
+        s.run_id = kw.string("run_id")?;
+        s.run_name = kw.string("run_name")?;
+        s.description = kw.string("description")?;
+        s.parent_run_id = kw.string("parent_run_id")?;
         if s.tracking_uri.is_none() {
-            s.tracking_uri = string(kw, p, "tracking_uri")?;
+            s.tracking_uri = kw.string("tracking_uri")?;
         }
         s.tags = match kw.get("tags") {
-            None | Some(Value::Null) => None,
+            None => None,
             Some(v) => Some(parse_tags("init_kwargs.tags", v)?),
         };
         s.nested_run = match kw.get("nested_run") {
-            None | Some(Value::Null) => None,
+            None => None,
             Some(Value::Bool(b)) => Some(*b),
-            Some(other) => return Err(bad("init_kwargs.nested_run", "true or false", other)),
+            Some(other) => return Err(kw.invalid("nested_run", "true or false", other)),
         };
         Ok(s)
     }

@@ -62,11 +62,8 @@ mod writer;
 #[cfg(test)]
 mod tests;
 
-use accel_sdk::{
-    abi_stable::std_types::{ROption, RSlice, RStr},
-    serde_json::{self, Value},
-    Component, LogEntry, LogValue, PluginError, PluginResult, Tracker, TrackerBox,
-};
+use accel_sdk::{Component, LogEntry, LogValue, PluginError, TrackerBox};
+use accel_tracker_kit::RunTracker;
 use proto::{event::What, Event};
 use settings::Settings;
 use std::collections::BTreeMap;
@@ -91,7 +88,7 @@ struct TensorBoardTracker {
 
 /// Builds the tracker from its settings (see the crate documentation).
 fn make(settings: &str) -> Result<TrackerBox, PluginError> {
-    Ok(accel_sdk::into_tracker(TensorBoardTracker::new(
+    Ok(accel_tracker_kit::into_tracker(TensorBoardTracker::new(
         Settings::parse(settings)?,
     )))
 }
@@ -109,19 +106,8 @@ accel_sdk::export_plugin!();
 
 /// The run config (a JSON object, or nothing) as flat hyperparameters.
 fn hparams_of(config_json: &str) -> Result<BTreeMap<String, summaries::HParam>, PluginError> {
-    if config_json.trim().is_empty() {
-        return Ok(BTreeMap::new());
-    }
-    let config: Value = serde_json::from_str(config_json)
-        .map_err(|e| PluginError::config(PLUGIN, format!("the run config is not JSON: {e}")))?;
-    match config {
-        Value::Null => Ok(BTreeMap::new()),
-        Value::Object(obj) => Ok(summaries::flatten_config(&obj)),
-        other => Err(PluginError::config(
-            PLUGIN,
-            format!("the run config must be a JSON object, got {other}"),
-        )),
-    }
+    let config = accel_tracker_kit::settings::run_config(PLUGIN, config_json)?;
+    Ok(summaries::flatten_config(&config))
 }
 
 impl TensorBoardTracker {
@@ -152,8 +138,10 @@ impl TensorBoardTracker {
             what: Some(What::Summary(summaries::summary(values))),
         }
     }
+}
 
-    fn start_run(&mut self, project: &str, config_json: &str) -> Result<(), PluginError> {
+impl RunTracker for TensorBoardTracker {
+    fn start(&mut self, project: &str, config_json: &str) -> Result<(), PluginError> {
         if self.run.is_some() {
             return Err(PluginError::other(
                 PLUGIN,
@@ -189,7 +177,7 @@ impl TensorBoardTracker {
         Ok(())
     }
 
-    fn log_values(&mut self, values: &[LogEntry], step: Option<u64>) -> Result<(), PluginError> {
+    fn log(&mut self, values: &[LogEntry], step: Option<u64>) -> Result<(), PluginError> {
         let run = self.run()?;
         let step = step.unwrap_or(self.next_step);
         let step_i64 = i64::try_from(step).map_err(|_| {
@@ -213,14 +201,14 @@ impl TensorBoardTracker {
         Ok(())
     }
 
-    fn flush_run(&self) -> Result<(), PluginError> {
+    fn flush(&mut self) -> Result<(), PluginError> {
         match &self.run {
             Some(run) => run.writer.sync(),
             None => Ok(()),
         }
     }
 
-    fn finish_run(&mut self) -> Result<(), PluginError> {
+    fn finish(&mut self) -> Result<(), PluginError> {
         let Some(run) = self.run.take() else {
             return Ok(());
         };
@@ -232,25 +220,5 @@ impl TensorBoardTracker {
             ))?;
         }
         run.writer.close()
-    }
-}
-
-impl Tracker for TensorBoardTracker {
-    fn start(&mut self, project: RStr<'_>, config_json: RStr<'_>) -> PluginResult<()> {
-        self.start_run(project.as_str(), config_json.as_str())
-            .into()
-    }
-
-    fn log(&mut self, values: RSlice<'_, LogEntry>, step: ROption<u64>) -> PluginResult<()> {
-        self.log_values(values.as_slice(), step.into_option())
-            .into()
-    }
-
-    fn flush(&mut self) -> PluginResult<()> {
-        self.flush_run().into()
-    }
-
-    fn finish(&mut self) -> PluginResult<()> {
-        self.finish_run().into()
     }
 }

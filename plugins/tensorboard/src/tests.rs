@@ -3,8 +3,8 @@
 
 use super::*;
 use accel_sdk::{
-    abi_stable::std_types::{RResult, RString},
-    serde_json::json,
+    abi_stable::std_types::{ROption, RResult, RString},
+    serde_json::{self, json, Value},
     ErrorKind,
 };
 use std::{

@@ -65,10 +65,8 @@
 //!   directories, which W&B uses for online runs, without that flag).
 //! * **Disabled**: nothing is written.
 
-use accel_sdk::{
-    abi_stable::std_types::{ROption, RSlice, RStr},
-    Component, LogEntry, PluginError, PluginResult, Tracker, TrackerBox,
-};
+use accel_sdk::{Component, LogEntry, PluginError, TrackerBox};
+use accel_tracker_kit::RunTracker;
 
 pub mod datastore;
 pub mod online;
@@ -153,8 +151,10 @@ impl WandbTracker {
             )),
         }
     }
+}
 
-    fn do_start(&mut self, project: &str, config_json: &str) -> Result<(), PluginError> {
+impl RunTracker for WandbTracker {
+    fn start(&mut self, project: &str, config_json: &str) -> Result<(), PluginError> {
         if !matches!(self.state, State::NotStarted) {
             return Err(PluginError::other(PLUGIN, "start called twice"));
         }
@@ -177,12 +177,12 @@ impl WandbTracker {
         self.state = State::Running(Box::new(Running {
             run,
             sender,
-            drain_timeout: plan.http.drain_timeout,
+            drain_timeout: plan.http.timing.drain_timeout,
         }));
         Ok(())
     }
 
-    fn do_log(&mut self, values: &[LogEntry], step: Option<u64>) -> Result<(), PluginError> {
+    fn log(&mut self, values: &[LogEntry], step: Option<u64>) -> Result<(), PluginError> {
         let Some(r) = self.running("log")? else {
             return Ok(());
         };
@@ -196,7 +196,7 @@ impl WandbTracker {
         Ok(())
     }
 
-    fn do_flush(&mut self) -> Result<(), PluginError> {
+    fn flush(&mut self) -> Result<(), PluginError> {
         match &mut self.state {
             State::Running(r) => {
                 r.run.flush()?;
@@ -209,7 +209,7 @@ impl WandbTracker {
         }
     }
 
-    fn do_finish(&mut self) -> Result<(), PluginError> {
+    fn finish(&mut self) -> Result<(), PluginError> {
         match std::mem::replace(&mut self.state, State::Finished) {
             State::Running(mut r) => {
                 r.run.finish(0)?;
@@ -236,40 +236,19 @@ impl WandbTracker {
             other => {
                 let was_started = !matches!(other, State::NotStarted);
                 self.state = other;
-                Err(PluginError::other(
+                Err(accel_tracker_kit::not_running(
                     PLUGIN,
-                    if was_started {
-                        "finish called twice"
-                    } else {
-                        "finish called before start"
-                    },
+                    "finish",
+                    was_started,
                 ))
             }
         }
     }
 }
 
-impl Tracker for WandbTracker {
-    fn start(&mut self, project: RStr<'_>, config_json: RStr<'_>) -> PluginResult<()> {
-        self.do_start(project.as_str(), config_json.as_str()).into()
-    }
-
-    fn log(&mut self, values: RSlice<'_, LogEntry>, step: ROption<u64>) -> PluginResult<()> {
-        self.do_log(values.as_slice(), step.into_option()).into()
-    }
-
-    fn flush(&mut self) -> PluginResult<()> {
-        self.do_flush().into()
-    }
-
-    fn finish(&mut self) -> PluginResult<()> {
-        self.do_finish().into()
-    }
-}
-
 /// The factory: settings JSON in, tracker out (env read from the process).
 fn make(settings: &str) -> Result<TrackerBox, PluginError> {
-    Ok(accel_sdk::into_tracker(WandbTracker::new(
+    Ok(accel_tracker_kit::into_tracker(WandbTracker::new(
         settings,
         settings::process_env(),
     )?))

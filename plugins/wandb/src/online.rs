@@ -17,6 +17,7 @@
 
 use crate::settings::{HttpSettings, Plan};
 use accel_sdk::serde_json::{self, json, Value};
+use accel_tracker_kit::http::{self, path_segment, snippet};
 use std::{
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -87,19 +88,6 @@ pub fn base64(bytes: &[u8]) -> String {
     out
 }
 
-/// Percent-encodes one URL path segment.
-pub fn path_segment(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
 /// The run as the server created it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServerRun {
@@ -121,15 +109,9 @@ struct Client {
 }
 
 impl Client {
-    fn new(base_url: &str, api_key: &str, http: &HttpSettings) -> Client {
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .timeout_global(Some(http.request_timeout))
-            .http_status_as_error(false)
-            .user_agent(crate::run::PRODUCER)
-            .build()
-            .into();
+    fn new(base_url: &str, api_key: &str, settings: &HttpSettings) -> Client {
         Client {
-            agent,
+            agent: http::agent(crate::run::PRODUCER, &settings.timing),
             base_url: base_url.to_owned(),
             auth: format!("Basic {}", base64(format!("api:{api_key}").as_bytes())),
         }
@@ -151,7 +133,7 @@ impl Client {
         let text = response.body_mut().read_to_string().unwrap_or_default();
         match status {
             200..=299 => Ok(text),
-            408 | 429 | 500..=599 => Err(Failure::Transient(format!(
+            s if http::is_transient(s) => Err(Failure::Transient(format!(
                 "POST {url}: HTTP {status} {}",
                 snippet(&text)
             ))),
@@ -196,14 +178,6 @@ impl Client {
                 snippet(&text)
             ))),
         }
-    }
-}
-
-fn snippet(text: &str) -> String {
-    let t = text.trim();
-    match t.char_indices().nth(300) {
-        Some((i, _)) => format!("{}…", &t[..i]),
-        None => t.to_owned(),
     }
 }
 
@@ -350,19 +324,19 @@ impl Worker {
 
     /// Runs `f` until it succeeds, fails for good, or runs out of retries.
     fn retry<T>(&self, what: &str, mut f: impl FnMut() -> Result<T, Failure>) -> Result<T, String> {
-        let mut delay = self.http.retry_backoff;
+        let mut delay = self.http.timing.retry_backoff;
         let mut tries = 0;
         loop {
             tries += 1;
             match f() {
                 Ok(v) => return Ok(v),
                 Err(Failure::Fatal(e)) => return Err(format!("{what}: {e}")),
-                Err(Failure::Transient(e)) if tries > self.http.max_retries => {
+                Err(Failure::Transient(e)) if tries > self.http.timing.max_retries => {
                     return Err(format!("{what}: {e} (gave up after {tries} tries)"))
                 }
                 Err(Failure::Transient(_)) => {
                     thread::sleep(delay);
-                    delay = (delay * 2).min(self.http.max_backoff);
+                    delay = (delay * 2).min(self.http.timing.max_backoff);
                 }
             }
         }
@@ -545,12 +519,5 @@ mod tests {
         ] {
             assert_eq!(base64(plain.as_bytes()), encoded);
         }
-    }
-
-    #[test]
-    fn path_segments_are_percent_encoded() {
-        assert_eq!(path_segment("my-proj_1.x~"), "my-proj_1.x~");
-        assert_eq!(path_segment("a b/c"), "a%20b%2Fc");
-        assert_eq!(path_segment("é"), "%C3%A9");
     }
 }

@@ -141,23 +141,11 @@ pub fn parse_config(
     config_json: &str,
     base: &Map<String, Value>,
 ) -> Result<Map<String, Value>, PluginError> {
-    let value: Value = if config_json.trim().is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_str(config_json)
-            .map_err(|e| PluginError::config(PLUGIN, format!("the run config is not JSON: {e}")))?
-    };
     let mut config = base.clone();
-    match value {
-        Value::Null => {}
-        Value::Object(map) => config.extend(map),
-        other => {
-            return Err(PluginError::config(
-                PLUGIN,
-                format!("the run config must be a JSON object, got {other}"),
-            ))
-        }
-    }
+    config.extend(accel_tracker_kit::settings::run_config(
+        PLUGIN,
+        config_json,
+    )?);
     Ok(config)
 }
 

@@ -6,6 +6,7 @@ use accel_sdk::{
     serde_json::{Map, Value},
     PluginError,
 };
+use accel_tracker_kit::settings::{self, HttpTiming, Keys};
 use std::{path::PathBuf, time::Duration};
 
 /// W&B's default API server.
@@ -43,19 +44,13 @@ pub fn process_env() -> Env {
     Env::from_process(|k| k.starts_with("WANDB_"))
 }
 
-/// Timing of the online sender.
+/// Timing of the online sender: the request timing trackers share, and
+/// W&B's file-stream intervals.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HttpSettings {
-    /// Retries of a failed request before the run falls back to offline.
-    pub max_retries: u32,
-    /// Delay before the first retry; doubled for each further one.
-    pub retry_backoff: Duration,
-    /// The longest delay between two tries.
-    pub max_backoff: Duration,
-    /// Time limit of one HTTP request.
-    pub request_timeout: Duration,
-    /// How long `flush` and `finish` wait for the sender to drain its queue.
-    pub drain_timeout: Duration,
+    /// Retries (after which the run falls back to offline), backoff, request
+    /// and drain time limits.
+    pub timing: HttpTiming,
     /// Rows are batched into one file-stream request at most this often.
     pub stream_interval: Duration,
     /// An empty file-stream request keeps an idle run alive this often.
@@ -65,11 +60,7 @@ pub struct HttpSettings {
 impl Default for HttpSettings {
     fn default() -> Self {
         Self {
-            max_retries: 4,
-            retry_backoff: Duration::from_millis(1000),
-            max_backoff: Duration::from_secs(30),
-            request_timeout: Duration::from_secs(60),
-            drain_timeout: Duration::from_secs(60),
+            timing: HttpTiming::default(),
             stream_interval: Duration::from_millis(2000),
             heartbeat: Duration::from_secs(30),
         }
@@ -112,29 +103,7 @@ pub struct Settings {
 }
 
 fn bad(key: &str, expected: &str, got: &Value) -> PluginError {
-    PluginError::config(PLUGIN, format!("`{key}` must be {expected}, got {got}"))
-}
-
-fn string(
-    obj: &Map<String, Value>,
-    prefix: &str,
-    key: &str,
-) -> Result<Option<String>, PluginError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(other) => Err(bad(&format!("{prefix}{key}"), "a string", other)),
-    }
-}
-
-fn millis(obj: &Map<String, Value>, key: &str) -> Result<Option<Duration>, PluginError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => match v.as_u64() {
-            Some(ms) => Ok(Some(Duration::from_millis(ms))),
-            None => Err(bad(key, "a whole number of milliseconds (>= 0)", v)),
-        },
-    }
+    settings::invalid(PLUGIN, key, expected, got)
 }
 
 impl Settings {
@@ -142,105 +111,74 @@ impl Settings {
     /// and `wandb.init` have many this tracker does not use); known keys of
     /// the wrong type are an error naming the key and the value.
     pub fn parse(json: &str) -> Result<Settings, PluginError> {
-        let value: Value = if json.trim().is_empty() {
-            Value::Null
-        } else {
-            accel_sdk::serde_json::from_str(json)
-                .map_err(|e| PluginError::config(PLUGIN, format!("settings are not JSON: {e}")))?
-        };
-        let top = match value {
-            Value::Null => Map::new(),
-            Value::Object(map) => map,
-            other => return Err(bad("settings", "a JSON object", &other)),
-        };
+        let map = settings::settings_object(PLUGIN, json)?;
+        let top = Keys::new(PLUGIN, &map);
         let mut s = Settings {
-            logging_dir: PathBuf::from(string(&top, "", "logging_dir")?.unwrap_or(".".into())),
-            base_url: string(&top, "", "base_url")?,
-            api_key: string(&top, "", "api_key")?,
+            logging_dir: PathBuf::from(top.string("logging_dir")?.unwrap_or(".".into())),
+            base_url: top.string("base_url")?,
+            api_key: top.string("api_key")?,
             ..Settings::default()
         };
         let http = &mut s.http;
-        if let Some(v) = top.get("max_retries").filter(|v| !v.is_null()) {
-            http.max_retries = v
-                .as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| bad("max_retries", "a whole number >= 0", v))?;
-        }
-        let timings = [
-            ("retry_backoff_ms", &mut http.retry_backoff),
-            ("max_backoff_ms", &mut http.max_backoff),
-            ("request_timeout_ms", &mut http.request_timeout),
-            ("drain_timeout_ms", &mut http.drain_timeout),
+        http.timing.read(&top)?;
+        for (key, slot) in [
             ("stream_interval_ms", &mut http.stream_interval),
             ("heartbeat_ms", &mut http.heartbeat),
-        ];
-        for (key, slot) in timings {
-            if let Some(d) = millis(&top, key)? {
+        ] {
+            if let Some(d) = top.millis(key)? {
                 *slot = d;
             }
-        }
-        if http.request_timeout.is_zero() {
-            return Err(bad("request_timeout_ms", "more than 0", &Value::from(0)));
         }
         if http.heartbeat.is_zero() {
             return Err(bad("heartbeat_ms", "more than 0", &Value::from(0)));
         }
 
-        let kw = match top.get("init_kwargs") {
-            None | Some(Value::Null) => return Ok(s),
-            Some(Value::Object(map)) => map,
-            Some(other) => return Err(bad("init_kwargs", "a JSON object", other)),
+        let Some(kw) = top.object("init_kwargs")? else {
+            return Ok(s);
         };
-        let p = "init_kwargs.";
-        s.dir = string(kw, p, "dir")?.map(PathBuf::from);
-        s.mode = match string(kw, p, "mode")? {
+        s.dir = kw.string("dir")?.map(PathBuf::from);
+        s.mode = match kw.string("mode")? {
             None => None,
             Some(m) => Some(Mode::parse(&m).ok_or_else(|| {
-                bad(
-                    "init_kwargs.mode",
+                kw.invalid(
+                    "mode",
                     "\"online\", \"offline\" or \"disabled\"",
                     &Value::String(m),
                 )
             })?),
         };
-        s.entity = string(kw, p, "entity")?;
-        s.project = string(kw, p, "project")?;
-        s.name = string(kw, p, "name")?;
-        s.id = string(kw, p, "id")?;
-        s.notes = string(kw, p, "notes")?;
-        s.group = string(kw, p, "group")?;
-        s.job_type = string(kw, p, "job_type")?;
+        s.entity = kw.string("entity")?;
+        s.project = kw.string("project")?;
+        s.name = kw.string("name")?;
+        s.id = kw.string("id")?;
+        s.notes = kw.string("notes")?;
+        s.group = kw.string("group")?;
+        s.job_type = kw.string("job_type")?;
         s.tags = match kw.get("tags") {
-            None | Some(Value::Null) => None,
+            None => None,
             Some(Value::Array(items)) => Some(
                 items
                     .iter()
                     .map(|t| match t {
                         Value::String(t) => Ok(t.clone()),
-                        other => Err(bad("init_kwargs.tags[]", "a string", other)),
+                        other => Err(kw.invalid("tags[]", "a string", other)),
                     })
                     .collect::<Result<_, _>>()?,
             ),
-            Some(other) => return Err(bad("init_kwargs.tags", "a list of strings", other)),
+            Some(other) => return Err(kw.invalid("tags", "a list of strings", other)),
         };
-        s.config = match kw.get("config") {
-            None | Some(Value::Null) => Map::new(),
-            Some(Value::Object(map)) => map.clone(),
-            Some(other) => return Err(bad("init_kwargs.config", "a JSON object", other)),
-        };
+        s.config = kw
+            .object("config")?
+            .map(|c| c.map().clone())
+            .unwrap_or_default();
         // `wandb.init(settings=wandb.Settings(base_url=..., api_key=...))`.
-        match kw.get("settings") {
-            None | Some(Value::Null) => {}
-            Some(Value::Object(ws)) => {
-                let p = "init_kwargs.settings.";
-                if s.base_url.is_none() {
-                    s.base_url = string(ws, p, "base_url")?;
-                }
-                if s.api_key.is_none() {
-                    s.api_key = string(ws, p, "api_key")?;
-                }
+        if let Some(ws) = kw.object("settings")? {
+            if s.base_url.is_none() {
+                s.base_url = ws.string("base_url")?;
             }
-            Some(other) => return Err(bad("init_kwargs.settings", "a JSON object", other)),
+            if s.api_key.is_none() {
+                s.api_key = ws.string("api_key")?;
+            }
         }
         Ok(s)
     }

@@ -2,7 +2,7 @@
 //! (`wandb leet inspect`, from the workspace's `.venv`), and online runs
 //! against a local fake of W&B's API.
 
-use crate::{datastore, proto, settings::Env, Tracker, WandbTracker};
+use crate::{datastore, proto, settings::Env, RunTracker, WandbTracker};
 use accel_sdk::{
     abi_stable::std_types::ROption,
     serde_json::{self, json, Value},
@@ -312,7 +312,7 @@ fn big_rows_span_blocks_and_still_read_back() {
     let dir = temp_dir("big");
     let settings = json!({"init_kwargs": {"dir": dir, "mode": "offline"}});
     let mut t = WandbTracker::new(&settings.to_string(), Env::default()).unwrap();
-    t.start("big".into(), "{}".into()).unwrap();
+    t.start("big", "{}").unwrap();
     // 70 kB of text crosses two 32 KiB block boundaries.
     let text: String = (0..70_000)
         .map(|i| (b'a' + (i % 26) as u8) as char)
@@ -322,7 +322,7 @@ fn big_rows_span_blocks_and_still_read_back() {
             LogEntry::text("blob", text.clone()),
             LogEntry::scalar("x", step as f64),
         ];
-        t.log(values.as_slice().into(), ROption::RNone).unwrap();
+        t.log(values.as_slice(), None).unwrap();
     }
     t.finish().unwrap();
     let file = find_run_file(&dir, "offline-run");
@@ -345,27 +345,23 @@ fn misuse_is_an_error_not_a_panic() {
     let dir = temp_dir("misuse");
     let settings = json!({"init_kwargs": {"dir": dir, "mode": "offline"}}).to_string();
     let mut t = WandbTracker::new(&settings, Env::default()).unwrap();
-    let err = t.log(row(0).as_slice().into(), ROption::RNone).unwrap_err();
+    let err = t.log(row(0).as_slice(), None).unwrap_err();
     assert!(err.message.contains("before start"));
     assert!(t.finish().unwrap_err().message.contains("before start"));
-    let err = t.start("p".into(), "[1, 2]".into()).unwrap_err();
+    let err = t.start("p", "[1, 2]").unwrap_err();
     assert_eq!(err.kind, ErrorKind::Config);
-    t.start("p".into(), "{}".into()).unwrap();
-    assert!(t
-        .start("p".into(), "{}".into())
-        .unwrap_err()
-        .message
-        .contains("twice"));
+    t.start("p", "{}").unwrap();
+    assert!(t.start("p", "{}").unwrap_err().message.contains("twice"));
     let empty = [LogEntry::scalar("", 1.0)];
-    assert!(t.log(empty.as_slice().into(), ROption::RNone).is_err());
+    assert!(t.log(empty.as_slice(), None).is_err());
     t.finish().unwrap();
     assert!(t.finish().unwrap_err().message.contains("twice"));
     // Disabled: nothing written, every call fine.
     let disabled_dir = dir.join("disabled");
     let settings = json!({"init_kwargs": {"dir": disabled_dir, "mode": "disabled"}}).to_string();
     let mut t = WandbTracker::new(&settings, Env::default()).unwrap();
-    t.start("p".into(), "{}".into()).unwrap();
-    t.log(row(0).as_slice().into(), ROption::RNone).unwrap();
+    t.start("p", "{}").unwrap();
+    t.log(row(0).as_slice(), None).unwrap();
     t.flush().unwrap();
     t.finish().unwrap();
     assert!(!disabled_dir.exists());
@@ -384,8 +380,8 @@ fn the_environment_picks_the_directory_and_mode() {
     ]);
     let settings = json!({"logging_dir": dir.join("logging")}).to_string();
     let mut t = WandbTracker::new(&settings, env).unwrap();
-    t.start("proj".into(), "{}".into()).unwrap();
-    t.log(row(0).as_slice().into(), ROption::RSome(0)).unwrap();
+    t.start("proj", "{}").unwrap();
+    t.log(row(0).as_slice(), Some(0)).unwrap();
     assert!(
         t.online_status().is_none(),
         "WANDB_MODE=offline wins over the key"
@@ -581,10 +577,9 @@ fn online_run_creates_the_run_and_streams_history_in_order() {
     let mut server = FakeWandb::start(None);
     let settings = online_settings(&dir, &server.base_url, json!({}));
     let mut t = WandbTracker::new(&settings, Env::default()).unwrap();
-    t.start("proj".into(), CONFIG.into()).unwrap();
+    t.start("proj", CONFIG).unwrap();
     for step in 0..10 {
-        t.log(row(step).as_slice().into(), ROption::RSome(step))
-            .unwrap();
+        t.log(row(step).as_slice(), Some(step)).unwrap();
         if step % 4 == 3 {
             t.flush().unwrap();
         }
@@ -667,10 +662,9 @@ fn online_run_falls_back_to_the_log_when_the_server_goes_away() {
     let mut server = FakeWandb::start(Some(3));
     let settings = online_settings(&dir, &server.base_url, json!({}));
     let mut t = WandbTracker::new(&settings, Env::default()).unwrap();
-    t.start("proj".into(), CONFIG.into()).unwrap();
+    t.start("proj", CONFIG).unwrap();
     for step in 0..10 {
-        t.log(row(step).as_slice().into(), ROption::RSome(step))
-            .unwrap();
+        t.log(row(step).as_slice(), Some(step)).unwrap();
         // One request per row, so the server goes away after rows 0 and 1.
         t.flush().unwrap();
     }
@@ -713,10 +707,9 @@ fn unreachable_server_at_start_means_an_offline_run() {
         json!({"max_retries": 1}),
     );
     let mut t = WandbTracker::new(&settings, Env::default()).unwrap();
-    t.start("proj".into(), CONFIG.into()).unwrap();
+    t.start("proj", CONFIG).unwrap();
     for step in 0..10 {
-        t.log(row(step).as_slice().into(), ROption::RSome(step))
-            .unwrap();
+        t.log(row(step).as_slice(), Some(step)).unwrap();
     }
     t.flush().unwrap();
     let status = t.online_status().unwrap();
@@ -750,8 +743,8 @@ fn a_refused_key_is_not_retried() {
     });
     let settings = online_settings(&dir, &base_url, json!({"max_retries": 3}));
     let mut t = WandbTracker::new(&settings, Env::default()).unwrap();
-    t.start("proj".into(), "{}".into()).unwrap();
-    t.log(row(0).as_slice().into(), ROption::RSome(0)).unwrap();
+    t.start("proj", "{}").unwrap();
+    t.log(row(0).as_slice(), Some(0)).unwrap();
     t.flush().unwrap();
     let failure = t.online_status().unwrap().failure.unwrap();
     assert!(failure.contains("HTTP 401"), "{failure}");
@@ -770,10 +763,9 @@ fn wandb_sync_uploads_an_offline_run() {
     let settings =
         json!({"init_kwargs": {"dir": dir, "mode": "offline", "entity": "ent", "tags": ["x"]}});
     let mut t = WandbTracker::new(&settings.to_string(), Env::default()).unwrap();
-    t.start("proj".into(), CONFIG.into()).unwrap();
+    t.start("proj", CONFIG).unwrap();
     for step in 0..10 {
-        t.log(row(step).as_slice().into(), ROption::RSome(step))
-            .unwrap();
+        t.log(row(step).as_slice(), Some(step)).unwrap();
     }
     t.finish().unwrap();
     let file = find_run_file(&dir, "offline-run");

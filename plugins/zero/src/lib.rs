@@ -38,11 +38,7 @@ const PLUGIN: &str = "accel-zero";
 /// creating the strategy refuse them.
 fn validate(settings: &str) -> Result<(), PluginError> {
     let s = settings::parse(settings)?;
-    if accel_sdk::registry::launching(settings) {
-        s.check_supported()?;
-    }
-    accel_sharding::report_warnings(PLUGIN, None, &s.warnings);
-    Ok(())
+    accel_sharding::validate_parsed(PLUGIN, settings, &s.unsupported, &s.warnings)
 }
 
 /// The engine plan for a ZeRO stage.

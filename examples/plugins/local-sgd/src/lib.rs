@@ -14,23 +14,22 @@
 //! ```
 
 use accel_sdk::{
-    abi_stable::std_types::{RErr, ROk, RSlice, RSliceMut, RVec},
+    abi_stable::std_types::RVec,
     params::ParamSet,
+    replicated::{Replica, Replicated},
     serde_json::Value,
-    strategy::OptimizerStepRef,
-    tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef, TensorMut},
-    Component, DistributedStrategy, HostContextBox, LogLevel, MemoryStats, PluginError,
-    PluginResult, ReduceOp, StateDictKind, StrategyBox, WrapUnit,
+    tensor::{NamedOwnedTensor, TensorMut},
+    Component, HostContextBox, LogLevel, PluginError, ReduceOp, StrategyBox,
 };
 
 const PLUGIN: &str = "accel-local-sgd";
 
+/// The part of the strategy that is Local SGD's own; [`Replicated`] keeps
+/// the parameters and does what every strategy with a whole model per rank
+/// does.
 struct LocalSgd {
-    ctx: HostContextBox,
     sync_every: u64,
     steps: u64,
-    /// The parameters (shallow clones sharing storage with the model's).
-    params: ParamSet,
 }
 
 /// `{"settings": {"sync_every": k}}` (k ≥ 1; default 4). The host passes the
@@ -50,12 +49,11 @@ fn sync_every(settings: &str) -> Result<u64, PluginError> {
 }
 
 fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError> {
-    Ok(accel_sdk::into_strategy(LocalSgd {
-        ctx,
+    let replica = LocalSgd {
         sync_every: sync_every(settings)?,
         steps: 0,
-        params: ParamSet::default(),
-    }))
+    };
+    Ok(Replicated::into_box(ctx, replica))
 }
 
 accel_sdk::inventory::submit! {
@@ -70,88 +68,55 @@ accel_sdk::inventory::submit! {
 
 accel_sdk::export_plugin!();
 
-impl LocalSgd {
-    /// Averages every parameter across ranks, in place.
-    fn average(&mut self) -> Result<(), PluginError> {
-        for (_, p) in &mut self.params.items {
-            self.ctx
-                .all_reduce(TensorMut::new(p), ReduceOp::Avg)
-                .into_result()?;
-        }
-        Ok(())
+/// Averages every parameter across ranks, in place.
+fn average(params: &mut ParamSet, ctx: &HostContextBox) -> Result<(), PluginError> {
+    for (_, p) in &mut params.items {
+        ctx.all_reduce(TensorMut::new(p), ReduceOp::Avg)
+            .into_result()?;
     }
+    Ok(())
 }
 
-impl DistributedStrategy for LocalSgd {
-    fn prepare_model(
-        &mut self,
-        params: RSliceMut<'_, NamedTensorMut<'_>>,
-    ) -> PluginResult<RVec<WrapUnit>> {
+/// No gradient communication, ever (the default `post_backward`); each rank
+/// clips its own gradients, which are never synchronised.
+impl Replica for LocalSgd {
+    fn plugin(&self) -> &str {
+        PLUGIN
+    }
+
+    fn prepared(&mut self, params: &mut ParamSet, ctx: &HostContextBox) -> Result<(), PluginError> {
         // Start identical: everyone takes rank 0's parameters.
-        self.params = ParamSet::from_handles(&params);
-        if let Err(e) = self.params.broadcast(&self.ctx, 0) {
-            return RErr(e);
-        }
-        self.ctx.log(
+        params.broadcast(ctx, 0)?;
+        ctx.log(
             LogLevel::Info,
             PLUGIN.into(),
             format!("averaging parameters every {} steps", self.sync_every)
                 .as_str()
                 .into(),
         );
-        ROk(self.params.single_unit())
+        Ok(())
     }
 
-    fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self.params.shared())
-    }
-
-    fn post_backward(&mut self, _sync: bool) -> PluginResult<()> {
-        // The rule: no gradient communication, ever.
-        ROk(())
-    }
-
-    fn optimizer_step(&mut self, mut step: OptimizerStepRef<'_>) -> PluginResult<()> {
-        if let RErr(e) = step.step() {
-            return RErr(e);
-        }
+    fn stepped(&mut self, params: &mut ParamSet, ctx: &HostContextBox) -> Result<(), PluginError> {
         self.steps += 1;
         if self.steps.is_multiple_of(self.sync_every) {
-            return self.average().into();
+            average(params, ctx)?;
         }
-        ROk(())
+        Ok(())
     }
 
-    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
-        // Each rank clips its own gradients: they are never synchronised.
-        ROk(self.params.clip_grad_norm(max_norm, norm_type))
-    }
-
-    fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
-        // A checkpoint holds the average, whatever the step.
-        let mut averaged = self.params.copies();
-        for entry in averaged.iter_mut() {
-            if let Err(e) = self
-                .ctx
-                .all_reduce(entry.tensor.as_tensor_mut(), ReduceOp::Avg)
-                .into_result()
-            {
-                return RErr(e);
-            }
-        }
-        ROk(averaged)
-    }
-
-    fn load_state_dict(
+    fn state_dict(
         &mut self,
-        _kind: StateDictKind,
-        tensors: RSlice<'_, NamedTensorRef<'_>>,
-    ) -> PluginResult<()> {
-        self.params.load(PLUGIN, tensors).into()
-    }
-
-    fn memory_stats(&self) -> PluginResult<MemoryStats> {
-        ROk(self.params.memory_stats(0, 0))
+        params: &ParamSet,
+        ctx: &HostContextBox,
+    ) -> Result<RVec<NamedOwnedTensor>, PluginError> {
+        // A checkpoint holds the average, whatever the step.
+        let mut averaged = params.copies();
+        for entry in averaged.iter_mut() {
+            ctx.all_reduce(entry.tensor.as_tensor_mut(), ReduceOp::Avg)
+                .into_result()?;
+        }
+        Ok(averaged)
     }
 }
 

@@ -1,0 +1,140 @@
+//! [`Replicated`]: the [`DistributedStrategy`] of strategies that keep a
+//! whole copy of the model on every rank (single device, DDP, Local SGD).
+//! They differ only in when ranks communicate; a [`Replica`] says that, and
+//! [`Replicated`] does the rest as every such strategy does it: one wrap
+//! unit, the trainable parameters themselves to the optimizer, a plain
+//! optimizer step, clipping over this rank's gradients, state dicts loaded
+//! in place. Not part of the ABI: a helper for strategy plugins.
+
+use crate::{
+    context::HostContextBox,
+    error::{PluginError, PluginResult},
+    guard::into_strategy,
+    params::ParamSet,
+    strategy::{
+        DistributedStrategy, MemoryStats, OptimizerStepRef, StateDictKind, StrategyBox, WrapUnit,
+    },
+    tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef},
+};
+use abi_stable::std_types::{RErr, ROk, RSlice, RSliceMut, RVec};
+
+/// What a replicated strategy decides for itself. Every hook has the
+/// default of a strategy that never communicates after `prepare_model`.
+pub trait Replica: Send + 'static {
+    /// The plugin's name, as errors name it.
+    fn plugin(&self) -> &str;
+
+    /// After `prepare_model` kept `params`: make the ranks agree. By
+    /// default every rank takes rank 0's parameters.
+    fn prepared(&mut self, params: &mut ParamSet, ctx: &HostContextBox) -> Result<(), PluginError> {
+        params.broadcast(ctx, 0)
+    }
+
+    /// At the end of backward; `sync` is false on accumulation micro-steps.
+    /// By default nothing is communicated.
+    fn post_backward(
+        &mut self,
+        params: &ParamSet,
+        ctx: &HostContextBox,
+        sync: bool,
+    ) -> Result<(), PluginError> {
+        let _ = (params, ctx, sync);
+        Ok(())
+    }
+
+    /// After each optimizer step. By default nothing happens.
+    fn stepped(&mut self, params: &mut ParamSet, ctx: &HostContextBox) -> Result<(), PluginError> {
+        let _ = (params, ctx);
+        Ok(())
+    }
+
+    /// The state dict. By default copies on rank 0 and nothing elsewhere
+    /// (every rank holds the same parameters).
+    fn state_dict(
+        &mut self,
+        params: &ParamSet,
+        ctx: &HostContextBox,
+    ) -> Result<RVec<NamedOwnedTensor>, PluginError> {
+        Ok(params.replicated_state_dict(ctx))
+    }
+
+    /// Bytes of communication buffers at their peak, added to the
+    /// parameters' and gradients' in `memory_stats`. By default 0.
+    fn peak_bytes(&self) -> u64 {
+        0
+    }
+}
+
+/// A [`Replica`] with its host context and parameters: a whole
+/// [`DistributedStrategy`].
+pub struct Replicated<R> {
+    ctx: HostContextBox,
+    params: ParamSet,
+    replica: R,
+}
+
+impl<R: Replica> Replicated<R> {
+    /// The strategy of `replica`, before `prepare_model`.
+    pub fn new(ctx: HostContextBox, replica: R) -> Self {
+        Replicated {
+            ctx,
+            params: ParamSet::default(),
+            replica,
+        }
+    }
+
+    /// The strategy of `replica`, erased for the host.
+    pub fn into_box(ctx: HostContextBox, replica: R) -> StrategyBox {
+        into_strategy(Self::new(ctx, replica))
+    }
+}
+
+impl<R: Replica> DistributedStrategy for Replicated<R> {
+    fn prepare_model(
+        &mut self,
+        params: RSliceMut<'_, NamedTensorMut<'_>>,
+    ) -> PluginResult<RVec<WrapUnit>> {
+        self.params = ParamSet::from_handles(&params);
+        if let Err(e) = self.replica.prepared(&mut self.params, &self.ctx) {
+            return RErr(e);
+        }
+        ROk(self.params.single_unit())
+    }
+
+    fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
+        ROk(self.params.shared())
+    }
+
+    fn post_backward(&mut self, sync: bool) -> PluginResult<()> {
+        self.replica
+            .post_backward(&self.params, &self.ctx, sync)
+            .into()
+    }
+
+    fn optimizer_step(&mut self, mut step: OptimizerStepRef<'_>) -> PluginResult<()> {
+        if let RErr(e) = step.step() {
+            return RErr(e);
+        }
+        self.replica.stepped(&mut self.params, &self.ctx).into()
+    }
+
+    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
+        ROk(self.params.clip_grad_norm(max_norm, norm_type))
+    }
+
+    fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
+        self.replica.state_dict(&self.params, &self.ctx).into()
+    }
+
+    fn load_state_dict(
+        &mut self,
+        _kind: StateDictKind,
+        tensors: RSlice<'_, NamedTensorRef<'_>>,
+    ) -> PluginResult<()> {
+        self.params.load(self.replica.plugin(), tensors).into()
+    }
+
+    fn memory_stats(&self) -> PluginResult<MemoryStats> {
+        ROk(self.params.memory_stats(0, self.replica.peak_bytes()))
+    }
+}
