@@ -18,44 +18,45 @@ use crate::{
 };
 use abi_stable::std_types::{RErr, ROk, RSlice, RSliceMut, RVec};
 
+/// This rank's whole copy of the model (`shallow_clone`s of the
+/// parameters, sharing storage and `.grad()` with the program's) and the
+/// host context the ranks talk through: what a [`Replica`]'s hooks work on.
+pub struct Model {
+    /// The host's services: rank, world, collectives, logging.
+    pub ctx: HostContextBox,
+    /// The parameters, in model order (empty before `prepare_model`).
+    pub params: ParamSet,
+}
+
 /// What a replicated strategy decides for itself. Every hook has the
 /// default of a strategy that never communicates after `prepare_model`.
 pub trait Replica: Send + 'static {
     /// The plugin's name, as errors name it.
-    fn plugin(&self) -> &str;
+    const PLUGIN: &'static str;
 
-    /// After `prepare_model` kept `params`: make the ranks agree. By
+    /// After `prepare_model` kept the parameters: make the ranks agree. By
     /// default every rank takes rank 0's parameters.
-    fn prepared(&mut self, params: &mut ParamSet, ctx: &HostContextBox) -> Result<(), PluginError> {
-        params.broadcast(ctx, 0)
+    fn prepared(&mut self, model: &mut Model) -> Result<(), PluginError> {
+        model.params.broadcast(&model.ctx, 0)
     }
 
     /// At the end of backward; `sync` is false on accumulation micro-steps.
     /// By default nothing is communicated.
-    fn post_backward(
-        &mut self,
-        params: &ParamSet,
-        ctx: &HostContextBox,
-        sync: bool,
-    ) -> Result<(), PluginError> {
-        let _ = (params, ctx, sync);
+    fn post_backward(&mut self, model: &Model, sync: bool) -> Result<(), PluginError> {
+        let _ = (model, sync);
         Ok(())
     }
 
     /// After each optimizer step. By default nothing happens.
-    fn stepped(&mut self, params: &mut ParamSet, ctx: &HostContextBox) -> Result<(), PluginError> {
-        let _ = (params, ctx);
+    fn stepped(&mut self, model: &mut Model) -> Result<(), PluginError> {
+        let _ = model;
         Ok(())
     }
 
     /// The state dict. By default copies on rank 0 and nothing elsewhere
     /// (every rank holds the same parameters).
-    fn state_dict(
-        &mut self,
-        params: &ParamSet,
-        ctx: &HostContextBox,
-    ) -> Result<RVec<NamedOwnedTensor>, PluginError> {
-        Ok(params.replicated_state_dict(ctx))
+    fn state_dict(&mut self, model: &Model) -> Result<RVec<NamedOwnedTensor>, PluginError> {
+        Ok(model.params.replicated_state_dict(&model.ctx))
     }
 
     /// Bytes of communication buffers at their peak, added to the
@@ -65,11 +66,9 @@ pub trait Replica: Send + 'static {
     }
 }
 
-/// A [`Replica`] with its host context and parameters: a whole
-/// [`DistributedStrategy`].
+/// A [`Replica`] with its [`Model`]: a whole [`DistributedStrategy`].
 pub struct Replicated<R> {
-    ctx: HostContextBox,
-    params: ParamSet,
+    model: Model,
     replica: R,
 }
 
@@ -77,8 +76,10 @@ impl<R: Replica> Replicated<R> {
     /// The strategy of `replica`, before `prepare_model`.
     pub fn new(ctx: HostContextBox, replica: R) -> Self {
         Replicated {
-            ctx,
-            params: ParamSet::default(),
+            model: Model {
+                ctx,
+                params: ParamSet::default(),
+            },
             replica,
         }
     }
@@ -94,36 +95,34 @@ impl<R: Replica> DistributedStrategy for Replicated<R> {
         &mut self,
         params: RSliceMut<'_, NamedTensorMut<'_>>,
     ) -> PluginResult<RVec<WrapUnit>> {
-        self.params = ParamSet::from_handles(&params);
-        if let Err(e) = self.replica.prepared(&mut self.params, &self.ctx) {
+        self.model.params = ParamSet::from_handles(&params);
+        if let Err(e) = self.replica.prepared(&mut self.model) {
             return RErr(e);
         }
-        ROk(self.params.single_unit())
+        ROk(self.model.params.single_unit())
     }
 
     fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self.params.shared())
+        ROk(self.model.params.shared())
     }
 
     fn post_backward(&mut self, sync: bool) -> PluginResult<()> {
-        self.replica
-            .post_backward(&self.params, &self.ctx, sync)
-            .into()
+        self.replica.post_backward(&self.model, sync).into()
     }
 
     fn optimizer_step(&mut self, mut step: OptimizerStepRef<'_>) -> PluginResult<()> {
         if let RErr(e) = step.step() {
             return RErr(e);
         }
-        self.replica.stepped(&mut self.params, &self.ctx).into()
+        self.replica.stepped(&mut self.model).into()
     }
 
     fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
-        ROk(self.params.clip_grad_norm(max_norm, norm_type))
+        ROk(self.model.params.clip_grad_norm(max_norm, norm_type))
     }
 
     fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
-        self.replica.state_dict(&self.params, &self.ctx).into()
+        self.replica.state_dict(&self.model).into()
     }
 
     fn load_state_dict(
@@ -131,10 +130,10 @@ impl<R: Replica> DistributedStrategy for Replicated<R> {
         _kind: StateDictKind,
         tensors: RSlice<'_, NamedTensorRef<'_>>,
     ) -> PluginResult<()> {
-        self.params.load(self.replica.plugin(), tensors).into()
+        self.model.params.load(R::PLUGIN, tensors).into()
     }
 
     fn memory_stats(&self) -> PluginResult<MemoryStats> {
-        ROk(self.params.memory_stats(0, self.replica.peak_bytes()))
+        ROk(self.model.params.memory_stats(0, self.replica.peak_bytes()))
     }
 }

@@ -64,6 +64,17 @@ pub fn not_running(plugin: &str, call: &str, was_started: bool) -> PluginError {
     )
 }
 
+/// `step` as the signed 64-bit step `service`'s records hold (TensorBoard's
+/// events, MLflow's metrics); an error naming both when it does not fit.
+pub fn signed_step(plugin: &str, service: &str, step: u64) -> Result<i64, PluginError> {
+    i64::try_from(step).map_err(|_| {
+        PluginError::other(
+            plugin,
+            format!("step {step} is beyond {service}'s int64 steps"),
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,6 +126,21 @@ mod tests {
         assert_eq!(
             calls.lock().unwrap().0,
             ["start proj {}", "log 1 Some(3)", "log 0 None", "finish"]
+        );
+    }
+
+    #[test]
+    fn steps_beyond_i64_are_refused_naming_the_service() {
+        assert_eq!(signed_step("p", "MLflow", 7).unwrap(), 7);
+        assert_eq!(
+            signed_step("p", "MLflow", i64::MAX as u64).unwrap(),
+            i64::MAX
+        );
+        let err = signed_step("p", "TensorBoard", u64::MAX).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("step 18446744073709551615 is beyond TensorBoard's int64 steps"),
+            "{err}"
         );
     }
 

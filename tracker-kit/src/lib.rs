@@ -15,4 +15,4 @@ pub mod adapter;
 pub mod http;
 pub mod settings;
 
-pub use adapter::{into_tracker, not_running, RunTracker};
+pub use adapter::{into_tracker, not_running, signed_step, RunTracker};

@@ -6,6 +6,7 @@ use accel_sdk::{
     serde_json::{self, Map, Value},
     PluginError,
 };
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// The config error of a key whose value is not what it must be:
@@ -89,6 +90,14 @@ impl<'a> Keys<'a> {
             Some(Value::String(s)) => Ok(Some(s.clone())),
             Some(other) => Err(self.invalid(key, "a string", other)),
         }
+    }
+
+    /// `logging_dir`, the directory Accelerate's trackers write under
+    /// (default `.`, the working directory).
+    pub fn logging_dir(&self) -> Result<PathBuf, PluginError> {
+        Ok(PathBuf::from(
+            self.string("logging_dir")?.unwrap_or_else(|| ".".into()),
+        ))
     }
 
     /// A key in whole milliseconds (`>= 0`).
@@ -214,6 +223,23 @@ mod tests {
         );
         let err = run_config("p", "{").unwrap_err();
         assert!(err.message.contains("the run config is not JSON"), "{err}");
+    }
+
+    #[test]
+    fn logging_dir_defaults_to_the_working_directory() {
+        for (settings, dir) in [(json!({}), "."), (json!({"logging_dir": "runs"}), "runs")] {
+            let map = obj(settings);
+            assert_eq!(
+                Keys::new("p", &map).logging_dir().unwrap(),
+                PathBuf::from(dir)
+            );
+        }
+        let map = obj(json!({"logging_dir": 1}));
+        let err = Keys::new("p", &map).logging_dir().unwrap_err();
+        assert_eq!(
+            err.message.as_str(),
+            "`logging_dir` must be a string, got 1"
+        );
     }
 
     #[test]

@@ -3,8 +3,7 @@
 
 use accel_sdk::{
     abi_stable::std_types::RVec,
-    params::ParamSet,
-    replicated::{Replica, Replicated},
+    replicated::{Model, Replica, Replicated},
     tensor::NamedOwnedTensor,
     Component, HostContextBox, PluginError, StrategyBox,
 };
@@ -13,20 +12,14 @@ use accel_sdk::{
 struct SingleDevice;
 
 impl Replica for SingleDevice {
-    fn plugin(&self) -> &str {
-        "accel"
-    }
+    const PLUGIN: &'static str = "accel";
 
-    fn prepared(&mut self, _: &mut ParamSet, _: &HostContextBox) -> Result<(), PluginError> {
+    fn prepared(&mut self, _: &mut Model) -> Result<(), PluginError> {
         Ok(())
     }
 
-    fn state_dict(
-        &mut self,
-        params: &ParamSet,
-        _: &HostContextBox,
-    ) -> Result<RVec<NamedOwnedTensor>, PluginError> {
-        Ok(params.copies())
+    fn state_dict(&mut self, model: &Model) -> Result<RVec<NamedOwnedTensor>, PluginError> {
+        Ok(model.params.copies())
     }
 }
 

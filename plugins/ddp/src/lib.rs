@@ -19,8 +19,8 @@
 
 use accel_sdk::tch::Tensor;
 use accel_sdk::{
-    params::{bytes, ParamSet},
-    replicated::{Replica, Replicated},
+    params::bytes,
+    replicated::{Model, Replica, Replicated},
     serde_json::Value,
     tensor::TensorMut,
     Component, HostContextBox, PluginError, ReduceOp, StrategyBox,
@@ -135,12 +135,8 @@ impl Ddp {
     /// `gradient_as_bucket_view`), so the all-reduce works on them in place;
     /// gradients that are not views yet (first step, or a `zero_grad` that
     /// freed them) are copied in once and turned into views.
-    fn sync_bucket(
-        &mut self,
-        params: &ParamSet,
-        ctx: &HostContextBox,
-        bucket: usize,
-    ) -> Result<(), PluginError> {
+    fn sync_bucket(&mut self, model: &Model, bucket: usize) -> Result<(), PluginError> {
+        let params = &model.params;
         let mut grads = Vec::with_capacity(self.buckets[bucket].len());
         for &i in &self.buckets[bucket] {
             let p = &params.items[i].1;
@@ -171,7 +167,9 @@ impl Ddp {
             }
         });
         self.peak = self.peak.max(bytes(buffer));
-        ctx.all_reduce(TensorMut::new(buffer), ReduceOp::Avg)
+        model
+            .ctx
+            .all_reduce(TensorMut::new(buffer), ReduceOp::Avg)
             .into_result()?;
         for (i, offset, n) in placed {
             let p = &params.items[i].1;
@@ -184,12 +182,11 @@ impl Ddp {
 }
 
 impl Replica for Ddp {
-    fn plugin(&self) -> &str {
-        PLUGIN
-    }
+    const PLUGIN: &'static str = PLUGIN;
 
-    fn prepared(&mut self, params: &mut ParamSet, ctx: &HostContextBox) -> Result<(), PluginError> {
-        params.broadcast(ctx, 0)?;
+    fn prepared(&mut self, model: &mut Model) -> Result<(), PluginError> {
+        let params = &mut model.params;
+        params.broadcast(&model.ctx, 0)?;
         // Frozen parameters (requires_grad false) are never all-reduced.
         let trainable: Vec<usize> = (0..params.items.len())
             .filter(|&i| params.items[i].1.requires_grad())
@@ -205,12 +202,8 @@ impl Replica for Ddp {
         Ok(())
     }
 
-    fn post_backward(
-        &mut self,
-        params: &ParamSet,
-        ctx: &HostContextBox,
-        sync: bool,
-    ) -> Result<(), PluginError> {
+    fn post_backward(&mut self, model: &Model, sync: bool) -> Result<(), PluginError> {
+        let params = &model.params;
         if !sync {
             return Ok(());
         }
@@ -237,7 +230,7 @@ impl Replica for Ddp {
             }
         }
         for b in 0..self.buckets.len() {
-            self.sync_bucket(params, ctx, b)?;
+            self.sync_bucket(model, b)?;
         }
         Ok(())
     }

@@ -774,10 +774,7 @@ mod tests {
 
     /// The error, or the first unsupported request (what `make` refuses).
     fn msg(r: Result<Settings, PluginError>) -> String {
-        match r {
-            Err(e) => e.to_string(),
-            Ok(s) => s.check_supported().unwrap_err().to_string(),
-        }
+        r.and_then(|s| s.check_supported()).unwrap_err().to_string()
     }
 
     fn ok(v: Value) -> Settings {

@@ -295,12 +295,7 @@ impl RunTracker for MlflowTracker {
 
     fn log(&mut self, values: &[LogEntry], step: Option<u64>) -> Result<(), PluginError> {
         let step = step.unwrap_or(self.next_step);
-        let step_i = i64::try_from(step).map_err(|_| {
-            PluginError::config(
-                PLUGIN,
-                format!("step {step} is larger than MLflow's steps (64-bit signed)"),
-            )
-        })?;
+        let step_i = accel_tracker_kit::signed_step(PLUGIN, "MLflow", step)?;
         let (records, bad) = record::log_records(values, step_i, now_ms());
         match &mut self.state {
             State::File(run) => run.write(&records)?,

@@ -127,7 +127,7 @@ impl Settings {
         let map = settings::settings_object(PLUGIN, json)?;
         let top = Keys::new(PLUGIN, &map);
         let mut s = Settings {
-            logging_dir: PathBuf::from(top.string("logging_dir")?.unwrap_or(".".into())),
+            logging_dir: top.logging_dir()?,
             tracking_uri: top.string("tracking_uri")?,
             spool_dir: top.string("spool_dir")?.map(PathBuf::from),
             max_param_len: DEFAULT_MAX_PARAM_LENGTH,

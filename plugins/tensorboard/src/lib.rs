@@ -180,12 +180,7 @@ impl RunTracker for TensorBoardTracker {
     fn log(&mut self, values: &[LogEntry], step: Option<u64>) -> Result<(), PluginError> {
         let run = self.run()?;
         let step = step.unwrap_or(self.next_step);
-        let step_i64 = i64::try_from(step).map_err(|_| {
-            PluginError::other(
-                PLUGIN,
-                format!("step {step} is beyond TensorBoard's int64 steps"),
-            )
-        })?;
+        let step_i64 = accel_tracker_kit::signed_step(PLUGIN, "TensorBoard", step)?;
         if !values.is_empty() {
             let values = values
                 .iter()

@@ -114,7 +114,7 @@ impl Settings {
         let map = settings::settings_object(PLUGIN, json)?;
         let top = Keys::new(PLUGIN, &map);
         let mut s = Settings {
-            logging_dir: PathBuf::from(top.string("logging_dir")?.unwrap_or(".".into())),
+            logging_dir: top.logging_dir()?,
             base_url: top.string("base_url")?,
             api_key: top.string("api_key")?,
             ..Settings::default()

@@ -32,13 +32,10 @@ pub mod proto;
 
 use accel_sdk::tch::{Kind, Tensor};
 use accel_sdk::{
-    abi_stable::std_types::{RErr, ROk, RSlice, RSliceMut, RVec},
-    params::{bytes, ParamSet},
+    params::bytes,
+    replicated::{Model, Replica, Replicated},
     serde_json::{self, Value},
-    strategy::OptimizerStepRef,
-    tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef},
-    Component, DistributedStrategy, ErrorKind, HostContextBox, LogLevel, MemoryStats, PluginError,
-    PluginResult, StateDictKind, StrategyBox, WrapUnit,
+    Component, ErrorKind, HostContextBox, LogLevel, PluginError, StrategyBox,
 };
 use engine::{Engine, RankInfo};
 use hlo::{Elem, Reduce};
@@ -280,13 +277,11 @@ fn open_engine(s: &Settings, ranks: RankInfo) -> Result<(Arc<Engine>, PathBuf), 
 }
 
 struct Xla {
-    ctx: HostContextBox,
     engine: Arc<Engine>,
     /// This rank's slot among the ranks of its process.
     slot: usize,
     bf16: bool,
     downcast: bool,
-    params: ParamSet,
     peak: u64,
 }
 
@@ -320,15 +315,14 @@ fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError>
         .as_str()
         .into(),
     );
-    Ok(accel_sdk::into_strategy(Xla {
-        ctx,
+    let xla = Xla {
         engine,
         slot,
         bf16,
         downcast,
-        params: ParamSet::default(),
         peak: 0,
-    }))
+    };
+    Ok(Replicated::into_box(ctx, xla))
 }
 
 accel_sdk::inventory::submit! {
@@ -429,23 +423,26 @@ impl Xla {
         groups
     }
 
-    fn broadcast_params(&mut self, root: u32) -> Result<(), PluginError> {
-        let tensors: Vec<Tensor> = self
+    /// Makes every rank's parameters rank `root`'s: rank `root` sends them,
+    /// the others zeros, summed.
+    fn broadcast_params(&mut self, model: &Model, root: u32) -> Result<(), PluginError> {
+        let tensors: Vec<Tensor> = model
             .params
             .items
             .iter()
             .map(|(_, t)| t.shallow_clone())
             .collect();
-        let contribute = self.ctx.rank() == root;
+        let contribute = model.ctx.rank() == root;
         for (kind, group) in Self::groups(tensors, |k| k) {
             self.reduce_group(&group, kind, Reduce::Sum, contribute)?;
         }
         Ok(())
     }
 
-    fn sync_grads(&mut self) -> Result<(), PluginError> {
-        let mut grads = Vec::with_capacity(self.params.items.len());
-        for (name, p) in &self.params.items {
+    /// Averages every gradient across ranks.
+    fn sync_grads(&mut self, model: &Model) -> Result<(), PluginError> {
+        let mut grads = Vec::with_capacity(model.params.items.len());
+        for (name, p) in &model.params.items {
             let g = p.grad();
             if !g.defined() {
                 return Err(PluginError::other(
@@ -456,7 +453,7 @@ impl Xla {
             grads.push(g);
         }
         let (bf16, downcast) = (self.bf16, self.downcast);
-        let world = self.ctx.world_size();
+        let world = model.ctx.world_size();
         for (wire, group) in Self::groups(grads, |k| wire_kind(k, bf16, downcast)) {
             self.reduce_group(&group, wire, Reduce::Mean(world), true)?;
         }
@@ -464,52 +461,26 @@ impl Xla {
     }
 }
 
-impl DistributedStrategy for Xla {
-    fn prepare_model(
-        &mut self,
-        params: RSliceMut<'_, NamedTensorMut<'_>>,
-    ) -> PluginResult<RVec<WrapUnit>> {
-        self.params = ParamSet::from_handles(&params);
-        if let Err(e) = self.broadcast_params(0) {
-            return RErr(e);
+/// Parameters broadcast through the engine at `prepare_model`, gradients
+/// averaged through it on sync steps; the rest is every replicated
+/// strategy's (every rank holds the same synced gradients and parameters).
+impl Replica for Xla {
+    const PLUGIN: &'static str = PLUGIN;
+
+    fn prepared(&mut self, model: &mut Model) -> Result<(), PluginError> {
+        self.broadcast_params(model, 0)
+    }
+
+    fn post_backward(&mut self, model: &Model, sync: bool) -> Result<(), PluginError> {
+        if sync {
+            self.sync_grads(model)
+        } else {
+            Ok(())
         }
-        ROk(self.params.single_unit())
     }
 
-    fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self.params.shared())
-    }
-
-    fn post_backward(&mut self, sync: bool) -> PluginResult<()> {
-        if !sync {
-            return ROk(());
-        }
-        self.sync_grads().into()
-    }
-
-    fn optimizer_step(&mut self, mut step: OptimizerStepRef<'_>) -> PluginResult<()> {
-        step.step()
-    }
-
-    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
-        // Every rank holds the same (synced) gradients.
-        ROk(self.params.clip_grad_norm(max_norm, norm_type))
-    }
-
-    fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self.params.replicated_state_dict(&self.ctx))
-    }
-
-    fn load_state_dict(
-        &mut self,
-        _kind: StateDictKind,
-        tensors: RSlice<'_, NamedTensorRef<'_>>,
-    ) -> PluginResult<()> {
-        self.params.load(PLUGIN, tensors).into()
-    }
-
-    fn memory_stats(&self) -> PluginResult<MemoryStats> {
-        ROk(self.params.memory_stats(0, self.peak))
+    fn peak_bytes(&self) -> u64 {
+        self.peak
     }
 }
 

@@ -15,8 +15,7 @@
 
 use accel_sdk::{
     abi_stable::std_types::RVec,
-    params::ParamSet,
-    replicated::{Replica, Replicated},
+    replicated::{Model, Replica, Replicated},
     serde_json::Value,
     tensor::{NamedOwnedTensor, TensorMut},
     Component, HostContextBox, LogLevel, PluginError, ReduceOp, StrategyBox,
@@ -69,9 +68,11 @@ accel_sdk::inventory::submit! {
 accel_sdk::export_plugin!();
 
 /// Averages every parameter across ranks, in place.
-fn average(params: &mut ParamSet, ctx: &HostContextBox) -> Result<(), PluginError> {
-    for (_, p) in &mut params.items {
-        ctx.all_reduce(TensorMut::new(p), ReduceOp::Avg)
+fn average(model: &mut Model) -> Result<(), PluginError> {
+    for (_, p) in &mut model.params.items {
+        model
+            .ctx
+            .all_reduce(TensorMut::new(p), ReduceOp::Avg)
             .into_result()?;
     }
     Ok(())
@@ -80,14 +81,12 @@ fn average(params: &mut ParamSet, ctx: &HostContextBox) -> Result<(), PluginErro
 /// No gradient communication, ever (the default `post_backward`); each rank
 /// clips its own gradients, which are never synchronised.
 impl Replica for LocalSgd {
-    fn plugin(&self) -> &str {
-        PLUGIN
-    }
+    const PLUGIN: &'static str = PLUGIN;
 
-    fn prepared(&mut self, params: &mut ParamSet, ctx: &HostContextBox) -> Result<(), PluginError> {
+    fn prepared(&mut self, model: &mut Model) -> Result<(), PluginError> {
         // Start identical: everyone takes rank 0's parameters.
-        params.broadcast(ctx, 0)?;
-        ctx.log(
+        model.params.broadcast(&model.ctx, 0)?;
+        model.ctx.log(
             LogLevel::Info,
             PLUGIN.into(),
             format!("averaging parameters every {} steps", self.sync_every)
@@ -97,23 +96,21 @@ impl Replica for LocalSgd {
         Ok(())
     }
 
-    fn stepped(&mut self, params: &mut ParamSet, ctx: &HostContextBox) -> Result<(), PluginError> {
+    fn stepped(&mut self, model: &mut Model) -> Result<(), PluginError> {
         self.steps += 1;
         if self.steps.is_multiple_of(self.sync_every) {
-            average(params, ctx)?;
+            average(model)?;
         }
         Ok(())
     }
 
-    fn state_dict(
-        &mut self,
-        params: &ParamSet,
-        ctx: &HostContextBox,
-    ) -> Result<RVec<NamedOwnedTensor>, PluginError> {
+    fn state_dict(&mut self, model: &Model) -> Result<RVec<NamedOwnedTensor>, PluginError> {
         // A checkpoint holds the average, whatever the step.
-        let mut averaged = params.copies();
+        let mut averaged = model.params.copies();
         for entry in averaged.iter_mut() {
-            ctx.all_reduce(entry.tensor.as_tensor_mut(), ReduceOp::Avg)
+            model
+                .ctx
+                .all_reduce(entry.tensor.as_tensor_mut(), ReduceOp::Avg)
                 .into_result()?;
         }
         Ok(averaged)

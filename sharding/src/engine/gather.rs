@@ -1,0 +1,122 @@
+//! Gather and reshard: a parameter's chunk cut from its whole value, whole
+//! values all-gathered from every rank's chunks, and a unit's parameters
+//! filled from (gather) or emptied back to (reshard) its chunks.
+
+use super::Sharded;
+use crate::layout::chunk_span;
+use accel_sdk::tch::{self, Tensor};
+use accel_sdk::{
+    params::bytes,
+    shim,
+    tensor::{TensorMut, TensorRef},
+    PluginError,
+};
+
+impl Sharded {
+    /// Parameter `i`'s whole value (flattened) padded to `G` chunks.
+    pub(super) fn padded(&self, i: usize, whole: &Tensor) -> Tensor {
+        let n = self.numels[i];
+        let padded = Tensor::zeros(
+            [self.chunk_len[i] * self.group],
+            (whole.kind(), whole.device()),
+        );
+        tch::no_grad(|| padded.narrow(0, 0, n).copy_(&whole.detach().reshape([-1])));
+        padded
+    }
+
+    /// This rank's chunk of a whole-parameter tensor of parameter `i`,
+    /// reading only this rank's elements of it (a parameter mapping a
+    /// checkpoint file is read from disk only there).
+    pub(super) fn chunk_of(&self, i: usize, whole: &Tensor) -> Tensor {
+        let c = self.chunk_len[i];
+        let (start, len) = chunk_span(self.numels[i], c, self.group_rank);
+        let chunk = Tensor::zeros([c], (whole.kind(), self.chunk_device()));
+        tch::no_grad(|| {
+            chunk
+                .narrow(0, 0, len)
+                .copy_(&whole.detach().reshape([-1]).narrow(0, start, len))
+        });
+        chunk
+    }
+
+    /// All-gathers one chunk-shaped tensor of every parameter in `idx`
+    /// (e.g. the chunks, or optimizer state) into whole-parameter tensors.
+    pub(super) fn gather_whole(
+        &mut self,
+        idx: &[usize],
+        parts: &[Tensor],
+    ) -> Result<Vec<Tensor>, PluginError> {
+        if idx.is_empty() {
+            return Ok(Vec::new());
+        }
+        let device = self.compute_device();
+        let send = Tensor::cat(
+            &parts
+                .iter()
+                .map(|t| t.detach().to_device(device).reshape([-1]))
+                .collect::<Vec<_>>(),
+            0,
+        );
+        let s = send.numel() as i64;
+        let mut recv = Tensor::zeros([self.world() * s], (send.kind(), device));
+        self.ctx
+            .all_gather(TensorRef::new(&send), TensorMut::new(&mut recv))
+            .into_result()?;
+        self.note_peak(bytes(&send) + bytes(&recv));
+        // Every machine holds the same chunks (hybrid): the first group's
+        // blocks are the whole parameter.
+        let rows = recv.view([self.world(), s]).narrow(0, 0, self.group);
+        let mut offset = 0;
+        let mut out = Vec::with_capacity(idx.len());
+        for &i in idx {
+            let c = self.chunk_len[i];
+            let p = &self.params.items[i].1;
+            out.push(
+                rows.narrow(1, offset, c)
+                    .reshape([-1])
+                    .narrow(0, 0, self.numels[i])
+                    .view(p.size().as_slice()),
+            );
+            offset += c;
+        }
+        Ok(out)
+    }
+
+    /// Writes the chunks of unit `u` back into its parameters' storage,
+    /// all-gathered in the compute dtype.
+    pub(super) fn fill_unit(&mut self, u: usize) -> Result<(), PluginError> {
+        let idx = self.units[u].params.clone();
+        let compute = self.compute_kind();
+        let parts: Vec<Tensor> = idx
+            .iter()
+            .map(|&i| self.chunks[i].detach().to_kind(compute))
+            .collect();
+        let wholes = self.gather_whole(&idx, &parts)?;
+        for (&i, whole) in idx.iter().zip(&wholes) {
+            shim::fill_storage(&self.params.items[i].1, whole)
+                .map_err(|e| self.err(e.to_string()))?;
+        }
+        drop(wholes);
+        self.units[u].gathered = true;
+        self.note_peak(0);
+        Ok(())
+    }
+
+    pub(super) fn gather(&mut self, u: usize) -> Result<(), PluginError> {
+        if !self.plan.shard_params || self.units[u].gathered {
+            return Ok(());
+        }
+        self.fill_unit(u)
+    }
+
+    pub(super) fn reshard(&mut self, u: usize) -> Result<(), PluginError> {
+        if !self.plan.shard_params || !self.units[u].gathered {
+            return Ok(());
+        }
+        for &i in &self.units[u].params {
+            shim::free_storage(&self.params.items[i].1).map_err(|e| self.err(e.to_string()))?;
+        }
+        self.units[u].gathered = false;
+        Ok(())
+    }
+}

@@ -1,0 +1,254 @@
+//! The engine's state ([`Sharded`]: the parameters, this rank's chunks of
+//! them, the wrap units) and `prepare_model`, which builds it; what it does
+//! in a step lives in the submodules.
+
+use crate::layout::{check_units, chunk_len};
+use crate::plan::{dtype_name, Plan, WrapPolicy};
+use accel_sdk::tch::{Device, Kind, Tensor};
+use accel_sdk::{
+    abi_stable::std_types::{RSliceMut, RVec},
+    params::ParamSet,
+    tensor::NamedTensorMut,
+    HostContextBox, PluginError, WrapUnit,
+};
+
+mod clip;
+mod gather;
+mod memory;
+mod reduce;
+mod state;
+mod strategy;
+#[cfg(test)]
+mod tests;
+
+struct Unit {
+    name: String,
+    params: Vec<usize>,
+    /// Whether the parameters hold their data now.
+    gathered: bool,
+    /// Whether `post_unit_backward` ran in this backward pass.
+    done: bool,
+}
+
+/// The engine: build it with [`Sharded::new`], hand it to the host with
+/// `accel_sdk::into_strategy`.
+pub struct Sharded {
+    ctx: HostContextBox,
+    plan: Plan,
+    wrap: WrapPolicy,
+    params: ParamSet,
+    numels: Vec<i64>,
+    /// Elements per chunk, per parameter.
+    chunk_len: Vec<i64>,
+    /// This rank's chunk of every parameter (when anything is sharded).
+    chunks: Vec<Tensor>,
+    units: Vec<Unit>,
+    /// Shard group size and this rank's index in it.
+    group: i64,
+    group_rank: i64,
+    /// All-reduce mode: the flat buffer gradients are averaged in.
+    flat_grad: Option<Tensor>,
+    /// The parameters' dtype as the program made them: the chunks' (the
+    /// masters under mixed precision).
+    master: Kind,
+    peak: u64,
+}
+
+impl Sharded {
+    /// An engine running `plan` over the units `wrap` chooses.
+    pub fn new(ctx: HostContextBox, plan: Plan, wrap: WrapPolicy) -> Self {
+        Self {
+            ctx,
+            plan,
+            wrap,
+            params: ParamSet::default(),
+            numels: Vec::new(),
+            chunk_len: Vec::new(),
+            chunks: Vec::new(),
+            units: Vec::new(),
+            group: 1,
+            group_rank: 0,
+            flat_grad: None,
+            master: Kind::Float,
+            peak: 0,
+        }
+    }
+
+    fn err(&self, message: impl Into<String>) -> PluginError {
+        PluginError::other(self.plan.plugin, message)
+    }
+
+    fn world(&self) -> i64 {
+        i64::from(self.ctx.world_size())
+    }
+
+    fn has_chunks(&self) -> bool {
+        self.plan.shard_optimizer || self.plan.shard_params
+    }
+
+    fn compute_device(&self) -> Device {
+        self.params
+            .items
+            .first()
+            .map_or(Device::Cpu, |(_, p)| p.device())
+    }
+
+    /// The dtype the model computes with: the whole parameters'.
+    fn compute_kind(&self) -> Kind {
+        self.plan.param_dtype.unwrap_or(self.master)
+    }
+
+    /// The dtype gradients are reduced in.
+    fn reduce_kind(&self) -> Kind {
+        self.plan
+            .reduce_dtype
+            .unwrap_or_else(|| self.compute_kind())
+    }
+
+    fn chunk_device(&self) -> Device {
+        if self.plan.offload {
+            Device::Cpu
+        } else {
+            self.compute_device()
+        }
+    }
+
+    /// The parameters of `idx` that train (`requires_grad`).
+    fn trainable(&self, idx: &[usize]) -> Vec<usize> {
+        idx.iter()
+            .copied()
+            .filter(|&i| self.params.items[i].1.requires_grad())
+            .collect()
+    }
+
+    fn prepare(
+        &mut self,
+        handles: &RSliceMut<'_, NamedTensorMut<'_>>,
+    ) -> Result<RVec<WrapUnit>, PluginError> {
+        self.params = ParamSet::from_handles(handles);
+        self.master = self
+            .params
+            .items
+            .first()
+            .map_or(Kind::Float, |(_, p)| p.kind());
+        if let Some((name, p)) = self
+            .params
+            .items
+            .iter()
+            .find(|(_, p)| p.kind() != self.master)
+        {
+            return Err(self.err(format!(
+                "parameter `{name}` is {:?}, the first parameter {:?}: sharding needs one dtype for every parameter",
+                p.kind(),
+                self.master
+            )));
+        }
+        if !self.plan.shard_optimizer {
+            if let Some(k) = self.plan.param_dtype.or(self.plan.reduce_dtype) {
+                return Err(self.err(format!(
+                    "a compute or reduce dtype ({}) needs the optimizer to step on master \
+                     chunks apart from the parameters; this plan steps on the parameters",
+                    dtype_name(k)
+                )));
+            }
+        }
+        if self.plan.sync_module_states {
+            self.params.broadcast(&self.ctx, 0)?;
+        }
+        let world = self.world();
+        self.group = if self.plan.hybrid {
+            i64::from(self.ctx.local_world_size())
+        } else {
+            world
+        };
+        if self.group < 1 || world % self.group != 0 {
+            return Err(self.err(format!(
+                "hybrid sharding needs the same number of processes on every machine: {world} processes, {} on this one",
+                self.group
+            )));
+        }
+        self.group_rank = i64::from(self.ctx.rank()) % self.group;
+        self.numels = self
+            .params
+            .items
+            .iter()
+            .map(|(_, p)| p.numel() as i64)
+            .collect();
+        self.chunk_len = self
+            .numels
+            .iter()
+            .map(|&n| chunk_len(n, self.group))
+            .collect();
+        let names: Vec<String> = self.params.items.iter().map(|(n, _)| n.clone()).collect();
+        let units = (self.wrap)(&names, &self.numels)?;
+        check_units(&names, &units).map_err(|m| self.err(m))?;
+        if self.has_chunks() {
+            self.chunks = (0..names.len())
+                .map(|i| {
+                    let p = self.params.items[i].1.shallow_clone();
+                    // Frozen parameters stay frozen: sharded like the rest,
+                    // never given a gradient or optimizer state.
+                    let trains = p.requires_grad();
+                    self.chunk_of(i, &p).set_requires_grad(trains)
+                })
+                .collect();
+        }
+        self.cast_params();
+        self.units = units
+            .iter()
+            .map(|(name, params)| Unit {
+                name: name.clone(),
+                params: params.clone(),
+                gathered: true,
+                done: false,
+            })
+            .collect();
+        if self.plan.shard_params {
+            for u in 0..self.units.len() {
+                self.reshard(u)?;
+            }
+        }
+        self.peak = self.resident();
+        Ok(self
+            .units
+            .iter()
+            .map(|u| WrapUnit {
+                name: u.name.as_str().into(),
+                params: u.params.iter().map(|&i| names[i].as_str().into()).collect(),
+            })
+            .collect())
+    }
+
+    /// Mixed precision: turns every parameter into a tensor of the compute
+    /// dtype (the same object, so the model computes with it; frozen ones
+    /// too, as FSDP's flat parameters). The chunks keep the program's dtype.
+    /// Parameters freed right after (sharded) get new memory, unread.
+    fn cast_params(&mut self) {
+        let compute = self.compute_kind();
+        if compute == self.master {
+            return;
+        }
+        let shard_params = self.plan.shard_params;
+        for (_, p) in &mut self.params.items {
+            let cast = if shard_params {
+                Tensor::empty(p.size(), (compute, p.device()))
+            } else {
+                p.detach().to_kind(compute)
+            };
+            p.set_data(&cast);
+        }
+    }
+
+    fn unit_index(&self, unit: u32) -> Result<usize, PluginError> {
+        let u = unit as usize;
+        if u < self.units.len() {
+            Ok(u)
+        } else {
+            Err(self.err(format!("no wrap unit {unit} ({} units)", self.units.len())))
+        }
+    }
+
+    fn is_root(&self, u: usize) -> bool {
+        self.units[u].name.is_empty()
+    }
+}

@@ -1,0 +1,221 @@
+//! Gradient reduction: reduce-scatter per unit into the chunks' gradients
+//! (sharded gradients), or one flat all-reduce on sync steps (ZeRO-0/1,
+//! NO_SHARD), and the end of a unit's and of the whole backward.
+
+use super::Sharded;
+use accel_sdk::tch::{self, Tensor};
+use accel_sdk::{
+    params::{bytes, grad_views_buffer},
+    shim,
+    tensor::{TensorMut, TensorRef},
+    PluginError, ReduceOp,
+};
+
+impl Sharded {
+    /// Adds `grad` to chunk `i`'s gradient (sets it when there is none).
+    pub(super) fn add_chunk_grad(&mut self, i: usize, grad: Tensor) -> Result<(), PluginError> {
+        let chunk = &self.chunks[i];
+        let mut existing = chunk.grad();
+        if existing.defined() {
+            tch::no_grad(|| {
+                let _ = existing.g_add_(&grad);
+            });
+            Ok(())
+        } else {
+            shim::set_grad(chunk, &grad).map_err(|e| self.err(e.to_string()))
+        }
+    }
+
+    /// Reduce-scatters (averages, in the reduce dtype) unit `u`'s gradients
+    /// into its chunks' gradients and frees the whole gradients.
+    pub(super) fn reduce_scatter_unit(&mut self, u: usize) -> Result<(), PluginError> {
+        let idx = self.trainable(&self.units[u].params);
+        if idx.is_empty() {
+            return Ok(());
+        }
+        let device = self.compute_device();
+        let reduce = self.reduce_kind();
+        let s: i64 = idx.iter().map(|&i| self.chunk_len[i]).sum();
+        let input = Tensor::zeros([self.group, s], (reduce, device));
+        let mut offset = 0;
+        for &i in &idx {
+            let c = self.chunk_len[i];
+            let g = self.params.items[i].1.grad();
+            if g.defined() {
+                let padded = self.padded(i, &g);
+                tch::no_grad(|| {
+                    input
+                        .narrow(1, offset, c)
+                        .copy_(&padded.view([self.group, c]))
+                });
+            }
+            offset += c;
+        }
+        for &i in &idx {
+            shim::set_grad(&self.params.items[i].1, &Tensor::new())
+                .map_err(|e| self.err(e.to_string()))?;
+        }
+        // Hybrid: every machine's group reduces the same chunk layout, so
+        // the world-wide average is the replicated block layout.
+        let replicas = self.world() / self.group;
+        let input = if replicas > 1 {
+            input.repeat([replicas, 1])
+        } else {
+            input
+        };
+        let mut out = Tensor::zeros([s], (reduce, device));
+        self.ctx
+            .reduce_scatter(
+                TensorRef::new(&input.reshape([-1])),
+                TensorMut::new(&mut out),
+                ReduceOp::Avg,
+            )
+            .into_result()?;
+        self.note_peak(bytes(&input) + bytes(&out));
+        drop(input);
+        let mut offset = 0;
+        for &i in &idx {
+            let c = self.chunk_len[i];
+            let part = out
+                .narrow(0, offset, c)
+                .to_device(self.chunk_device())
+                .to_kind(self.master)
+                .copy();
+            self.add_chunk_grad(i, part)?;
+            offset += c;
+        }
+        Ok(())
+    }
+
+    /// All-reduce mode: averages every gradient in one flat buffer (of the
+    /// reduce dtype) the gradients then view; with a sharded optimizer the
+    /// chunks take their part and the whole gradients are zeroed for the
+    /// next accumulation — or dropped, when the buffer's dtype is not
+    /// theirs (a reduce dtype apart from the compute dtype).
+    pub(super) fn all_reduce_grads(&mut self) -> Result<(), PluginError> {
+        let all: Vec<usize> = (0..self.params.items.len()).collect();
+        let trainable = self.trainable(&all);
+        let unused: Vec<&str> = trainable
+            .iter()
+            .map(|&i| &self.params.items[i])
+            .filter(|(_, p)| !p.grad().defined())
+            .map(|(n, _)| n.as_str())
+            .collect();
+        if !unused.is_empty() {
+            return Err(self.err(format!(
+                "parameters that received no gradient in this step: {}; every trainable \
+                 parameter must take part in the loss (freeze the others: requires_grad false)",
+                unused.join(", ")
+            )));
+        }
+        let grads: Vec<(usize, Tensor)> = trainable
+            .iter()
+            .map(|&i| (i, self.params.items[i].1.grad()))
+            .collect();
+        if self.flat_grad.is_none() {
+            let total: i64 = trainable.iter().map(|&i| self.numels[i]).sum();
+            self.flat_grad = Some(Tensor::zeros(
+                [total],
+                (self.reduce_kind(), self.compute_device()),
+            ));
+        }
+        let mut buffer = self.flat_grad.take().expect("made above");
+        // Gradients can live in the buffer only when it has their dtype.
+        let views = buffer.kind() == self.compute_kind();
+        let mut placed = Vec::new();
+        let mut offset = 0;
+        tch::no_grad(|| {
+            for (i, g) in &grads {
+                let i = *i;
+                let p = &self.params.items[i].1;
+                let n = self.numels[i];
+                if !grad_views_buffer(g, &buffer, offset, p) {
+                    buffer.narrow(0, offset, n).copy_(&g.reshape([-1]));
+                    placed.push((i, offset));
+                }
+                offset += n;
+            }
+        });
+        drop(grads);
+        let reduced = self
+            .ctx
+            .all_reduce(TensorMut::new(&mut buffer), ReduceOp::Avg);
+        self.flat_grad = Some(buffer.shallow_clone());
+        reduced.into_result()?;
+        if views {
+            for (i, offset) in placed {
+                let p = &self.params.items[i].1;
+                let view = buffer
+                    .narrow(0, offset, self.numels[i])
+                    .view(p.size().as_slice());
+                shim::set_grad(p, &view).map_err(|e| self.err(e.to_string()))?;
+            }
+        }
+        self.note_peak(0);
+        if self.plan.shard_optimizer {
+            let mut offset = 0;
+            for &i in &trainable {
+                let n = self.numels[i];
+                let whole = buffer.narrow(0, offset, n);
+                let part = self.chunk_of(i, &whole).to_kind(self.master);
+                self.add_chunk_grad(i, part)?;
+                offset += n;
+            }
+            if views {
+                tch::no_grad(|| {
+                    let _ = buffer.zero_();
+                });
+            } else {
+                for &i in &trainable {
+                    shim::set_grad(&self.params.items[i].1, &Tensor::new())
+                        .map_err(|e| self.err(e.to_string()))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn post_unit(&mut self, u: usize) -> Result<(), PluginError> {
+        if self.units[u].done {
+            return Ok(());
+        }
+        self.units[u].done = true;
+        if self.plan.shard_grads {
+            self.reduce_scatter_unit(u)?;
+        }
+        // Every trainable parameter having its gradient ends the unit's
+        // backward only when none is frozen: the gradient of the unit's
+        // input may still flow through a frozen weight after that (LoRA's
+        // `x @ W + x @ A @ B`: A's and B's gradients come first, then W is
+        // needed for x's). Such a unit stays gathered until the backward
+        // ends (`finish_backward`), as units with no trainable parameter do.
+        if self.trainable(&self.units[u].params).len() == self.units[u].params.len() {
+            self.reshard(u)
+        } else {
+            Ok(())
+        }
+    }
+
+    pub(super) fn finish_backward(&mut self, sync: bool) -> Result<(), PluginError> {
+        if self.plan.shard_grads {
+            // Units some parameter of which got no gradient (unused in this
+            // forward) never completed: reduce what there is.
+            for u in 0..self.units.len() {
+                let reached = self.units[u]
+                    .params
+                    .iter()
+                    .any(|&i| self.params.items[i].1.grad().defined());
+                if !self.units[u].done && reached {
+                    self.reduce_scatter_unit(u)?;
+                }
+            }
+        } else if sync {
+            self.all_reduce_grads()?;
+        }
+        for u in 0..self.units.len() {
+            self.units[u].done = false;
+            self.reshard(u)?;
+        }
+        Ok(())
+    }
+}

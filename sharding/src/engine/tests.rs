@@ -1,0 +1,294 @@
+//! The engine on one process, whose collectives are copies: gathering and
+//! resharding, the gradients' way into the chunks, clipping, state dicts
+//! and the checks of `prepare_model`.
+
+use super::Sharded;
+use crate::plan::{Plan, WrapPolicy};
+use accel_sdk::abi_stable::{
+    sabi_trait::TD_Opaque,
+    std_types::{RArc, RSlice, RSliceMut, RStr},
+};
+use accel_sdk::context::HostContext_TO;
+use accel_sdk::tch::{Kind, Tensor};
+use accel_sdk::{
+    shim,
+    tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef, TensorMut, TensorRef},
+    DeviceSpec, DistributedStrategy, HostContext, LogLevel, PluginResult, ReduceOp, RunOverrides,
+    StateDictKind,
+};
+
+/// The only process of a one-process job: every collective leaves the
+/// tensors as they are (gathers and scatters copy).
+#[derive(Clone)]
+struct Solo;
+
+impl HostContext for Solo {
+    fn rank(&self) -> u32 {
+        0
+    }
+    fn world_size(&self) -> u32 {
+        1
+    }
+    fn local_rank(&self) -> u32 {
+        0
+    }
+    fn local_world_size(&self) -> u32 {
+        1
+    }
+    fn device(&self) -> DeviceSpec {
+        DeviceSpec::CPU
+    }
+    fn all_reduce(&self, _: TensorMut<'_>, _: ReduceOp) -> PluginResult<()> {
+        PluginResult::ROk(())
+    }
+    fn broadcast(&self, _: TensorMut<'_>, _: u32) -> PluginResult<()> {
+        PluginResult::ROk(())
+    }
+    fn all_gather(&self, i: TensorRef, o: TensorMut) -> PluginResult<()> {
+        copied(i, o)
+    }
+    fn reduce_scatter(&self, i: TensorRef, o: TensorMut, _: ReduceOp) -> PluginResult<()> {
+        copied(i, o)
+    }
+    fn barrier(&self) -> PluginResult<()> {
+        PluginResult::ROk(())
+    }
+    fn log(&self, _: LogLevel, _: RStr<'_>, _: RStr<'_>) {}
+}
+
+/// One process's gather or scatter: `output` becomes `input`.
+fn copied(input: TensorRef<'_>, mut output: TensorMut<'_>) -> PluginResult<()> {
+    output.get_mut().copy_(&input.get());
+    PluginResult::ROk(())
+}
+
+/// FULL_SHARD / ZeRO-3: everything sharded.
+fn full_shard() -> Plan {
+    Plan {
+        plugin: "test",
+        shard_params: true,
+        reshard_after_forward: true,
+        shard_grads: true,
+        shard_optimizer: true,
+        hybrid: false,
+        offload: false,
+        sync_module_states: false,
+        gradient_clipping: 0.0,
+        state_dict_kind: StateDictKind::Sharded,
+        overrides: RunOverrides::default(),
+        param_dtype: None,
+        reduce_dtype: None,
+    }
+}
+
+/// Unit `a` holds `a.w`, the root unit `b.w`.
+fn two_units() -> WrapPolicy {
+    Box::new(|_, _| Ok(vec![("a".to_owned(), vec![0]), (String::new(), vec![1])]))
+}
+
+/// A model of two trainable parameters, `a.w` `[2, 3]` and `b.w` `[5]`.
+fn model() -> Vec<(String, Tensor)> {
+    vec![
+        (
+            "a.w".to_owned(),
+            Tensor::arange(6, (Kind::Float, accel_sdk::tch::Device::Cpu))
+                .view([2, 3])
+                .set_requires_grad(true),
+        ),
+        (
+            "b.w".to_owned(),
+            Tensor::from_slice(&[1.0f32, -2.0, 3.0, -4.0, 5.0]).set_requires_grad(true),
+        ),
+    ]
+}
+
+/// An engine running `plan` prepared over `params`.
+fn prepared(plan: Plan, wrap: WrapPolicy, params: &mut [(String, Tensor)]) -> Sharded {
+    let ctx = HostContext_TO::from_ptr(RArc::new(Solo), TD_Opaque);
+    let mut engine = Sharded::new(ctx, plan, wrap);
+    let mut handles = NamedTensorMut::all(params);
+    engine
+        .prepare_model(RSliceMut::from(&mut handles[..]))
+        .into_result()
+        .expect("prepare_model");
+    engine
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    Vec::<f32>::try_from(t.to_kind(Kind::Float).reshape([-1])).expect("f32 values")
+}
+
+fn by_name(state: &[NamedOwnedTensor], name: &str) -> Vec<f32> {
+    let entry = state
+        .iter()
+        .find(|t| t.name.as_str() == name)
+        .unwrap_or_else(|| panic!("no `{name}` in the state dict"));
+    values(&entry.tensor.as_tensor_ref().get())
+}
+
+#[test]
+fn units_are_freed_outside_compute_and_gathered_for_it() {
+    let mut params = model();
+    let originals: Vec<Vec<f32>> = params.iter().map(|(_, t)| values(t)).collect();
+    let mut engine = prepared(full_shard(), two_units(), &mut params);
+    for (_, p) in &params {
+        assert_eq!(shim::storage_bytes(p), 0, "resharded after prepare_model");
+    }
+    engine.pre_forward(0).into_result().unwrap();
+    assert_eq!(values(&params[0].1), originals[0]);
+    assert_eq!(params[0].1.size(), [2, 3]);
+    assert_eq!(shim::storage_bytes(&params[1].1), 0, "only unit 0 gathered");
+    engine.post_forward(0).into_result().unwrap();
+    assert_eq!(
+        shim::storage_bytes(&params[0].1),
+        0,
+        "freed after its forward"
+    );
+    // The root unit stays gathered from its forward until its backward ends.
+    engine.pre_forward(1).into_result().unwrap();
+    engine.post_forward(1).into_result().unwrap();
+    assert_eq!(values(&params[1].1), originals[1]);
+    assert!(engine.pre_forward(2).into_result().is_err(), "no unit 2");
+}
+
+#[test]
+fn gradients_reach_the_chunks_and_clipping_scales_them_to_the_norm() {
+    let mut params = model();
+    let mut engine = prepared(full_shard(), two_units(), &mut params);
+    for u in 0..2 {
+        engine.pre_forward(u).into_result().unwrap();
+    }
+    // d/dp of sum(p^2)/2 is p: the gradients are the parameters' values.
+    let loss = params
+        .iter()
+        .map(|(_, p)| p.square().sum(Kind::Float) / 2.0)
+        .reduce(|a, b| a + b)
+        .unwrap();
+    loss.backward();
+    for u in 0..2 {
+        engine.post_unit_backward(u).into_result().unwrap();
+    }
+    engine.post_backward(true).into_result().unwrap();
+    for (_, p) in &params {
+        assert!(!p.grad().defined(), "whole gradients freed");
+        assert_eq!(shim::storage_bytes(p), 0, "resharded after backward");
+    }
+    let chunks = engine.prepare_optimizer().into_result().unwrap();
+    let grad = |i: usize| values(&chunks[i].tensor.as_tensor_ref().get().grad());
+    assert_eq!(grad(0), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    assert_eq!(grad(1), [1.0, -2.0, 3.0, -4.0, 5.0]);
+    // |g|_2 = sqrt(55 + 55) and |g|_inf = 5, as torch computes them.
+    let norm = engine.clip_grad_norm(f64::MAX, 2.0).into_result().unwrap();
+    assert!((norm - 110f64.sqrt()).abs() < 1e-9, "{norm}");
+    let norm = engine
+        .clip_grad_norm(1.0, f64::INFINITY)
+        .into_result()
+        .unwrap();
+    assert_eq!(norm, 5.0);
+    assert!(
+        (grad(1)[4] - 1.0).abs() < 1e-6,
+        "scaled by 1/5: {:?}",
+        grad(1)
+    );
+    assert!(
+        (grad(0)[1] - 0.2).abs() < 1e-6,
+        "scaled by 1/5: {:?}",
+        grad(0)
+    );
+}
+
+#[test]
+fn state_dicts_hold_the_masters_and_load_back() {
+    let mut params = model();
+    let originals: Vec<Vec<f32>> = params.iter().map(|(_, t)| values(t)).collect();
+    let plan = Plan {
+        param_dtype: Some(Kind::BFloat16),
+        ..full_shard()
+    };
+    let mut engine = prepared(plan, two_units(), &mut params);
+    let full = engine
+        .state_dict(StateDictKind::Full)
+        .into_result()
+        .unwrap();
+    assert_eq!(by_name(&full, "a.w"), originals[0]);
+    assert_eq!(by_name(&full, "b.w"), originals[1]);
+    assert!(full
+        .iter()
+        .all(|t| t.tensor.as_tensor_ref().get().kind() == Kind::Float));
+    // The model computes with a bf16 copy.
+    engine.pre_forward(0).into_result().unwrap();
+    assert_eq!(params[0].1.kind(), Kind::BFloat16);
+    engine.post_forward(0).into_result().unwrap();
+
+    let doubled: Vec<Tensor> = params
+        .iter()
+        .map(|(n, _)| {
+            let t = full.iter().find(|t| t.name.as_str() == n).unwrap();
+            &*t.tensor.as_tensor_ref().get() * 2.0
+        })
+        .collect();
+    let refs: Vec<NamedTensorRef<'_>> = params
+        .iter()
+        .zip(&doubled)
+        .map(|((n, _), t)| NamedTensorRef {
+            name: n.as_str().into(),
+            tensor: TensorRef::new(t),
+        })
+        .collect();
+    engine
+        .load_state_dict(StateDictKind::Full, RSlice::from(&refs[..]))
+        .into_result()
+        .unwrap();
+    let sharded = engine
+        .state_dict(StateDictKind::Sharded)
+        .into_result()
+        .unwrap();
+    let twice = |v: &[f32]| v.iter().map(|x| x * 2.0).collect::<Vec<_>>();
+    assert_eq!(by_name(&sharded, "a.w"), twice(&originals[0]));
+    assert_eq!(by_name(&sharded, "b.w"), twice(&originals[1]));
+
+    // A SHARDED state dict of another layout is refused, naming the problem.
+    let wrong = Tensor::zeros([7], (Kind::Float, accel_sdk::tch::Device::Cpu));
+    let refs = [NamedTensorRef {
+        name: "a.w".into(),
+        tensor: TensorRef::new(&wrong),
+    }];
+    let err = engine
+        .load_state_dict(StateDictKind::Sharded, RSlice::from(&refs[..]))
+        .into_result()
+        .unwrap_err();
+    assert!(err.to_string().contains("does not fit"), "{err}");
+}
+
+#[test]
+fn prepare_model_refuses_what_the_engine_cannot_run() {
+    let cases: Vec<(Plan, WrapPolicy, &str)> = vec![
+        (
+            full_shard(),
+            Box::new(|_, _| Ok(vec![("a".to_owned(), vec![0]), (String::new(), vec![0])])),
+            "wrap policy put `a.w` in units `a` and ``",
+        ),
+        (
+            Plan {
+                shard_optimizer: false,
+                shard_grads: false,
+                shard_params: false,
+                reduce_dtype: Some(Kind::Float),
+                ..full_shard()
+            },
+            two_units(),
+            "a compute or reduce dtype (fp32) needs the optimizer to step on master chunks",
+        ),
+    ];
+    for (plan, wrap, message) in cases {
+        let ctx = HostContext_TO::from_ptr(RArc::new(Solo), TD_Opaque);
+        let mut engine = Sharded::new(ctx, plan, wrap);
+        let mut params = model();
+        let mut handles = NamedTensorMut::all(&mut params);
+        let err = engine
+            .prepare_model(RSliceMut::from(&mut handles[..]))
+            .into_result()
+            .unwrap_err();
+        assert!(err.to_string().contains(message), "{err}");
+    }
+}

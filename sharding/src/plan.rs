@@ -1,0 +1,125 @@
+//! What a plugin asks of the engine: the [`Plan`] (what is sharded, and
+//! how), the wrap policy choosing the units, and the dtype names its
+//! settings use.
+
+use accel_sdk::tch::Kind;
+use accel_sdk::{PluginError, RunOverrides, StateDictKind};
+
+/// Optimizer state slots per element assumed by the `optimizer_bytes`
+/// estimate (Adam/AdamW: `exp_avg` and `exp_avg_sq`; the optimizer itself
+/// lives in the host).
+pub const ESTIMATED_STATE_SLOTS: u64 = 2;
+
+/// Refuses the first of `unsupported` — well-formed config requests
+/// `plugin` does not implement, one message each naming the key and value —
+/// as a config error; `Ok` when there are none.
+pub fn refuse_unsupported(plugin: &str, unsupported: &[String]) -> Result<(), PluginError> {
+    match unsupported.first() {
+        Some(m) => Err(PluginError::config(plugin, m.clone())),
+        None => Ok(()),
+    }
+}
+
+/// What is sharded, and how.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The plugin's name, for messages.
+    pub plugin: &'static str,
+    /// Parameters are freed outside a unit's forward and backward (ZeRO-3,
+    /// FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD).
+    pub shard_params: bool,
+    /// With `shard_params`: free a unit right after its forward and gather
+    /// it again for backward (FULL_SHARD, ZeRO-3); otherwise keep it until
+    /// its backward is done (SHARD_GRAD_OP).
+    pub reshard_after_forward: bool,
+    /// Gradients are reduce-scattered into the chunks (ZeRO-2/3, FSDP but
+    /// NO_SHARD); otherwise all-reduced whole (ZeRO-0/1, NO_SHARD).
+    pub shard_grads: bool,
+    /// The optimizer steps on this rank's chunks (ZeRO-1 and up, FSDP but
+    /// NO_SHARD); otherwise on the whole parameters.
+    pub shard_optimizer: bool,
+    /// Shard within each machine and replicate across machines
+    /// (HYBRID_SHARD): the group is `local_world_size` ranks.
+    pub hybrid: bool,
+    /// Keep the chunks, their gradients and so the optimizer state in CPU
+    /// memory (`fsdp_offload_params`, ZeRO's `offload_*_device: cpu`).
+    pub offload: bool,
+    /// Broadcast rank 0's parameters before sharding.
+    pub sync_module_states: bool,
+    /// Clip the global gradient 2-norm to this before every step (0: off).
+    pub gradient_clipping: f64,
+    /// What a checkpoint holds.
+    pub state_dict_kind: StateDictKind,
+    /// What the plugin's config decides over the program's choice
+    /// (DeepSpeed's `gradient_accumulation_steps`, `fp16`/`bf16`).
+    pub overrides: RunOverrides,
+    /// The dtype the model computes with: the whole parameters (and so
+    /// their gradients) are a copy of the chunks in it. `None`: the
+    /// program's own dtype (no copy). Needs `shard_optimizer`.
+    pub param_dtype: Option<Kind>,
+    /// The dtype gradients are reduced in before they are added to the
+    /// chunks' gradients. `None`: the parameters' dtype (`param_dtype`, else
+    /// the program's). Needs `shard_optimizer`.
+    pub reduce_dtype: Option<Kind>,
+}
+
+/// The dtype a `mixed_precision` value computes in: `bf16` and `fp8` (whose
+/// non-fp8 parts run in bf16, as Accelerate's FSDP plugin maps it) give
+/// bfloat16, `fp16` float16; `no` (and anything else) none.
+pub fn precision_dtype(mixed_precision: &str) -> Option<Kind> {
+    match mixed_precision {
+        "bf16" | "fp8" => Some(Kind::BFloat16),
+        "fp16" => Some(Kind::Half),
+        _ => None,
+    }
+}
+
+/// How messages name a dtype: `bf16`, `fp16`, `fp32`, else libtorch's name.
+pub fn dtype_name(kind: Kind) -> String {
+    match kind {
+        Kind::BFloat16 => "bf16".to_owned(),
+        Kind::Half => "fp16".to_owned(),
+        Kind::Float => "fp32".to_owned(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// A wrap policy: `(name, numel)` of every parameter (model order) to units
+/// `(path prefix, parameter indices)`, the root unit (`""`) included.
+pub type WrapPolicy =
+    Box<dyn Fn(&[String], &[i64]) -> Result<Vec<(String, Vec<usize>)>, PluginError> + Send>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mixed_precision_values_name_their_compute_dtype() {
+        for (value, kind, name) in [
+            ("bf16", Some(Kind::BFloat16), "bf16"),
+            ("fp8", Some(Kind::BFloat16), "bf16"),
+            ("fp16", Some(Kind::Half), "fp16"),
+            ("no", None, ""),
+            ("fp32", None, ""),
+        ] {
+            assert_eq!(precision_dtype(value), kind, "{value}");
+            if let Some(k) = kind {
+                assert_eq!(dtype_name(k), name);
+            }
+        }
+        assert_eq!(dtype_name(Kind::Float), "fp32");
+        assert_eq!(dtype_name(Kind::Double), "Double");
+    }
+
+    #[test]
+    fn the_first_unsupported_request_is_refused() {
+        assert!(refuse_unsupported("p", &[]).is_ok());
+        let err = refuse_unsupported("p", &["nvme offload".to_owned(), "moe".to_owned()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("nvme offload") && !err.contains("moe"),
+            "{err}"
+        );
+    }
+}
