@@ -14,7 +14,7 @@
 //! failure can be replayed.
 
 use accel_integration_tests::{
-    assert_no_leftovers, describe, job_ranks, launch_mpi_with, mlp, Rng, LIMIT,
+    assert_no_leftovers, describe, job_ranks, launch_mpi_with, launch_summary, mlp, Rng, LIMIT,
 };
 use std::{
     fs,
@@ -314,10 +314,7 @@ fn a_job_hit_at_random_points_ends_and_resumes_exactly() {
                     Fault::Stop => vec![format!("rank {} (pid {}) was stopped", s.rank, s.pid)],
                     Fault::DiskFull => vec!["No space left on device".into()],
                 };
-                let last = err
-                    .lines()
-                    .rfind(|l| l.starts_with("accel launch: "))
-                    .unwrap_or_default();
+                let last = launch_summary(&err);
                 for cause in causes {
                     let said = match s.fault {
                         // accel's own last line names the rank and the cause.

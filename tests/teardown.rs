@@ -9,7 +9,7 @@
 //! non-zero and names it, is tested in `launch.rs`.)
 
 use accel_integration_tests::{
-    assert_no_leftovers, build_bin, describe, job_ranks, launch_mpi_with, LIMIT,
+    assert_no_leftovers, build_bin, describe, job_ranks, launch_mpi_with, launch_summary, LIMIT,
 };
 use std::{
     path::PathBuf,
@@ -172,10 +172,7 @@ fn a_stopped_rank_fails_the_job_within_the_collective_timeout() {
         describe(&out)
     );
     // So does accel's last line, and it names the stopped rank's pid.
-    let last = err
-        .lines()
-        .rfind(|l| l.starts_with("accel launch: "))
-        .unwrap_or_default();
+    let last = launch_summary(&err);
     assert!(
         last.contains("barrier timed out (3 s) waiting for rank 1")
             && last.contains(&format!("rank 1 (pid {victim}) was stopped (state T)")),

@@ -246,6 +246,16 @@ pub fn loss_log(path: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// accel launch's last message in `stderr` (from its last `accel launch: `
+/// to the end of that line; empty if there is none). The ranks write to the
+/// same stream, so a rank's message cut before its newline may come first on
+/// the same line.
+pub fn launch_summary(stderr: &str) -> &str {
+    stderr
+        .rfind("accel launch: ")
+        .map_or("", |at| stderr[at..].lines().next().unwrap_or_default())
+}
+
 /// Stdout and stderr of `out`, for assertion messages.
 pub fn describe(out: &Output) -> String {
     format!(
