@@ -36,10 +36,10 @@ impl DistributedStrategy for Sharded {
     fn post_forward(&mut self, unit: u32) -> PluginResult<()> {
         result(self.unit_index(unit).and_then(|u| {
             if self.plan.reshard_after_forward && !self.is_root(u) {
-                self.reshard(u)
-            } else {
-                Ok(())
+                self.reshard(u)?;
+                self.release_freed();
             }
+            Ok(())
         }))
     }
 
@@ -48,7 +48,11 @@ impl DistributedStrategy for Sharded {
     }
 
     fn post_unit_backward(&mut self, unit: u32) -> PluginResult<()> {
-        result(self.unit_index(unit).and_then(|u| self.post_unit(u)))
+        result(self.unit_index(unit).and_then(|u| {
+            self.post_unit(u)?;
+            self.release_freed();
+            Ok(())
+        }))
     }
 
     fn post_backward(&mut self, sync: bool) -> PluginResult<()> {
@@ -56,7 +60,7 @@ impl DistributedStrategy for Sharded {
     }
 
     fn optimizer_step(&mut self, step: OptimizerStepRef<'_>) -> PluginResult<()> {
-        result(self.step(step))
+        result(self.step(step).map(|()| self.release_freed()))
     }
 
     fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
