@@ -1,22 +1,21 @@
-//! [`Replicated`]: the [`DistributedStrategy`] of strategies that keep a
+//! [`Replicated`]: the [`DistributedStrategy`](crate::DistributedStrategy) of strategies that keep a
 //! whole copy of the model on every rank (single device, DDP, Local SGD).
 //! They differ only in when ranks communicate; a [`Replica`] says that, and
 //! [`Replicated`] does the rest as every such strategy does it: one wrap
 //! unit, the trainable parameters themselves to the optimizer, a plain
 //! optimizer step, clipping over this rank's gradients, state dicts loaded
-//! in place. Not part of the ABI: a helper for strategy plugins.
+//! in place. Not part of the ABI: a helper for strategy plugins, and an
+//! [`author::Strategy`].
 
 use crate::{
+    author::{self, HostStep, Strategy},
     context::HostContextBox,
-    error::{PluginError, PluginResult},
-    guard::into_strategy,
+    error::PluginError,
     params::ParamSet,
-    strategy::{
-        DistributedStrategy, MemoryStats, OptimizerStepRef, StateDictKind, StrategyBox, WrapUnit,
-    },
+    strategy::{MemoryStats, StateDictKind, StrategyBox, WrapUnit},
     tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef},
 };
-use abi_stable::std_types::{RErr, ROk, RSlice, RSliceMut, RVec};
+use abi_stable::std_types::{RSlice, RSliceMut, RVec};
 
 /// What a replicated strategy decides for itself. Every hook has the
 /// default of a strategy that never communicates after `prepare_model`.
@@ -66,7 +65,7 @@ pub trait Replica: Send + 'static {
 }
 
 /// A [`Replica`] with its host context and parameters: a whole
-/// [`DistributedStrategy`].
+/// [`DistributedStrategy`](crate::DistributedStrategy).
 pub struct Replicated<R> {
     ctx: HostContextBox,
     params: ParamSet,
@@ -85,56 +84,51 @@ impl<R: Replica> Replicated<R> {
 
     /// The strategy of `replica`, erased for the host.
     pub fn into_box(ctx: HostContextBox, replica: R) -> StrategyBox {
-        into_strategy(Self::new(ctx, replica))
+        author::into_box(Self::new(ctx, replica))
     }
 }
 
-impl<R: Replica> DistributedStrategy for Replicated<R> {
+impl<R: Replica> Strategy for Replicated<R> {
     fn prepare_model(
         &mut self,
-        params: RSliceMut<'_, NamedTensorMut<'_>>,
-    ) -> PluginResult<RVec<WrapUnit>> {
-        self.params = ParamSet::from_handles(&params);
-        if let Err(e) = self.replica.prepared(&mut self.params, &self.ctx) {
-            return RErr(e);
-        }
-        ROk(self.params.single_unit())
+        params: &mut [NamedTensorMut<'_>],
+    ) -> Result<Vec<WrapUnit>, PluginError> {
+        self.params = ParamSet::from_handles(&RSliceMut::from_mut_slice(params));
+        self.replica.prepared(&mut self.params, &self.ctx)?;
+        Ok(self.params.single_unit().into_vec())
     }
 
-    fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self.params.shared())
+    fn prepare_optimizer(&mut self) -> Result<Vec<NamedOwnedTensor>, PluginError> {
+        Ok(self.params.shared().into_vec())
     }
 
-    fn post_backward(&mut self, sync: bool) -> PluginResult<()> {
-        self.replica
-            .post_backward(&self.params, &self.ctx, sync)
-            .into()
+    fn post_backward(&mut self, sync: bool) -> Result<(), PluginError> {
+        self.replica.post_backward(&self.params, &self.ctx, sync)
     }
 
-    fn optimizer_step(&mut self, mut step: OptimizerStepRef<'_>) -> PluginResult<()> {
-        if let RErr(e) = step.step() {
-            return RErr(e);
-        }
-        self.replica.stepped(&mut self.params, &self.ctx).into()
+    fn optimizer_step(&mut self, mut step: HostStep<'_>) -> Result<(), PluginError> {
+        step.run()?;
+        self.replica.stepped(&mut self.params, &self.ctx)
     }
 
-    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
-        ROk(self.params.clip_grad_norm(max_norm, norm_type))
+    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64, PluginError> {
+        Ok(self.params.clip_grad_norm(max_norm, norm_type))
     }
 
-    fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
-        self.replica.state_dict(&self.params, &self.ctx).into()
+    fn state_dict(&mut self, _kind: StateDictKind) -> Result<Vec<NamedOwnedTensor>, PluginError> {
+        Ok(self.replica.state_dict(&self.params, &self.ctx)?.into_vec())
     }
 
     fn load_state_dict(
         &mut self,
         _kind: StateDictKind,
-        tensors: RSlice<'_, NamedTensorRef<'_>>,
-    ) -> PluginResult<()> {
-        self.params.load(self.replica.plugin(), tensors).into()
+        tensors: &[NamedTensorRef<'_>],
+    ) -> Result<(), PluginError> {
+        self.params
+            .load(self.replica.plugin(), RSlice::from_slice(tensors))
     }
 
-    fn memory_stats(&self) -> PluginResult<MemoryStats> {
-        ROk(self.params.memory_stats(0, self.replica.peak_bytes()))
+    fn memory_stats(&self) -> Result<MemoryStats, PluginError> {
+        Ok(self.params.memory_stats(0, self.replica.peak_bytes()))
     }
 }
