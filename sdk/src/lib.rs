@@ -1,9 +1,18 @@
 //! # accel-sdk
 //!
-//! The stable-ABI contract between accel and its plugins, and the helpers a
-//! plugin author needs. A plugin is a `cdylib` that depends on this crate
-//! only, registers components with [`inventory::submit!`] and exports itself
-//! with one line, [`export_plugin!`]:
+//! The toolkit of plugin authors: the whole contract (`accel-abi`,
+//! re-exported here at the same paths, so `accel_sdk::Tracker`,
+//! `accel_sdk::tensor::TensorRef` and `accel_sdk::export_plugin!` are the
+//! contract's) plus what strategies and precision policies are built from:
+//! `tch::Tensor` views of the tensor handles, the C++ shim, optimizers and
+//! schedules as torch.optim computes them, [`params::ParamSet`],
+//! [`replicated::Replicated`] and the [`author`] layer, where a strategy is
+//! plain Rust returning `Result`. A tracker or launcher needs none of that
+//! and can depend on `accel-abi` alone (no libtorch, no shim).
+//!
+//! A plugin is a `cdylib` that registers components with
+//! [`inventory::submit!`] and exports itself with one line,
+//! [`export_plugin!`]:
 //!
 //! ```
 //! use accel_sdk::{Component, PluginError, TrackerBox};
@@ -23,6 +32,8 @@
 //! `examples/plugins/csv-tracker/` in the repository is a complete plugin
 //! to copy.
 //!
+//! The contract (from `accel-abi`):
+//!
 //! * [`manifest`]: what a plugin says about itself ([`PluginManifest`]).
 //! * [`strategy`], [`precision`], [`tracker`], [`launcher`]: the four
 //!   `#[sabi_trait]` component traits.
@@ -30,66 +41,48 @@
 //!   collectives, logging).
 //! * [`tensor`]: tensor handles that cross the boundary, with safe views over tch.
 //! * [`error`]: [`PluginError`], returned by every call.
-//! * [`grad`]: gradient norms and clipping, as PyTorch computes them.
-//! * [`params`]: [`params::ParamSet`], the parameters a strategy keeps and what it does with them.
-//! * [`replicated`]: [`replicated::Replicated`], the whole strategy of a plugin that keeps a
-//!   copy of the model on every rank, given a [`replicated::Replica`] that says when ranks talk.
 //! * [`guard`]: panics become errors; [`guard::into_tracker`] & co. erase a
 //!   component for the host.
 //! * [`registry`]: [`Component`] registration with `inventory`.
 //! * [`root`]: the root module and the export macro.
+//!
+//! The toolkit:
+//!
+//! * [`author`]: a strategy as plain Rust returning `Result`, with defaults
+//!   for every optional hook.
+//! * [`grad`]: gradient norms and clipping, as PyTorch computes them.
+//! * [`params`]: [`params::ParamSet`], the parameters a strategy keeps and what it does with them.
+//! * [`replicated`]: [`replicated::Replicated`], the whole strategy of a plugin that keeps a
+//!   copy of the model on every rank, given a [`replicated::Replica`] that says when ranks talk.
 //! * [`optim`]: SGD, Adam, AdamW as torch.optim computes them, with state to
 //!   save and shard; [`schedule`]: learning-rate schedules;
 //!   [`deepspeed`]: a DeepSpeed file's `optimizer` and `scheduler` sections.
 //! * [`shim`]: the C++ shim — autocast, GradScaler's unscale, torch.optim's
 //!   update rules and fused kernels.
 
-// abi_stable's `#[sabi_trait]` expansion defines impls inside a const block.
-#![allow(non_local_definitions)]
-
-pub mod context;
+pub mod author;
 pub mod deepspeed;
-pub mod error;
 pub mod grad;
-pub mod guard;
-pub mod launcher;
-pub mod manifest;
 pub mod optim;
 pub mod params;
-pub mod precision;
-pub mod registry;
 pub mod replicated;
-pub mod root;
 pub mod schedule;
 pub mod shim;
-pub mod strategy;
-pub mod tensor;
-pub mod tracker;
 
-pub use abi_stable;
-pub use context::{DeviceKind, DeviceSpec, HostContext, HostContextBox, LogLevel, ReduceOp};
-pub use error::{ErrorKind, PluginError, PluginResult};
-pub use guard::{into_launcher, into_precision, into_strategy, into_tracker};
-pub use inventory;
-pub use launcher::{LaunchOutcome, LaunchSpec, Launcher, LauncherBox, ProcessPlan};
-pub use manifest::{PluginKind, PluginManifest, Provided};
-pub use precision::{PrecisionBox, PrecisionPolicy};
-pub use registry::{components, find_component, Component, Factory};
-pub use root::{AccelPlugin, AccelPluginRef};
-pub use serde_json;
-pub use strategy::{
-    DistributedStrategy, MemoryStats, RunOverrides, StateDictKind, StrategyBox, WrapUnit,
+pub use accel_abi::{
+    abi_stable, context, error, export_plugin, guard, inventory, launcher, manifest, precision,
+    registry, root, serde_json, strategy, tch, tensor, tracker, ABI_MINOR, ABI_VERSION,
+    LIBTORCH_VERSION,
 };
-pub use tch;
-pub use tracker::{LogEntry, LogValue, Tracker, TrackerBox};
+pub use accel_abi::{
+    components, env_report, find_component, into_launcher, into_precision, into_strategy,
+    into_tracker, AccelPlugin, AccelPluginRef, Component, DeviceKind, DeviceSpec,
+    DistributedStrategy, EnvReport, EnvRow, ErrorKind, ErrorKind_NE, Factory, HostContext,
+    HostContextBox, LaunchOutcome, LaunchSpec, Launcher, LauncherBox, LogEntry, LogLevel, LogValue,
+    LogValue_NE, MemoryStats, PluginError, PluginKind, PluginKind_NE, PluginManifest, PluginResult,
+    PrecisionBox, PrecisionPolicy, ProcessPlan, Provided, ReduceOp, RunOverrides, StateDictKind,
+    StrategyBox, Tracker, TrackerBox, WrapUnit,
+};
 
 #[doc(hidden)]
-pub use root::private as __private;
-
-/// Version of the plugin ABI. Bumped on any change a built plugin cannot
-/// survive; the host refuses plugins built for another version.
-pub const ABI_VERSION: u32 = 3;
-
-/// The libtorch version this SDK (and so every plugin built with it) was
-/// compiled against, e.g. `2.13.0`.
-pub const LIBTORCH_VERSION: &str = env!("ACCEL_LIBTORCH_VERSION");
+pub use accel_abi::__private;

@@ -1,22 +1,21 @@
-//! [`Replicated`]: the [`DistributedStrategy`] of strategies that keep a
-//! whole copy of the model on every rank (single device, DDP, Local SGD).
+//! [`Replicated`]: the [`DistributedStrategy`](crate::DistributedStrategy) of strategies that keep a
+//! whole copy of the model on every rank (single device, DDP, XLA, Local SGD).
 //! They differ only in when ranks communicate; a [`Replica`] says that, and
 //! [`Replicated`] does the rest as every such strategy does it: one wrap
 //! unit, the trainable parameters themselves to the optimizer, a plain
 //! optimizer step, clipping over this rank's gradients, state dicts loaded
-//! in place. Not part of the ABI: a helper for strategy plugins.
+//! in place. Not part of the ABI: a helper for strategy plugins, and an
+//! [`author::Strategy`].
 
 use crate::{
+    author::{self, HostStep, Strategy},
     context::HostContextBox,
-    error::{PluginError, PluginResult},
-    guard::into_strategy,
+    error::PluginError,
     params::ParamSet,
-    strategy::{
-        DistributedStrategy, MemoryStats, OptimizerStepRef, StateDictKind, StrategyBox, WrapUnit,
-    },
+    strategy::{MemoryStats, StateDictKind, StrategyBox, WrapUnit},
     tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef},
 };
-use abi_stable::std_types::{RErr, ROk, RSlice, RSliceMut, RVec};
+use abi_stable::std_types::{RSlice, RSliceMut, RVec};
 
 /// This rank's whole copy of the model (`shallow_clone`s of the
 /// parameters, sharing storage and `.grad()` with the program's) and the
@@ -66,7 +65,8 @@ pub trait Replica: Send + 'static {
     }
 }
 
-/// A [`Replica`] with its [`Model`]: a whole [`DistributedStrategy`].
+/// A [`Replica`] with its [`Model`]: a whole
+/// [`DistributedStrategy`](crate::DistributedStrategy).
 pub struct Replicated<R> {
     model: Model,
     replica: R,
@@ -86,54 +86,52 @@ impl<R: Replica> Replicated<R> {
 
     /// The strategy of `replica`, erased for the host.
     pub fn into_box(ctx: HostContextBox, replica: R) -> StrategyBox {
-        into_strategy(Self::new(ctx, replica))
+        author::into_box(Self::new(ctx, replica))
     }
 }
 
-impl<R: Replica> DistributedStrategy for Replicated<R> {
+impl<R: Replica> Strategy for Replicated<R> {
     fn prepare_model(
         &mut self,
-        params: RSliceMut<'_, NamedTensorMut<'_>>,
-    ) -> PluginResult<RVec<WrapUnit>> {
-        self.model.params = ParamSet::from_handles(&params);
-        if let Err(e) = self.replica.prepared(&mut self.model) {
-            return RErr(e);
-        }
-        ROk(self.model.params.single_unit())
+        params: &mut [NamedTensorMut<'_>],
+    ) -> Result<Vec<WrapUnit>, PluginError> {
+        self.model.params = ParamSet::from_handles(&RSliceMut::from_mut_slice(params));
+        self.replica.prepared(&mut self.model)?;
+        Ok(self.model.params.single_unit().into_vec())
     }
 
-    fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
-        ROk(self.model.params.shared())
+    fn prepare_optimizer(&mut self) -> Result<Vec<NamedOwnedTensor>, PluginError> {
+        Ok(self.model.params.shared().into_vec())
     }
 
-    fn post_backward(&mut self, sync: bool) -> PluginResult<()> {
-        self.replica.post_backward(&self.model, sync).into()
+    fn post_backward(&mut self, sync: bool) -> Result<(), PluginError> {
+        self.replica.post_backward(&self.model, sync)
     }
 
-    fn optimizer_step(&mut self, mut step: OptimizerStepRef<'_>) -> PluginResult<()> {
-        if let RErr(e) = step.step() {
-            return RErr(e);
-        }
-        self.replica.stepped(&mut self.model).into()
+    fn optimizer_step(&mut self, mut step: HostStep<'_>) -> Result<(), PluginError> {
+        step.run()?;
+        self.replica.stepped(&mut self.model)
     }
 
-    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
-        ROk(self.model.params.clip_grad_norm(max_norm, norm_type))
+    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64, PluginError> {
+        Ok(self.model.params.clip_grad_norm(max_norm, norm_type))
     }
 
-    fn state_dict(&mut self, _kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
-        self.replica.state_dict(&self.model).into()
+    fn state_dict(&mut self, _kind: StateDictKind) -> Result<Vec<NamedOwnedTensor>, PluginError> {
+        Ok(self.replica.state_dict(&self.model)?.into_vec())
     }
 
     fn load_state_dict(
         &mut self,
         _kind: StateDictKind,
-        tensors: RSlice<'_, NamedTensorRef<'_>>,
-    ) -> PluginResult<()> {
-        self.model.params.load(R::PLUGIN, tensors).into()
+        tensors: &[NamedTensorRef<'_>],
+    ) -> Result<(), PluginError> {
+        self.model
+            .params
+            .load(R::PLUGIN, RSlice::from_slice(tensors))
     }
 
-    fn memory_stats(&self) -> PluginResult<MemoryStats> {
-        ROk(self.model.params.memory_stats(0, self.replica.peak_bytes()))
+    fn memory_stats(&self) -> Result<MemoryStats, PluginError> {
+        Ok(self.model.params.memory_stats(0, self.replica.peak_bytes()))
     }
 }

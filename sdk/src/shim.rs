@@ -5,6 +5,7 @@
 //! Every call returns a [`ShimError`] carrying libtorch's message instead of
 //! letting a C++ exception cross into Rust.
 
+use crate::guard::panic_text;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use tch::{Device, Kind, Tensor};
 use torch_sys::C_tensor;
@@ -133,20 +134,13 @@ unsafe extern "C" fn hook_call(ctx: *mut c_void, buf: *mut c_char, cap: usize) -
     let message = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(Ok(())) => return true,
         Ok(Err(m)) => m,
-        Err(p) => panic_text(p.as_ref(), "a backward hook panicked"),
+        Err(p) => panic_text(p.as_ref())
+            .unwrap_or("a backward hook panicked")
+            .to_owned(),
     };
     // SAFETY: the shim hands a zeroed buffer of cap + 1 bytes.
     unsafe { write_message(&message, buf, cap) };
     false
-}
-
-/// The message a panic carried, or `otherwise`.
-fn panic_text(payload: &(dyn std::any::Any + Send), otherwise: &str) -> String {
-    payload
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-        .unwrap_or_else(|| otherwise.to_owned())
 }
 
 /// Copies `message` (at most `cap` bytes) into the shim's buffer.
@@ -200,7 +194,9 @@ unsafe extern "C" fn layer_call(
     let message = match std::panic::catch_unwind(run) {
         Ok(Ok(())) => return true,
         Ok(Err(m)) => m,
-        Err(p) => panic_text(p.as_ref(), "a checkpointed layer panicked"),
+        Err(p) => panic_text(p.as_ref())
+            .unwrap_or("a checkpointed layer panicked")
+            .to_owned(),
     };
     // SAFETY: the shim hands a zeroed buffer of cap + 1 bytes.
     unsafe { write_message(&message, buf, cap) };

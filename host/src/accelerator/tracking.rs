@@ -192,7 +192,7 @@ impl<K: Into<String>> IntoLogEntry for (K, LogValue) {
     fn into_log_entry(self) -> LogEntry {
         LogEntry {
             key: self.0.into().into(),
-            value: self.1,
+            value: self.1.into(),
         }
     }
 }
@@ -255,19 +255,17 @@ struct Worker {
 }
 
 fn panic_message(p: &(dyn Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic with a non-text payload".to_owned())
+    accel_sdk::guard::panic_text(p)
+        .unwrap_or("a panic with a non-text payload")
+        .to_owned()
 }
 
 /// `e`, its message prefixed with the tracker's name.
 fn tagged(name: &str, e: PluginError) -> PluginError {
-    PluginError::new(
-        e.kind,
-        e.plugin.as_str(),
-        format!("tracker `{name}`: {}", e.message),
-    )
+    PluginError {
+        message: format!("tracker `{name}`: {}", e.message).into(),
+        ..e
+    }
 }
 
 /// Runs one tracker call, turning a panic into an error of kind `Panic`.

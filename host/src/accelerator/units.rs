@@ -212,11 +212,9 @@ impl Units {
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
             Ok(r) => Ok(r),
             Err(payload) => {
-                let message = payload
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                    .unwrap_or_default();
+                let message = accel_sdk::guard::panic_text(&*payload)
+                    .unwrap_or_default()
+                    .to_owned();
                 match self.sharded_hint(&message) {
                     Some(e) => Err(e),
                     None => std::panic::resume_unwind(payload),

@@ -75,9 +75,11 @@ impl JsonlTracker {
         let mut row = Map::new();
         row.insert("step".to_owned(), step.into());
         for entry in values {
-            let value = match &entry.value {
-                LogValue::Scalar(x) => Value::from(*x),
-                LogValue::Text(t) => Value::from(t.as_str()),
+            let value = match entry.value() {
+                Some(LogValue::Scalar(x)) => Value::from(*x),
+                Some(LogValue::Text(t)) => Value::from(t.as_str()),
+                // A kind of value newer than this accel: not written.
+                _ => continue,
             };
             row.insert(entry.key.to_string(), value);
         }

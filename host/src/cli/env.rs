@@ -1,7 +1,7 @@
 //! `accel env`: what a bug report needs — versions, devices, communication
 //! libraries, the plugins found, and the default config.
 
-use crate::plugins::{default_search_path, PluginSet};
+use crate::plugins::{default_search_path, LoadedLibrary, PluginSet, Source};
 use accel_config::{default_config_file_from_env, load_file, to_yaml, LoadOptions};
 use std::{io::Write, path::PathBuf, process::Command};
 
@@ -55,37 +55,21 @@ fn platform() -> String {
         .unwrap_or_else(|| format!("{} {}", std::env::consts::OS, std::env::consts::ARCH))
 }
 
-/// The rows a plugin library adds through its optional
-/// `accel_plugin_env_report` export (accel-xla: the PJRT platform and
-/// devices), given the settings its strategy would get.
-fn plugin_report(path: &std::path::Path, settings: &str) -> Vec<(String, String)> {
-    type Write = unsafe extern "C" fn(*mut std::ffi::c_void, *const u8, usize, *const u8, usize);
-    type Report = unsafe extern "C" fn(*const u8, usize, Write, *mut std::ffi::c_void);
-    unsafe extern "C" fn push(
-        rows: *mut std::ffi::c_void,
-        k: *const u8,
-        kl: usize,
-        v: *const u8,
-        vl: usize,
-    ) {
-        // SAFETY: `rows` is the Vec below; `k`/`v` are `kl`/`vl` bytes.
-        let text = |p, l| String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(p, l) });
-        let rows = unsafe { &mut *rows.cast::<Vec<(String, String)>>() };
-        rows.push((text(k, kl).into_owned(), text(v, vl).into_owned()));
+/// The rows a plugin library adds to `accel env` through its root module
+/// (`env_report`, ABI minor 1: accel-xla's PJRT platform and devices),
+/// given the settings its strategy would get. A plugin built for minor 0
+/// has none; a failing report is one row saying why.
+fn plugin_report(lib: &LoadedLibrary, settings: &str) -> Vec<(String, String)> {
+    let Some(report) = lib.module.env_report() else {
+        return Vec::new();
+    };
+    match report(settings.into()).into_result() {
+        Ok(rows) => rows
+            .into_iter()
+            .map(|r| (r.0.into_string(), r.1.into_string()))
+            .collect(),
+        Err(e) => vec![("plugin report:".to_owned(), e.to_string())],
     }
-    let mut rows: Vec<(String, String)> = Vec::new();
-    // SAFETY: the file loaded as a plugin already; the export, when there,
-    // has this signature. Plugin libraries are never unloaded.
-    unsafe {
-        if let Ok(lib) = libloading::Library::new(path) {
-            if let Ok(report) = lib.get::<Report>(b"accel_plugin_env_report\0") {
-                let out = (&mut rows as *mut Vec<(String, String)>).cast();
-                report(settings.as_ptr(), settings.len(), push, out);
-            }
-            std::mem::forget(lib);
-        }
-    }
-    rows
 }
 
 /// What started this process and how a training program started the same
@@ -126,7 +110,11 @@ pub fn run(plugin_dirs: &[PathBuf], out: &mut dyn Write) -> anyhow::Result<i32> 
     let row = |out: &mut dyn Write, k: &str, v: &str| writeln!(out, "- {k:<22} {v}");
     writeln!(out, "Copy-and-paste the text below in your GitHub issue\n")?;
     row(out, "accel version:", env!("CARGO_PKG_VERSION"))?;
-    row(out, "accel-sdk ABI:", &accel_sdk::ABI_VERSION.to_string())?;
+    row(
+        out,
+        "accel-sdk ABI:",
+        &format!("{}.{}", accel_sdk::ABI_VERSION, accel_sdk::ABI_MINOR),
+    )?;
     row(out, "platform:", &platform())?;
     row(out, "libtorch version:", accel_sdk::LIBTORCH_VERSION)?;
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
@@ -173,12 +161,12 @@ pub fn run(plugin_dirs: &[PathBuf], out: &mut dyn Write) -> anyhow::Result<i32> 
                 p.location()
             ),
         )?;
-        if let Some(path) = p.path() {
+        if let Source::Library(lib) = &p.source {
             let settings = default_config.as_ref().map_or_else(
                 || "{}".to_owned(),
                 |c| crate::plugins::config_check::strategy_settings(&c.config, &p.name).to_string(),
             );
-            for (k, v) in plugin_report(path, &settings) {
+            for (k, v) in plugin_report(lib, &settings) {
                 row(out, &k, &v)?;
             }
         }

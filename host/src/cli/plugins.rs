@@ -58,10 +58,11 @@ fn plugin_json(p: &Plugin) -> Value {
         "builtin": p.path().is_none(),
         "path": p.path(),
         "abi_version": p.abi_version,
+        "abi_minor": p.abi_minor,
         "libtorch_version": p.libtorch_version,
         "kinds": p.kinds().iter().map(|k| k.as_str()).collect::<Vec<_>>(),
         "provides": p.provides.iter().map(|c| json!({
-            "kind": c.kind.as_str(),
+            "kind": c.kind.to_string(),
             "name": c.name.as_str(),
             "description": c.description.as_str(),
             "selectors": c.selectors.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
@@ -143,8 +144,13 @@ fn show_text(p: &Plugin, out: &mut dyn Write) -> std::io::Result<()> {
     writeln!(out, "name:             {}", p.name)?;
     writeln!(out, "version:          {}", p.version)?;
     writeln!(out, "path:             {}", p.location())?;
-    writeln!(out, "sdk abi:          {}", p.abi_version)?;
-    writeln!(out, "libtorch:         {}", p.libtorch_version)?;
+    writeln!(out, "sdk abi:          {}.{}", p.abi_version, p.abi_minor)?;
+    let torch = if p.libtorch_version.is_empty() {
+        "none (links no libtorch)"
+    } else {
+        &p.libtorch_version
+    };
+    writeln!(out, "libtorch:         {torch}")?;
     for c in &p.provides {
         let sel: Vec<&str> = c.selectors.iter().map(|s| s.as_str()).collect();
         writeln!(

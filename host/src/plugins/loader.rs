@@ -5,11 +5,16 @@
 //!    `accel_plugin_abi_version` symbol means "not an accel plugin";
 //! 2. open it and call `accel_plugin_abi_version`: a different number than
 //!    [`accel_sdk::ABI_VERSION`] is an SDK ABI mismatch, both printed;
-//! 3. `abi_stable::library::lib_header_from_path(..).init_root_module()`,
-//!    which checks abi_stable's version and the root module's type layout
+//! 3. `abi_stable::library::lib_header_from_path(..)` and
+//!    [`accel_sdk::root::init_root_module`], which checks abi_stable's
+//!    version and the root module's type layout (the current minor's, or an
+//!    earlier minor's for a plugin built before a compatible addition)
 //!    (never `load_from_*`: they cache one library per root-module type, so a
 //!    second plugin would silently alias the first — abi_stable issue #92);
-//! 4. read the manifest and compare its libtorch version with the host's.
+//! 4. read the manifest and compare its libtorch version with the host's
+//!    (a plugin that links no libtorch, a tracker built on `accel-abi`
+//!    alone, reports none and is not asked). Any ABI minor of the host's
+//!    major loads: what an older plugin's root module lacks reads as absent.
 //!
 //! Libraries are never unloaded.
 
@@ -159,7 +164,8 @@ pub fn check_manifest(
             host: host_abi,
         });
     }
-    if manifest.libtorch_version.as_str() != host_torch {
+    let torch = manifest.libtorch_version.as_str();
+    if !torch.is_empty() && torch != host_torch {
         return Err(LoadError::TorchMismatch {
             path: path.to_owned(),
             plugin: manifest.libtorch_version.to_string(),
@@ -206,7 +212,7 @@ pub fn load(path: &Path) -> Result<LoadedLibrary, LoadError> {
         });
     }
     let module = lib_header_from_path(path)
-        .and_then(|header| header.init_root_module::<AccelPluginRef>())
+        .and_then(accel_sdk::root::init_root_module)
         .map_err(|e| match e {
             LibraryError::OpenError { .. } => LoadError::Open {
                 path: path.to_owned(),
@@ -239,6 +245,7 @@ mod tests {
             name: "p".into(),
             version: "1.0.0".into(),
             abi_version: abi,
+            abi_minor: 0,
             libtorch_version: torch.into(),
             provides: Default::default(),
         }
@@ -261,6 +268,14 @@ mod tests {
         let line = err.to_string();
         assert!(line.contains("ABI 7") && line.contains("ABI 1"), "{line}");
         assert!(!line.contains('\n'));
+    }
+
+    #[test]
+    fn a_plugin_linking_no_libtorch_is_not_asked_for_one() {
+        assert_eq!(
+            check_manifest(Path::new("/x/libp.so"), &manifest(1, ""), 1, "2.13.0"),
+            Ok(())
+        );
     }
 
     #[test]

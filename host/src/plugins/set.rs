@@ -16,7 +16,7 @@ use super::{
 };
 use accel_sdk::{
     abi_stable::std_types::RStr, Factory, HostContextBox, LauncherBox, PluginError, PluginKind,
-    PrecisionBox, Provided, StrategyBox, TrackerBox, ABI_VERSION, LIBTORCH_VERSION,
+    PrecisionBox, Provided, StrategyBox, TrackerBox, ABI_MINOR, ABI_VERSION, LIBTORCH_VERSION,
 };
 use std::path::{Path, PathBuf};
 
@@ -36,8 +36,10 @@ pub struct Plugin {
     pub name: String,
     /// Manifest version.
     pub version: String,
-    /// SDK ABI it was built for.
+    /// SDK ABI (major) it was built for.
     pub abi_version: u32,
+    /// SDK ABI minor it was built for (any minor of the host's major loads).
+    pub abi_minor: u32,
     /// libtorch it was built against.
     pub libtorch_version: String,
     /// What it provides.
@@ -63,7 +65,7 @@ impl Plugin {
 
     /// The kinds it provides, deduplicated, in order.
     pub fn kinds(&self) -> Vec<PluginKind> {
-        let mut kinds: Vec<PluginKind> = self.provides.iter().map(|p| p.kind).collect();
+        let mut kinds: Vec<PluginKind> = self.provides.iter().filter_map(Provided::kind).collect();
         kinds.sort();
         kinds.dedup();
         kinds
@@ -159,8 +161,11 @@ fn normalize(name: &str) -> String {
     name.replace('-', "_")
 }
 
+/// The components this accel can use (a kind added by a later minor ABI
+/// version is left out), by kind and name.
 fn sorted(mut provides: Vec<Provided>) -> Vec<Provided> {
-    provides.sort_by(|a, b| (a.kind, &a.name).cmp(&(b.kind, &b.name)));
+    provides.retain(|p| p.kind().is_some());
+    provides.sort_by(|a, b| (a.kind(), &a.name).cmp(&(b.kind(), &b.name)));
     provides
 }
 
@@ -169,6 +174,7 @@ fn builtin_plugin() -> Plugin {
         name: "accel".to_owned(),
         version: env!("CARGO_PKG_VERSION").to_owned(),
         abi_version: ABI_VERSION,
+        abi_minor: ABI_MINOR,
         libtorch_version: LIBTORCH_VERSION.to_owned(),
         provides: sorted(accel_sdk::components().map(|c| c.provided()).collect()),
         source: Source::BuiltIn,
@@ -232,6 +238,7 @@ impl PluginSet {
                     name,
                     version: lib.manifest.version.to_string(),
                     abi_version: lib.manifest.abi_version,
+                    abi_minor: lib.manifest.abi_minor,
                     libtorch_version: lib.manifest.libtorch_version.to_string(),
                     provides: sorted(lib.manifest.provides.to_vec()),
                     source: Source::Library(lib),
@@ -451,12 +458,13 @@ impl Choice<'_> {
 
     /// Asks the component to check its config section.
     pub fn validate_config(&self, config_json: &str) -> Result<(), PluginError> {
-        let kind = self.component.kind;
         match self.module() {
             Some(lib) => {
+                let kind = self.component.kind.clone();
                 (lib.module.validate_config())(kind, self.name(), config_json.into()).into_result()
             }
-            None => accel_sdk::find_component(kind, &self.component.name)
+            None => (self.component.kind())
+                .and_then(|kind| accel_sdk::find_component(kind, &self.component.name))
                 .and_then(|c| c.validate)
                 .map_or(Ok(()), |v| v(config_json)),
         }

@@ -281,18 +281,20 @@ pub fn log_records(
             bad.push(err.message.to_string());
             continue;
         }
-        match &e.value {
-            LogValue::Scalar(x) => metrics.push(Metric {
+        match e.value() {
+            Some(LogValue::Scalar(x)) => metrics.push(Metric {
                 key: key.to_owned(),
                 value: *x,
                 timestamp,
                 step,
             }),
-            LogValue::Text(t) => out.push(Record::Text {
+            Some(LogValue::Text(t)) => out.push(Record::Text {
                 key: key.to_owned(),
                 step,
                 text: t.to_string(),
             }),
+            // A kind of value newer than this plugin: skipped.
+            _ => {}
         }
     }
     let mut records: Vec<Record> = metrics

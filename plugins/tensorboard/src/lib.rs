@@ -184,9 +184,11 @@ impl RunTracker for TensorBoardTracker {
         if !values.is_empty() {
             let values = values
                 .iter()
-                .map(|entry| match &entry.value {
-                    LogValue::Scalar(x) => summaries::scalar(&entry.key, *x),
-                    LogValue::Text(t) => summaries::text(&entry.key, t),
+                .filter_map(|entry| match entry.value()? {
+                    LogValue::Scalar(x) => Some(summaries::scalar(&entry.key, *x)),
+                    LogValue::Text(t) => Some(summaries::text(&entry.key, t)),
+                    // A kind of value newer than this plugin: skipped.
+                    _ => None,
                 })
                 .collect();
             run.writer

@@ -88,11 +88,12 @@ pub fn number_json(x: f64) -> String {
     }
 }
 
-/// A value as W&B's JSON.
-pub fn value_json(v: &LogValue) -> String {
+/// A value as W&B's JSON (`None` for a kind of value newer than this plugin).
+pub fn value_json(v: &LogValue) -> Option<String> {
     match v {
-        LogValue::Scalar(x) => number_json(*x),
-        LogValue::Text(t) => Value::String(t.to_string()).to_string(),
+        LogValue::Scalar(x) => Some(number_json(*x)),
+        LogValue::Text(t) => Some(Value::String(t.to_string()).to_string()),
+        _ => None,
     }
 }
 
@@ -291,7 +292,9 @@ impl LocalRun {
             if RESERVED.contains(&key) {
                 continue;
             }
-            let value = value_json(&entry.value);
+            let Some(value) = entry.value().and_then(value_json) else {
+                continue;
+            };
             match items.iter_mut().find(|(k, _)| k == key) {
                 Some(slot) => slot.1 = value,
                 None => items.push((key.to_owned(), value)),
@@ -425,7 +428,10 @@ mod tests {
         assert_eq!(number_json(f64::INFINITY), "Infinity");
         assert_eq!(number_json(f64::NEG_INFINITY), "-Infinity");
         assert_eq!(number_json(1e300).parse::<f64>().unwrap(), 1e300);
-        assert_eq!(value_json(&LogValue::Text("a\"b".into())), r#""a\"b""#);
+        assert_eq!(
+            value_json(&LogValue::Text("a\"b".into())).as_deref(),
+            Some(r#""a\"b""#)
+        );
     }
 
     #[test]

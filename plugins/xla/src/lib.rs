@@ -540,35 +540,9 @@ pub fn env_rows(settings: &str) -> Vec<(String, String)> {
     rows
 }
 
-/// Called by `accel env` (any plugin library may export it): writes
-/// `(label, value)` rows through `write`. `settings` is the JSON the
-/// strategy would get (`{"settings": <accel.plugins.accel-xla>}`).
-///
-/// # Safety
-/// `settings` must point to `settings_len` bytes; `write` must be safe to
-/// call with `ctx` and two byte strings.
-#[no_mangle]
-pub unsafe extern "C" fn accel_plugin_env_report(
-    settings: *const u8,
-    settings_len: usize,
-    write: unsafe extern "C" fn(ctx: *mut std::ffi::c_void, *const u8, usize, *const u8, usize),
-    ctx: *mut std::ffi::c_void,
-) {
-    let settings = if settings.is_null() {
-        "{}".to_owned()
-    } else {
-        String::from_utf8_lossy(std::slice::from_raw_parts(settings, settings_len)).into_owned()
-    };
-    let rows = std::panic::catch_unwind(|| env_rows(&settings)).unwrap_or_else(|_| {
-        vec![(
-            "PJRT:".into(),
-            "panicked while probing the PJRT plugin".into(),
-        )]
-    });
-    for (k, v) in rows {
-        write(ctx, k.as_ptr(), k.len(), v.as_ptr(), v.len());
-    }
-}
+// `accel env` asks through the root module (`env_report`), which turns a
+// panic while probing into one row saying so.
+accel_sdk::inventory::submit! { accel_sdk::EnvReport(env_rows) }
 
 /// The wheel's CPU plugin under `root` (`.venv/lib/python3*/site-packages/
 /// xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so`), if installed.

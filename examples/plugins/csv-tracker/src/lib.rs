@@ -81,9 +81,11 @@ impl CsvTracker {
             .as_mut()
             .ok_or_else(|| PluginError::other(PLUGIN, "log called before start"))?;
         for entry in values {
-            let value = match &entry.value {
-                LogValue::Scalar(x) => x.to_string(),
-                LogValue::Text(t) => field(t),
+            let value = match entry.value() {
+                Some(LogValue::Scalar(x)) => x.to_string(),
+                Some(LogValue::Text(t)) => field(t),
+                // A kind of value newer than this plugin: skipped.
+                _ => continue,
             };
             writeln!(out, "{step},{},{value}", field(&entry.key)).map_err(io)?;
         }

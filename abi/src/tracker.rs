@@ -2,14 +2,22 @@
 
 use crate::error::PluginResult;
 use abi_stable::{
+    nonexhaustive_enum::NonExhaustive,
     sabi_trait,
     std_types::{RBox, ROption, RSlice, RStr, RString},
     StableAbi,
 };
 
 /// One logged value.
+///
+/// Non-exhaustive across the ABI: it crosses as [`LogValue_NE`], so a later
+/// minor version may add kinds of value (a histogram, an image) without
+/// breaking built trackers, which see such a value as unknown
+/// ([`LogEntry::value`] is `None`) and skip it.
 #[repr(u8)]
 #[derive(StableAbi, Debug, Clone, PartialEq)]
+#[sabi(kind(WithNonExhaustive(size = [usize; 8], traits(Debug, Clone, PartialEq))))]
+#[non_exhaustive]
 pub enum LogValue {
     /// A number (loss, learning rate, ...).
     Scalar(f64),
@@ -23,16 +31,34 @@ pub enum LogValue {
 pub struct LogEntry {
     /// Metric name, e.g. `train/loss`.
     pub key: RString,
-    /// Its value.
-    pub value: LogValue,
+    /// Its value ([`LogEntry::value`] reads it).
+    pub value: LogValue_NE,
+}
+
+impl From<LogValue> for LogValue_NE {
+    fn from(value: LogValue) -> Self {
+        NonExhaustive::new(value)
+    }
 }
 
 impl LogEntry {
+    /// The value, or `None` for a kind of value added by a later minor ABI
+    /// version than this build knows (skip it).
+    ///
+    /// ```
+    /// use accel_abi::{LogEntry, LogValue};
+    /// let e = LogEntry::scalar("train/loss", 0.5);
+    /// assert_eq!(e.value(), Some(&LogValue::Scalar(0.5)));
+    /// ```
+    pub fn value(&self) -> Option<&LogValue> {
+        self.value.as_enum().ok()
+    }
+
     /// A scalar entry.
     pub fn scalar(key: impl Into<String>, value: f64) -> Self {
         Self {
             key: key.into().into(),
-            value: LogValue::Scalar(value),
+            value: NonExhaustive::new(LogValue::Scalar(value)),
         }
     }
 
@@ -40,7 +66,7 @@ impl LogEntry {
     pub fn text(key: impl Into<String>, value: impl Into<String>) -> Self {
         Self {
             key: key.into().into(),
-            value: LogValue::Text(value.into().into()),
+            value: NonExhaustive::new(LogValue::Text(value.into().into())),
         }
     }
 }

@@ -5,10 +5,16 @@
 //! * [`TensorRef`] / [`TensorMut`] borrow a tensor for the length of a call;
 //!   [`TensorRef::get`] and [`TensorMut::get_mut`] give back a `tch::Tensor`
 //!   view that never frees it.
-//! * [`OwnedTensor`] moves ownership across: whoever holds it frees it.
+//! * [`OwnedTensor`] moves ownership across: whoever holds it frees it,
+//!   through the deleter the side that made it put beside the pointer (so
+//!   the contract itself needs no libtorch).
+//!
+//! The `tch::Tensor` views and constructors come with feature `tch` (on in
+//! `accel-sdk`, which re-exports this module as `accel_sdk::tensor`):
 //!
 //! ```
-//! use accel_sdk::tensor::{OwnedTensor, TensorMut, TensorRef};
+//! # #[cfg(feature = "tch")] {
+//! use accel_abi::tensor::{OwnedTensor, TensorMut, TensorRef};
 //! let mut t = tch::Tensor::from_slice(&[1.0f32, 2.0]);
 //! let r = TensorRef::new(&t);
 //! assert_eq!(r.get().size(), vec![2]);
@@ -17,18 +23,20 @@
 //! assert_eq!(Vec::<f32>::try_from(&t).unwrap(), vec![2.0, 4.0]);
 //! let owned = OwnedTensor::new(t.shallow_clone());
 //! assert_eq!(owned.into_tensor().size(), vec![2]);
+//! # }
 //! ```
 
 use abi_stable::{
     std_types::{RStr, RString},
     StableAbi,
 };
+use std::{ffi::c_void, marker::PhantomData};
+#[cfg(feature = "tch")]
 use std::{
-    ffi::c_void,
-    marker::PhantomData,
     mem::ManuallyDrop,
     ops::{Deref, DerefMut},
 };
+#[cfg(feature = "tch")]
 use tch::Tensor;
 
 /// A shared borrow of a libtorch tensor, valid for `'a`.
@@ -48,11 +56,13 @@ pub struct TensorMut<'a> {
     _borrow: PhantomData<&'a mut ()>,
 }
 
-/// A tensor whose ownership moved across the boundary; dropping it frees it.
-#[repr(transparent)]
+/// A tensor whose ownership moved across the boundary; dropping it frees it
+/// with the deleter of the side that made it.
+#[repr(C)]
 #[derive(StableAbi)]
 pub struct OwnedTensor {
     ptr: *mut c_void,
+    free: unsafe extern "C" fn(*mut c_void),
 }
 
 // SAFETY: a libtorch tensor handle may be moved between threads (tch's
@@ -62,11 +72,13 @@ unsafe impl Send for TensorMut<'_> {}
 unsafe impl Send for OwnedTensor {}
 
 /// A `tch::Tensor` view over a borrowed handle. It never frees the tensor.
+#[cfg(feature = "tch")]
 pub struct TensorView<'a> {
     tensor: ManuallyDrop<Tensor>,
     _borrow: PhantomData<&'a ()>,
 }
 
+#[cfg(feature = "tch")]
 impl Deref for TensorView<'_> {
     type Target = Tensor;
     fn deref(&self) -> &Tensor {
@@ -75,11 +87,13 @@ impl Deref for TensorView<'_> {
 }
 
 /// A mutable `tch::Tensor` view over an exclusively borrowed handle.
+#[cfg(feature = "tch")]
 pub struct TensorViewMut<'a> {
     tensor: ManuallyDrop<Tensor>,
     _borrow: PhantomData<&'a mut ()>,
 }
 
+#[cfg(feature = "tch")]
 impl Deref for TensorViewMut<'_> {
     type Target = Tensor;
     fn deref(&self) -> &Tensor {
@@ -87,16 +101,19 @@ impl Deref for TensorViewMut<'_> {
     }
 }
 
+#[cfg(feature = "tch")]
 impl DerefMut for TensorViewMut<'_> {
     fn deref_mut(&mut self) -> &mut Tensor {
         &mut self.tensor
     }
 }
 
+#[cfg(feature = "tch")]
 fn raw(t: &Tensor) -> *mut c_void {
     t.as_ptr() as *mut c_void
 }
 
+#[cfg(feature = "tch")]
 impl<'a> TensorRef<'a> {
     /// Borrows `t` for the lifetime of the reference.
     pub fn new(t: &'a Tensor) -> Self {
@@ -117,6 +134,7 @@ impl<'a> TensorRef<'a> {
     }
 }
 
+#[cfg(feature = "tch")]
 impl<'a> TensorMut<'a> {
     /// Borrows `t` exclusively for the lifetime of the reference.
     pub fn new(t: &'a mut Tensor) -> Self {
@@ -143,7 +161,9 @@ impl<'a> TensorMut<'a> {
             _borrow: PhantomData,
         }
     }
+}
 
+impl TensorMut<'_> {
     /// Reborrows as a shared handle.
     pub fn as_tensor_ref(&self) -> TensorRef<'_> {
         TensorRef {
@@ -161,20 +181,35 @@ impl<'a> TensorMut<'a> {
     }
 }
 
+/// Frees a handle made by [`OwnedTensor::new`].
+#[cfg(feature = "tch")]
+unsafe extern "C" fn free_tch_tensor(ptr: *mut c_void) {
+    // SAFETY: `ptr` is a tch tensor handle this deleter was paired with.
+    drop(unsafe { Tensor::from_ptr(ptr as *mut _) });
+}
+
+#[cfg(feature = "tch")]
 impl OwnedTensor {
     /// Takes ownership of `t` so it can be handed across the boundary.
     pub fn new(t: Tensor) -> Self {
         let t = ManuallyDrop::new(t);
-        Self { ptr: raw(&t) }
+        Self {
+            ptr: raw(&t),
+            free: free_tch_tensor,
+        }
     }
 
     /// Gives the tensor back as a `tch::Tensor` that frees it when dropped.
+    /// (Every handle is a tch tensor of the one libtorch host and plugins
+    /// link — the host checks — so tch's deleter is the handle's own.)
     pub fn into_tensor(self) -> Tensor {
-        let this = ManuallyDrop::new(self);
+        let this = std::mem::ManuallyDrop::new(self);
         // SAFETY: `ptr` was owned by this handle; ownership moves to the Tensor.
         unsafe { Tensor::from_ptr(this.ptr as *mut _) }
     }
+}
 
+impl OwnedTensor {
     /// A shared borrow of the owned tensor.
     pub fn as_tensor_ref(&self) -> TensorRef<'_> {
         TensorRef {
@@ -194,11 +229,12 @@ impl OwnedTensor {
 
 impl Drop for OwnedTensor {
     fn drop(&mut self) {
-        // SAFETY: this handle owns the tensor; the Tensor frees it once.
-        drop(unsafe { Tensor::from_ptr(self.ptr as *mut _) });
+        // SAFETY: this handle owns the tensor; its own deleter frees it once.
+        unsafe { (self.free)(self.ptr) }
     }
 }
 
+#[cfg(feature = "tch")]
 impl From<Tensor> for OwnedTensor {
     fn from(t: Tensor) -> Self {
         Self::new(t)
@@ -215,6 +251,7 @@ pub struct NamedTensorMut<'a> {
     pub tensor: TensorMut<'a>,
 }
 
+#[cfg(feature = "tch")]
 impl<'a> NamedTensorMut<'a> {
     /// Handles over named tensors, e.g. a model's `(name, parameter)` list,
     /// ready for [`crate::DistributedStrategy::prepare_model`].
@@ -249,6 +286,7 @@ pub struct NamedOwnedTensor {
     pub tensor: OwnedTensor,
 }
 
+#[cfg(feature = "tch")]
 impl NamedOwnedTensor {
     /// Names and owns `tensor`.
     pub fn new(name: impl Into<String>, tensor: Tensor) -> Self {

@@ -2,14 +2,24 @@
 //! against, and what it provides.
 
 use abi_stable::{
+    nonexhaustive_enum::NonExhaustive,
     std_types::{RString, RVec},
     StableAbi,
 };
 use std::fmt;
 
 /// The four kinds of component a plugin can provide.
+///
+/// Non-exhaustive across the ABI: it crosses as [`PluginKind_NE`], so a
+/// later minor version may add kinds; a host skips the components of a kind
+/// it does not know ([`Provided::kind`] is `None` for them).
 #[repr(u8)]
 #[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[sabi(kind(WithNonExhaustive(
+    size = [usize; 1],
+    traits(Debug, Display, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)
+)))]
+#[non_exhaustive]
 pub enum PluginKind {
     /// A [`DistributedStrategy`](crate::DistributedStrategy), picked by `distributed_type`.
     Strategy,
@@ -52,12 +62,18 @@ impl fmt::Display for PluginKind {
     }
 }
 
+impl From<PluginKind> for PluginKind_NE {
+    fn from(kind: PluginKind) -> Self {
+        NonExhaustive::new(kind)
+    }
+}
+
 /// One component a plugin provides.
 #[repr(C)]
 #[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
 pub struct Provided {
-    /// Which trait it implements.
-    pub kind: PluginKind,
+    /// Which trait it implements ([`Provided::kind`] reads it).
+    pub kind: PluginKind_NE,
     /// Its name (unique within its kind in one plugin).
     pub name: RString,
     /// One line for `accel plugins list`.
@@ -65,6 +81,14 @@ pub struct Provided {
     /// The config values that select it, e.g. `MULTI_GPU` for a strategy,
     /// `fp16` for a precision policy, `tensorboard` for a tracker.
     pub selectors: RVec<RString>,
+}
+
+impl Provided {
+    /// Which trait it implements, or `None` for a kind added by a later
+    /// minor ABI version than this build knows.
+    pub fn kind(&self) -> Option<PluginKind> {
+        self.kind.as_enum().ok().copied()
+    }
 }
 
 /// What a plugin library says about itself.
@@ -75,9 +99,12 @@ pub struct PluginManifest {
     pub name: RString,
     /// Plugin version (by convention the crate version).
     pub version: RString,
-    /// The [`ABI_VERSION`](crate::ABI_VERSION) of the SDK it was built with.
+    /// The [`ABI_VERSION`](crate::ABI_VERSION) of the contract it was built with.
     pub abi_version: u32,
-    /// The libtorch version it was built against (`2.13.0`).
+    /// The [`ABI_MINOR`](crate::ABI_MINOR) of the contract it was built with.
+    pub abi_minor: u32,
+    /// The libtorch version it was built against (`2.13.0`), or empty
+    /// when it links no libtorch (a tracker built on `accel-abi` alone).
     pub libtorch_version: RString,
     /// Everything it provides.
     pub provides: RVec<Provided>,

@@ -38,21 +38,32 @@ pub fn __set_plugin_name(name: &'static str) {
     let _ = PLUGIN_NAME.set(name);
 }
 
-fn panic_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "non-string panic payload".to_owned()
-    }
+/// The text a panic carried (`panic!("...")`'s message), or `None` for a
+/// payload that is not text.
+///
+/// ```
+/// let payload = std::panic::catch_unwind(|| panic!("boom {}", 1)).unwrap_err();
+/// assert_eq!(accel_abi::guard::panic_text(&*payload), Some("boom 1"));
+/// ```
+pub fn panic_text(payload: &(dyn Any + Send)) -> Option<&str> {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+}
+
+/// [`panic_text`], or `non-string panic payload`.
+pub fn panic_message(payload: &(dyn Any + Send)) -> String {
+    panic_text(payload)
+        .unwrap_or("non-string panic payload")
+        .to_owned()
 }
 
 /// Runs `f`, turning a panic into an error naming the plugin and `call`.
 ///
 /// ```
 /// use abi_stable::std_types::RResult;
-/// let r: RResult<(), _> = accel_sdk::guard::guard("demo", || panic!("boom"));
+/// let r: RResult<(), _> = accel_abi::guard::guard("demo", || panic!("boom"));
 /// let err = r.unwrap_err();
 /// assert!(err.message.contains("panicked in demo: boom"));
 /// ```

@@ -39,6 +39,7 @@ impl DeviceSpec {
     };
 
     /// The tch device it names.
+    #[cfg(feature = "tch")]
     pub fn to_tch(self) -> tch::Device {
         match self.kind {
             DeviceKind::Cpu => tch::Device::Cpu,

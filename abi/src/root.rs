@@ -2,28 +2,29 @@
 //! [`export_plugin!`](crate::export_plugin).
 //!
 //! The root module is an abi_stable prefix type: fields may be appended in
-//! later SDK versions (after `validate_config`) without breaking plugins
-//! built against this one.
+//! later minor versions (after `validate_config`, the last field of ABI 4.0)
+//! without breaking plugins built against an earlier one. The host reads an
+//! appended field as an `Option`: `None` when the plugin predates it.
 
 use crate::{
     context::HostContextBox,
     error::{ErrorKind, PluginError, PluginResult},
     guard::{guard, plugin_name},
     launcher::LauncherBox,
-    manifest::{PluginKind, PluginManifest},
+    manifest::{PluginKind, PluginKind_NE, PluginManifest},
     precision::PrecisionBox,
     registry::{components, find_component, Component, Factory},
     strategy::StrategyBox,
     tracker::TrackerBox,
-    ABI_VERSION, LIBTORCH_VERSION,
+    ABI_MINOR, ABI_VERSION, LIBTORCH_VERSION,
 };
 use abi_stable::{
     declare_root_module_statics,
-    library::RootModule,
+    library::{LibHeader, LibraryError, RootModule},
     package_version_strings,
     prefix_type::WithMetadata,
     sabi_types::VersionStrings,
-    std_types::{RErr, ROk, RStr},
+    std_types::{RErr, ROk, RStr, RString, Tuple2},
     StableAbi,
 };
 use std::sync::OnceLock;
@@ -48,7 +49,77 @@ pub struct AccelPlugin {
     pub new_launcher: extern "C" fn(RStr<'_>, RStr<'_>) -> PluginResult<LauncherBox>,
     /// Checks the config section (JSON) of component `name` of a kind.
     #[sabi(last_prefix_field)]
-    pub validate_config: extern "C" fn(PluginKind, RStr<'_>, RStr<'_>) -> PluginResult<()>,
+    pub validate_config: extern "C" fn(PluginKind_NE, RStr<'_>, RStr<'_>) -> PluginResult<()>,
+    /// The rows this library adds to `accel env`, given the settings its
+    /// strategy would get (JSON): every registered
+    /// [`EnvReport`](crate::EnvReport)'s. Added in ABI 4.1.
+    #[cfg(not(accel_abi_minor_0))]
+    #[sabi(missing_field(option))]
+    pub env_report: extern "C" fn(RStr<'_>) -> PluginResult<abi_stable::std_types::RVec<EnvRow>>,
+}
+
+/// One row of `accel env`: a label and its value.
+pub type EnvRow = Tuple2<RString, RString>;
+
+/// The root module as ABI 4.0 defined it (the fields before any minor
+/// addition), frozen: abi_stable accepts a library whose prefix type is at
+/// least as long as the host's, so a plugin built for 4.0 is checked
+/// against this layout, not the current one.
+pub mod v4_0 {
+    use super::*;
+
+    /// [`AccelPlugin`](super::AccelPlugin)'s fields of ABI 4.0.
+    #[repr(C)]
+    #[derive(StableAbi)]
+    #[sabi(kind(Prefix(prefix_ref = AccelPluginRef)))]
+    #[sabi(missing_field(panic))]
+    pub struct AccelPlugin {
+        /// As in ABI 4.1.
+        pub manifest: extern "C" fn() -> PluginManifest,
+        /// As in ABI 4.1.
+        pub new_strategy:
+            extern "C" fn(RStr<'_>, HostContextBox, RStr<'_>) -> PluginResult<StrategyBox>,
+        /// As in ABI 4.1.
+        pub new_precision:
+            extern "C" fn(RStr<'_>, HostContextBox, RStr<'_>) -> PluginResult<PrecisionBox>,
+        /// As in ABI 4.1.
+        pub new_tracker: extern "C" fn(RStr<'_>, RStr<'_>) -> PluginResult<TrackerBox>,
+        /// As in ABI 4.1.
+        pub new_launcher: extern "C" fn(RStr<'_>, RStr<'_>) -> PluginResult<LauncherBox>,
+        /// As in ABI 4.1.
+        #[sabi(last_prefix_field)]
+        pub validate_config: extern "C" fn(PluginKind_NE, RStr<'_>, RStr<'_>) -> PluginResult<()>,
+    }
+
+    impl RootModule for AccelPluginRef {
+        declare_root_module_statics! {AccelPluginRef}
+        const BASE_NAME: &'static str = "accel_plugin";
+        const NAME: &'static str = "accel_plugin";
+        const VERSION_STRINGS: VersionStrings = package_version_strings!();
+    }
+}
+
+/// The root module of the plugin library behind `header`, checked: against
+/// the current layout, or, for a plugin built for an earlier minor ABI
+/// version, against that version's (the fields it lacks then read as
+/// `None`). Otherwise the error is the check against the current layout.
+pub fn init_root_module(header: &'static LibHeader) -> Result<AccelPluginRef, LibraryError> {
+    let current = match header.init_root_module::<AccelPluginRef>() {
+        Ok(module) => return Ok(module),
+        Err(e) => e,
+    };
+    if header.init_root_module::<v4_0::AccelPluginRef>().is_err() {
+        return Err(current);
+    }
+    // SAFETY: the fields of 4.0 were just checked; every later field is read
+    // through an accessor that sees whether the library has it, and a
+    // library that has one failed the check above, so it is refused.
+    let module = unsafe { header.init_root_module_with_unchecked_layout::<AccelPluginRef>() }?;
+    #[cfg(not(accel_abi_minor_0))]
+    if module.env_report().is_some() {
+        return Err(current);
+    }
+    Ok(module)
 }
 
 impl RootModule for AccelPluginRef {
@@ -97,6 +168,8 @@ pub fn __root_module(
         new_tracker,
         new_launcher,
         validate_config,
+        #[cfg(not(accel_abi_minor_0))]
+        env_report,
     });
     AccelPluginRef(MODULE.static_as_prefix())
 }
@@ -112,6 +185,7 @@ pub extern "C" fn manifest() -> PluginManifest {
         name: name.into(),
         version: version.into(),
         abi_version,
+        abi_minor: ABI_MINOR,
         libtorch_version: LIBTORCH_VERSION.into(),
         provides: components().map(Component::provided).collect(),
     }
@@ -192,10 +266,19 @@ extern "C" fn new_launcher(name: RStr<'_>, config: RStr<'_>) -> PluginResult<Lau
 }
 
 extern "C" fn validate_config(
-    kind: PluginKind,
+    kind: PluginKind_NE,
     name: RStr<'_>,
     config: RStr<'_>,
 ) -> PluginResult<()> {
+    let Ok(&kind) = kind.as_enum() else {
+        return RErr(PluginError::new(
+            ErrorKind::Unsupported,
+            plugin_name(),
+            format!(
+                "no component of kind {kind:?} (unknown to this plugin's ABI minor {ABI_MINOR})"
+            ),
+        ));
+    };
     guard(
         &format!("validating {kind} `{name}` config"),
         || match lookup(kind, name) {
@@ -205,15 +288,26 @@ extern "C" fn validate_config(
     )
 }
 
+#[cfg(not(accel_abi_minor_0))]
+extern "C" fn env_report(settings: RStr<'_>) -> PluginResult<abi_stable::std_types::RVec<EnvRow>> {
+    guard("reporting its environment", || {
+        ROk(crate::registry::env_report(settings.as_str())
+            .into_iter()
+            .map(|(k, v)| Tuple2(k.into(), v.into()))
+            .collect())
+    })
+}
+
 /// Exports this crate as an accel plugin library. One line, at the crate root
 /// of a `cdylib` that registers its components with
 /// [`inventory::submit!`](crate::inventory::submit):
 ///
 /// ```
-/// accel_sdk::export_plugin!(); // name and version from Cargo.toml
+/// accel_abi::export_plugin!(); // name and version from Cargo.toml
 /// ```
 ///
-/// or, naming them explicitly, `accel_sdk::export_plugin!("my-plugin", "1.2.0");`.
+/// or, naming them explicitly, `accel_abi::export_plugin!("my-plugin", "1.2.0");`
+/// (`accel_sdk::export_plugin!` is the same macro).
 ///
 /// It exports the abi_stable root module ([`AccelPlugin`]) and the plain C
 /// symbol `accel_plugin_abi_version`, which the host reads first so an

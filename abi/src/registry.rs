@@ -45,8 +45,8 @@ pub const LAUNCHING_KEY: &str = "launching";
 /// before it starts the ranks (see [`Validator`]).
 ///
 /// ```
-/// assert!(accel_sdk::registry::launching(r#"{"section": null, "launching": true}"#));
-/// assert!(!accel_sdk::registry::launching(r#"{"section": null}"#));
+/// assert!(accel_abi::registry::launching(r#"{"section": null, "launching": true}"#));
+/// assert!(!accel_abi::registry::launching(r#"{"section": null}"#));
 /// ```
 pub fn launching(settings: &str) -> bool {
     serde_json::from_str::<serde_json::Value>(settings)
@@ -69,14 +69,14 @@ pub enum Factory {
 /// One registered component. Register with [`inventory::submit!`]:
 ///
 /// ```
-/// use accel_sdk::{Component, PluginError, TrackerBox};
+/// use accel_abi::{Component, PluginError, TrackerBox};
 /// fn make(_settings: &str) -> Result<TrackerBox, PluginError> {
 ///     Err(PluginError::other("demo", "not built in this example"))
 /// }
-/// accel_sdk::inventory::submit! {
+/// accel_abi::inventory::submit! {
 ///     Component::tracker("demo", "a tracker that is never built", &["demo"], make)
 /// }
-/// assert!(accel_sdk::components().any(|c| c.name == "demo"));
+/// assert!(accel_abi::components().any(|c| c.name == "demo"));
 /// ```
 pub struct Component {
     /// Name, unique within its kind in one library.
@@ -166,7 +166,7 @@ impl Component {
     /// The manifest entry describing it.
     pub fn provided(&self) -> Provided {
         Provided {
-            kind: self.kind(),
+            kind: self.kind().into(),
             name: self.name.into(),
             description: self.description.into(),
             selectors: self.selectors.iter().map(|s| (*s).into()).collect(),
@@ -184,4 +184,28 @@ pub fn components() -> impl Iterator<Item = &'static Component> {
 /// The component of `kind` named `name` in this link unit.
 pub fn find_component(kind: PluginKind, name: &str) -> Option<&'static Component> {
     components().find(|c| c.kind() == kind && c.name == name)
+}
+
+/// The rows a plugin library adds to `accel env` (label, value), given the
+/// settings its strategy would get (`{"settings": <accel.plugins.NAME>, ...}`,
+/// or `{}` without a default config). At most one per library; register it
+/// with [`inventory::submit!`]:
+///
+/// ```
+/// fn rows(_settings: &str) -> Vec<(String, String)> {
+///     vec![("my device:".into(), "found".into())]
+/// }
+/// accel_abi::inventory::submit! { accel_abi::EnvReport(rows) }
+/// assert_eq!(accel_abi::env_report("{}")[0].1, "found");
+/// ```
+pub struct EnvReport(pub fn(&str) -> Vec<(String, String)>);
+
+inventory::collect!(EnvReport);
+
+/// The rows of every [`EnvReport`] registered in this link unit, in turn.
+pub fn env_report(settings: &str) -> Vec<(String, String)> {
+    inventory::iter::<EnvReport>
+        .into_iter()
+        .flat_map(|r| (r.0)(settings))
+        .collect()
 }

@@ -63,12 +63,12 @@ pub struct RunOverrides {
     /// The precision policy to select (`no`, `fp16`, `bf16`).
     pub mixed_precision: ROption<RString>,
     /// The optimizer the strategy's config defines (a DeepSpeed file's
-    /// `optimizer` section, as JSON; [`crate::deepspeed::OptimizerSection`]
+    /// `optimizer` section, as JSON; `accel_sdk::deepspeed::OptimizerSection`
     /// reads it): the program must then take it
     /// (`Accelerator::prepare_dummy_optimizer`), not bring its own.
     pub optimizer: ROption<RString>,
     /// The schedule the strategy's config defines (a DeepSpeed file's
-    /// `scheduler` section, as JSON; [`crate::deepspeed::SchedulerSection`]).
+    /// `scheduler` section, as JSON; `accel_sdk::deepspeed::SchedulerSection`).
     pub scheduler: ROption<RString>,
     /// The file those sections come from, for messages.
     pub config_file: ROption<RString>,
@@ -180,7 +180,7 @@ pub trait DistributedStrategy: Send {
         state: TensorRef<'_>,
     ) -> PluginResult<OwnedTensor> {
         let _ = param;
-        abi_stable::std_types::ROk(OwnedTensor::new(state.get().copy()))
+        unchanged_copy(state)
     }
 
     /// The inverse of [`DistributedStrategy::gather_optimizer_state`]: this
@@ -192,7 +192,7 @@ pub trait DistributedStrategy: Send {
         state: TensorRef<'_>,
     ) -> PluginResult<OwnedTensor> {
         let _ = param;
-        abi_stable::std_types::ROk(OwnedTensor::new(state.get().copy()))
+        unchanged_copy(state)
     }
 
     /// What this rank holds now.
@@ -205,6 +205,25 @@ pub trait DistributedStrategy: Send {
     fn run_overrides(&self) -> PluginResult<RunOverrides> {
         abi_stable::std_types::ROk(RunOverrides::default())
     }
+}
+
+/// The default optimizer-state conversion: an unchanged copy of `state`.
+#[cfg(feature = "tch")]
+fn unchanged_copy(state: TensorRef<'_>) -> PluginResult<OwnedTensor> {
+    abi_stable::std_types::ROk(OwnedTensor::new(state.get().copy()))
+}
+
+/// Without libtorch a strategy cannot copy a tensor: the default
+/// optimizer-state conversions say so (every strategy builds with
+/// `accel-sdk`, where feature `tch` is on).
+#[cfg(not(feature = "tch"))]
+fn unchanged_copy(state: TensorRef<'_>) -> PluginResult<OwnedTensor> {
+    let _ = state;
+    abi_stable::std_types::RErr(crate::error::PluginError::new(
+        crate::error::ErrorKind::Unsupported,
+        crate::guard::plugin_name(),
+        "copying optimizer state needs libtorch: build the strategy with accel-sdk",
+    ))
 }
 
 /// An owned, type-erased strategy.

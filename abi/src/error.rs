@@ -1,11 +1,17 @@
 //! [`PluginError`]: the one error type that crosses the plugin boundary.
 
-use abi_stable::{std_types::RString, StableAbi};
+use abi_stable::{nonexhaustive_enum::NonExhaustive, std_types::RString, StableAbi};
 use std::fmt;
 
 /// What went wrong, coarsely, so the host can react without parsing text.
+///
+/// Non-exhaustive across the ABI: it crosses as [`ErrorKind_NE`], so a
+/// later minor version may add kinds without breaking built plugins (a
+/// kind this build does not know compares unequal to every variant).
 #[repr(u8)]
 #[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
+#[sabi(kind(WithNonExhaustive(size = [usize; 2], traits(Debug, Clone, PartialEq, Eq))))]
+#[non_exhaustive]
 pub enum ErrorKind {
     /// The plugin's configuration (its section of the config file) is invalid.
     Config,
@@ -21,14 +27,20 @@ pub enum ErrorKind {
     Other,
 }
 
+impl From<ErrorKind> for ErrorKind_NE {
+    fn from(kind: ErrorKind) -> Self {
+        NonExhaustive::new(kind)
+    }
+}
+
 /// An error returned by a plugin (or by the host to a plugin).
 ///
 /// It always names the plugin it came from, so a message can say who failed.
 #[repr(C)]
 #[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
 pub struct PluginError {
-    /// Coarse classification.
-    pub kind: ErrorKind,
+    /// Coarse classification (compare with `err.kind == ErrorKind::Panic`).
+    pub kind: ErrorKind_NE,
     /// Name of the plugin (or `accel` for the host) that raised it.
     pub plugin: RString,
     /// Human-readable cause.
@@ -39,7 +51,7 @@ impl PluginError {
     /// A new error of `kind` raised by `plugin`.
     pub fn new(kind: ErrorKind, plugin: &str, message: impl Into<String>) -> Self {
         Self {
-            kind,
+            kind: NonExhaustive::new(kind),
             plugin: plugin.into(),
             message: message.into().into(),
         }
