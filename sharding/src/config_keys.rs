@@ -75,13 +75,16 @@ pub fn report_warnings(plugin: &str, ctx: Option<&HostContextBox>, warnings: &[S
 /// What a sharded strategy's validator does once its settings parsed:
 /// refuses the first of `unsupported` when `accel launch` or the strategy
 /// asks (so `accel config validate` still passes files that make requests
-/// the plugin does not implement), and shows `warnings` on stderr.
+/// the plugin does not implement), and shows `warnings` on stderr. The
+/// plugin's settings object (`accel.plugins.<plugin>`) must hold only
+/// [`EngineSettings`](crate::EngineSettings) keys.
 pub fn validate_parsed(
     plugin: &str,
     settings_json: &str,
     unsupported: &[String],
     warnings: &[String],
 ) -> Result<(), PluginError> {
+    crate::EngineSettings::from_strategy_json(plugin, settings_json)?;
     if accel_sdk::registry::launching(settings_json) {
         crate::refuse_unsupported(plugin, unsupported)?;
     }

@@ -3,7 +3,7 @@
 //! settings use.
 
 use accel_sdk::tch::Kind;
-use accel_sdk::{PluginError, RunOverrides, StateDictKind};
+use accel_sdk::{serde_json::Value, PluginError, RunOverrides, StateDictKind};
 
 /// Optimizer state slots per element assumed by the `optimizer_bytes`
 /// estimate (Adam/AdamW: `exp_avg` and `exp_avg_sq`; the optimizer itself
@@ -61,6 +61,90 @@ pub struct Plan {
     /// chunks' gradients. `None`: the parameters' dtype (`param_dtype`, else
     /// the program's). Needs `shard_optimizer`.
     pub reduce_dtype: Option<Kind>,
+    /// Hand freed host memory back to the system during each step (on the
+    /// CPU; see `EngineSettings::release_freed_memory`).
+    pub release_freed_memory: bool,
+}
+
+/// The engine's own settings: the plugin's settings object
+/// (`accel.plugins.<plugin>` in the config), the same for every sharded
+/// plugin.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineSettings {
+    /// `release_freed_memory`: during each step, give the host memory the
+    /// step freed back to the system once more than 128 MiB (or a quarter
+    /// of the live heap) of it is resident (glibc's `malloc_trim`), so that
+    /// heap fragmentation does not raise the peak. Costs page faults when
+    /// the memory is used again. Unset: on when parameters are sharded
+    /// (FULL_SHARD, HYBRID_SHARD, SHARD_GRAD_OP, ZeRO-3), off otherwise.
+    pub release_freed_memory: Option<bool>,
+}
+
+impl EngineSettings {
+    /// The keys of the settings object.
+    pub const KEYS: &'static [&'static str] = &["release_freed_memory"];
+
+    /// Reads `settings` (the `"settings"` member of the strategy's settings
+    /// JSON; `null` or absent: defaults). An unknown key or a value of the
+    /// wrong type is an error naming `accel.plugins.<plugin>.<key>`.
+    ///
+    /// ```
+    /// use accel_sdk::serde_json::json;
+    /// use accel_sharding::EngineSettings;
+    /// let s = EngineSettings::parse("accel-fsdp", &json!({"release_freed_memory": false})).unwrap();
+    /// assert_eq!(s.release_freed_memory, Some(false));
+    /// let err = EngineSettings::parse("accel-fsdp", &json!({"release_memory": false})).unwrap_err();
+    /// assert!(err.to_string().contains("accel.plugins.accel-fsdp.release_memory"), "{err}");
+    /// ```
+    pub fn parse(plugin: &str, settings: &Value) -> Result<Self, PluginError> {
+        let at = format!("accel.plugins.{plugin}");
+        let map = match settings {
+            Value::Null => return Ok(Self::default()),
+            Value::Object(m) => m,
+            other => {
+                return Err(PluginError::config(
+                    plugin,
+                    format!("{at}: {other} is not a mapping of settings"),
+                ))
+            }
+        };
+        if let Some(key) = map.keys().find(|k| !Self::KEYS.contains(&k.as_str())) {
+            return Err(PluginError::config(
+                plugin,
+                format!(
+                    "{at}.{key}: not a setting of {plugin}; allowed: {}",
+                    Self::KEYS.join(", ")
+                ),
+            ));
+        }
+        let release_freed_memory = match map.get("release_freed_memory") {
+            None | Some(Value::Null) => None,
+            Some(Value::Bool(b)) => Some(*b),
+            Some(other) => {
+                return Err(PluginError::config(
+                    plugin,
+                    format!("{at}.release_freed_memory: {other}; allowed: true or false"),
+                ))
+            }
+        };
+        Ok(Self {
+            release_freed_memory,
+        })
+    }
+
+    /// The settings of the strategy settings JSON `settings_json` (its
+    /// `"settings"` member).
+    pub fn from_strategy_json(plugin: &str, settings_json: &str) -> Result<Self, PluginError> {
+        let v: Value = accel_sdk::serde_json::from_str(settings_json)
+            .map_err(|e| PluginError::config(plugin, format!("settings are not JSON: {e}")))?;
+        Self::parse(plugin, v.get("settings").unwrap_or(&Value::Null))
+    }
+
+    /// `plan` with these settings applied.
+    pub fn apply(self, mut plan: Plan) -> Plan {
+        plan.release_freed_memory = self.release_freed_memory.unwrap_or(plan.shard_params);
+        plan
+    }
 }
 
 /// The dtype a `mixed_precision` value computes in: `bf16` and `fp8` (whose
@@ -92,6 +176,67 @@ pub type WrapPolicy =
 #[cfg(test)]
 mod tests {
     use super::*;
+    use accel_sdk::serde_json::json;
+
+    fn plan(shard_params: bool) -> Plan {
+        Plan {
+            plugin: "p",
+            shard_params,
+            reshard_after_forward: true,
+            shard_grads: true,
+            shard_optimizer: true,
+            hybrid: false,
+            offload: false,
+            sync_module_states: false,
+            gradient_clipping: 0.0,
+            state_dict_kind: StateDictKind::Sharded,
+            overrides: RunOverrides::default(),
+            param_dtype: None,
+            reduce_dtype: None,
+            release_freed_memory: false,
+        }
+    }
+
+    #[test]
+    fn freed_memory_is_released_by_default_only_when_parameters_are_sharded() {
+        let unset = EngineSettings::parse("p", &json!({})).unwrap();
+        assert!(unset.apply(plan(true)).release_freed_memory);
+        assert!(!unset.apply(plan(false)).release_freed_memory);
+        let off = EngineSettings::parse("p", &json!({"release_freed_memory": false})).unwrap();
+        assert!(!off.apply(plan(true)).release_freed_memory);
+        let on = EngineSettings::from_strategy_json(
+            "p",
+            r#"{"section": null, "settings": {"release_freed_memory": true}}"#,
+        )
+        .unwrap();
+        assert!(on.apply(plan(false)).release_freed_memory);
+        assert_eq!(
+            EngineSettings::parse("p", &Value::Null).unwrap(),
+            EngineSettings::default()
+        );
+    }
+
+    #[test]
+    fn engine_settings_errors_name_the_key_and_what_is_allowed() {
+        let cases = [
+            (
+                json!({"release_memory": true}),
+                "accel.plugins.p.release_memory: not a setting of p; allowed: release_freed_memory",
+            ),
+            (
+                json!({"release_freed_memory": "yes"}),
+                "accel.plugins.p.release_freed_memory: \"yes\"; allowed: true or false",
+            ),
+            (
+                json!([1]),
+                "accel.plugins.p: [1] is not a mapping of settings",
+            ),
+        ];
+        for (settings, message) in cases {
+            let err = EngineSettings::parse("p", &settings).unwrap_err();
+            assert_eq!(err.message.as_str(), message);
+        }
+    }
 
     #[test]
     fn mixed_precision_values_name_their_compute_dtype() {

@@ -62,6 +62,7 @@ pub fn plan(s: &Settings) -> Plan {
         overrides: RunOverrides::default(),
         param_dtype: s.param_dtype,
         reduce_dtype: s.reduce_dtype,
+        release_freed_memory: false,
     }
 }
 
@@ -115,9 +116,10 @@ fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError>
     accel_sharding::report_warnings(PLUGIN, Some(&ctx), &s.warnings);
     let policy = s.wrap.clone();
     let declared = s.layer_classes.clone();
+    let engine = accel_sharding::EngineSettings::from_strategy_json(PLUGIN, settings)?;
     Ok(accel_sdk::into_strategy(Sharded::new(
         ctx,
-        plan(&s),
+        engine.apply(plan(&s)),
         Box::new(move |names, numels| wrap_units(&policy, &declared, names, numels)),
     )))
 }

@@ -71,7 +71,8 @@
 //! dtype and gradients are all-reduced in it, as under DDP (autocast still
 //! applies), with a warning saying so.
 //!
-//! The `settings` object (`accel.plugins.accel-fsdp`) has no keys yet.
+//! The `settings` object (`accel.plugins.accel-fsdp`) holds the sharding
+//! engine's own keys (`accel_sharding::EngineSettings`: `release_freed_memory`).
 
 use accel_sdk::{
     serde_json::{Map, Value},

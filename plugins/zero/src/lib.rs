@@ -69,6 +69,7 @@ fn plan(s: &settings::Settings) -> Plan {
         },
         param_dtype: s.param_dtype,
         reduce_dtype: s.reduce_dtype,
+        release_freed_memory: false,
     }
 }
 
@@ -96,9 +97,10 @@ fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError>
     s.check_supported()?;
     accel_sharding::report_warnings(PLUGIN, Some(&ctx), &s.warnings);
     let stage = s.stage;
+    let engine = accel_sharding::EngineSettings::from_strategy_json(PLUGIN, settings)?;
     Ok(accel_sdk::into_strategy(Sharded::new(
         ctx,
-        plan(&s),
+        engine.apply(plan(&s)),
         Box::new(move |names, _| Ok(module_units(stage, names))),
     )))
 }

@@ -4,11 +4,11 @@
 
 use super::Sharded;
 use crate::plan::ESTIMATED_STATE_SLOTS;
+use accel_sdk::tch::Device;
 use accel_sdk::{
     params::{bytes, grad_views_buffer},
     shim,
 };
-use accel_sdk::tch::Device;
 
 impl Sharded {
     /// Bytes of parameter data held now: the parameters' storage (0 while
@@ -60,29 +60,60 @@ impl Sharded {
 }
 
 impl Sharded {
-    /// Hands the host memory freed since the last call back to the system
-    /// (glibc's `malloc_trim`), when this rank computes on the CPU.
+    /// Hands the host memory freed since the last trim back to the system
+    /// (glibc's `malloc_trim`) when this rank computes on the CPU and more
+    /// than [`TRIM_SLACK`] (or a quarter of the heap's live bytes, if more)
+    /// of it is resident.
     ///
     /// A sharded step frees much: a unit's gathered parameters after its
     /// forward and its backward, its whole gradients after the
     /// reduce-scatter, the activations as the backward goes. glibc keeps
     /// freed memory in its heap, resident, and the heap fragments: on the
     /// 210 M-parameter gpt2 of `benches/memory.sh` (FSDP, 4 ranks) a rank
-    /// held 1.2 GB of freed heap beside 0.9 GB in use, and its peak was
-    /// 2.2 GiB; trimming after each unit's forward and backward and after
-    /// the optimizer step brings the peak to about 1.65 GiB. The pages
-    /// trimmed are touched again by the next allocations that reuse them:
-    /// one page fault per page, once per trim (BENCHMARKS.md has the cost).
-    /// CUDA memory is the caching allocator's, not the heap's: nothing to
-    /// do there.
-    pub(super) fn release_freed(&self) {
-        if self.compute_device() != Device::Cpu && self.chunk_device() != Device::Cpu {
+    /// held 1.2 GB of freed heap beside 0.9 GB in use and peaked at 2.2 GiB.
+    /// Trimming is not free: the pages given back fault in again when the
+    /// heap reuses them, so trimming at every unit cost 40 % more CPU time
+    /// on a small gpt2; hence the threshold (BENCHMARKS.md has both
+    /// figures). CUDA memory is the caching allocator's: nothing to do.
+    pub(super) fn release_freed(&mut self) {
+        if !self.plan.release_freed_memory
+            || self.compute_device() != Device::Cpu && self.chunk_device() != Device::Cpu
+        {
             return;
         }
         #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        // SAFETY: malloc_trim only returns free heap pages to the system.
-        unsafe {
-            libc::malloc_trim(0);
+        {
+            let Some((resident, live)) = heap_use() else {
+                return;
+            };
+            let slack = resident.saturating_sub(live);
+            let allowed = TRIM_SLACK.max(live / 4);
+            if let Some(floor) = self.untrimmable {
+                if slack <= floor + allowed {
+                    return;
+                }
+            }
+            // SAFETY: malloc_trim only returns free heap pages to the system.
+            unsafe {
+                libc::malloc_trim(0);
+            }
+            self.untrimmable = heap_use().map(|(resident, live)| resident.saturating_sub(live));
         }
     }
+}
+
+/// Resident bytes beyond the untrimmable ones that
+/// [`Sharded::release_freed`] lets the heap keep before it trims.
+const TRIM_SLACK: u64 = 128 << 20;
+
+/// This process's resident bytes and the bytes glibc's allocator has
+/// handed out (heap and its own mappings).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn heap_use() -> Option<(u64, u64)> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf and mallinfo2 only read the process's own state.
+    let (page, info) = unsafe { (libc::sysconf(libc::_SC_PAGESIZE), libc::mallinfo2()) };
+    let live = (info.uordblks + info.hblkhd) as u64;
+    Some((pages * u64::try_from(page).ok()?, live))
 }

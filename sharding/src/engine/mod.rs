@@ -52,6 +52,10 @@ pub struct Sharded {
     /// masters under mixed precision).
     master: Kind,
     peak: u64,
+    /// Resident bytes beside the heap's live ones just after the last
+    /// [`Sharded::release_freed`] trim (code, stacks, mappings): the part of
+    /// the slack a trim cannot give back.
+    untrimmable: Option<u64>,
 }
 
 impl Sharded {
@@ -71,6 +75,7 @@ impl Sharded {
             flat_grad: None,
             master: Kind::Float,
             peak: 0,
+            untrimmable: None,
         }
     }
 

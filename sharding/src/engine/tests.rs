@@ -78,6 +78,7 @@ fn full_shard() -> Plan {
         overrides: RunOverrides::default(),
         param_dtype: None,
         reduce_dtype: None,
+        release_freed_memory: true,
     }
 }
 
