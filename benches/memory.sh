@@ -5,9 +5,9 @@
 # and taking 2 AdamW steps on 4 CPU ranks under DDP, ZeRO-1/2/3 and FSDP
 # FULL_SHARD (GPT2Block units) -- ZeRO-3 with and without zero3_init_flag,
 # FSDP with and without fsdp_cpu_ram_efficient_loading (each rank maps the
-# checkpoint and reads only its slices) -- with and without
-# MALLOC_MMAP_THRESHOLD_=1048576 (glibc then maps every allocation of 1 MiB
-# or more on its own, and gives it back to the system when freed).
+# checkpoint and reads only its slices) -- and, for the sharded rows, with
+# the sharding engine's `release_freed_memory` (on by default when
+# parameters are sharded) set the other way.
 #
 # The figure is the largest VmHWM (from /proc, polled every 0.2 s) of any
 # rank of the run. It needs about 24 GB of memory (DDP: 4 x 5 GB).
@@ -68,11 +68,25 @@ peak() {
     echo "$max"
 }
 
-printf '| strategy | peak RSS per rank | x DDP | with MALLOC_MMAP_THRESHOLD_=1MiB | x DDP |\n| --- | --- | --- | --- | --- |\n'
+# The same config with the engine's release_freed_memory set to $2.
+flipped() {  # name true|false
+    local plugin=accel-zero
+    case $1 in fsdp*) plugin=accel-fsdp ;; esac
+    { cat "$out/$1.yaml"; printf 'accel:\n  plugins:\n    %s:\n      release_freed_memory: %s\n' "$plugin" "$2"; } \
+        >"$out/$1-release-$2.yaml"
+    echo "$1-release-$2"
+}
+
+printf '| strategy | peak RSS per rank | x DDP | release_freed_memory flipped | peak RSS | x DDP |\n| --- | --- | --- | --- | --- | --- |\n'
 ddp=$(peak ddp)
-for cfg in ddp zero1 zero2 zero3 zero3-init-flag fsdp-efficient-loading-false fsdp-efficient-loading-true; do
-    if [ "$cfg" = ddp ]; then plain=$ddp; else plain=$(peak "$cfg"); fi
-    mapped=$(MALLOC_MMAP_THRESHOLD_=1048576 peak "$cfg")
-    python3 -c "import sys; d,p,m=map(int,sys.argv[2:]); print(f'| {sys.argv[1]} | {p/1048576:.2f} GiB | {p/d:.2f} | {m/1048576:.2f} GiB | {m/d:.2f} |')" \
-        "$cfg" "$ddp" "$plain" "$mapped"
+row() {  # name kB [flipped-to kB]
+    python3 -c "import sys; a=sys.argv; d=int(a[2]); p=int(a[3]); f=f'{a[4]} | {int(a[5])/1048576:.2f} GiB | {int(a[5])/d:.2f}' if len(a) > 5 else ' | | '; print(f'| {a[1]} | {p/1048576:.2f} GiB | {p/d:.2f} | {f} |')" \
+        "$1" "$ddp" "${@:2}"
+}
+row ddp "$ddp"
+for cfg in zero1 zero2; do
+    row "$cfg" "$(peak "$cfg")" true "$(peak "$(flipped "$cfg" true)")"
+done
+for cfg in zero3 zero3-init-flag fsdp-efficient-loading-false fsdp-efficient-loading-true; do
+    row "$cfg" "$(peak "$cfg")" false "$(peak "$(flipped "$cfg" false)")"
 done
