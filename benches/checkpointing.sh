@@ -8,11 +8,7 @@
 # (getrusage(RUSAGE_CHILDREN).ru_maxrss: the largest rank under accel launch).
 #
 # Usage: bash benches/checkpointing.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-out=${1:-target/bench-results/checkpointing}
-mkdir -p "$out"
-export PATH="$PWD/.venv/bin:$PATH"
+source "$(dirname "$0")/common.sh" target/bench-results/checkpointing "${1:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cargo build --release -q -p accel -p accel-fsdp -p accel-examples
 rel=$PWD/target/release

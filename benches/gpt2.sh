@@ -11,11 +11,7 @@
 # 0.2 s, the same for both sides) among the processes of the run.
 #
 # Usage: bash benches/gpt2.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-out=${1:-target/bench-results/gpt2}
-mkdir -p "$out"
-export PATH="$PWD/.venv/bin:$PATH"
+source "$(dirname "$0")/common.sh" target/bench-results/gpt2 "${1:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cargo build --release -q -p accel -p accel-ddp -p accel-fsdp -p accel-zero -p accel-examples
 rel=$PWD/target/release
@@ -54,20 +50,8 @@ common=(--model "$out/model" --data "$out/tokens.bin" --block-size $block --batc
 # command line contains $match; prints "<max kB> <output>".
 measure() {
     local match=$1; shift
-    local log; log=$(mktemp)
-    "$@" >"$log" 2>&1 &
-    local pid=$! peak=0
-    while kill -0 "$pid" 2>/dev/null; do
-        for s in /proc/[0-9]*/status; do
-            local p=${s#/proc/}; p=${p%/status}
-            if { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | grep -q -- "$match"; then
-                local kb; kb=$(awk '/^VmHWM:/ {print $2}' "$s" 2>/dev/null || true)
-                if [ -n "$kb" ] && [ "$kb" -gt "$peak" ]; then peak=$kb; fi
-            fi
-        done
-        sleep 0.2
-    done
-    wait "$pid" || { cat "$log" >&2; return 1; }
+    local log peak; log=$(mktemp)
+    peak=$(peak_rss "$log" "$match" "$@") || return 1
     echo "$peak $(grep -E 'steps/s' "$log" | tail -1)"
     rm -f "$log"
 }

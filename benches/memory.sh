@@ -13,11 +13,7 @@
 # rank of the run. It needs about 24 GB of memory (DDP: 4 x 5 GB).
 #
 # Usage: bash benches/memory.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-out=${1:-target/bench-results/memory}
-mkdir -p "$out"
-export PATH="$PWD/.venv/bin:$PATH"
+source "$(dirname "$0")/common.sh" target/bench-results/memory "${1:-}"
 cargo build --release -q -p accel -p accel-ddp -p accel-fsdp -p accel-zero -p accel-examples
 rel=$PWD/target/release
 
@@ -50,22 +46,9 @@ done
 # Runs one job, polling the peak RSS of its gpt2 ranks; prints the kB.
 peak() {
     local cfg=$1; shift
-    "$rel/accel" launch -q --config_file "$out/$cfg.yaml" "$rel/gpt2" --model "$out/model" \
-        --data "$out/tokens.bin" --block-size 128 --batch-size 2 --steps 2 --lr 3e-4 \
-        >"$out/$cfg.log" 2>&1 &
-    local pid=$! max=0
-    while kill -0 "$pid" 2>/dev/null; do
-        for s in /proc/[0-9]*/status; do
-            local p=${s#/proc/}; p=${p%/status}
-            if { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | grep -q -- "$rel/gpt2"; then
-                local kb; kb=$(awk '/^VmHWM:/ {print $2}' "$s" 2>/dev/null || true)
-                if [ -n "$kb" ] && [ "$kb" -gt "$max" ]; then max=$kb; fi
-            fi
-        done
-        sleep 0.2
-    done
-    wait "$pid" || { cat "$out/$cfg.log" >&2; return 1; }
-    echo "$max"
+    peak_rss "$out/$cfg.log" "$rel/gpt2" \
+        "$rel/accel" launch -q --config_file "$out/$cfg.yaml" "$rel/gpt2" --model "$out/model" \
+        --data "$out/tokens.bin" --block-size 128 --batch-size 2 --steps 2 --lr 3e-4
 }
 
 # The same config with the engine's release_freed_memory set to $2.

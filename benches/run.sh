@@ -8,11 +8,7 @@
 #      (torchrun, 2 gloo ranks), and a raw single-process tch loop, for
 #      hidden 128 / batch 32 and hidden 1024 / batch 256.
 # Usage: bash benches/run.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-out=${1:-target/bench-results}
-mkdir -p "$out"
-export PATH="$PWD/.venv/bin:$PATH"
+source "$(dirname "$0")/common.sh" target/bench-results "${1:-}"
 cargo build --release -q -p accel -p accel-ddp -p accel-examples -p accel-benches
 rel=target/release
 

@@ -19,9 +19,7 @@
 # parameters, gradients and communication buffers (peak_bytes less the
 # strategy's optimizer-state estimate optimizer_bytes, which only the
 # sharding strategies make: so every row counts the same things).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-out=${1:-target/bench-results}
+source "$(dirname "$0")/common.sh" target/bench-results "${1:-}"
 hidden=${HIDDEN:-512}
 layers=${LAYERS:-8}
 batch=${BATCH:-32}
@@ -29,7 +27,6 @@ steps=${STEPS:-30}
 ranks=${RANKS:-4}
 repeats=${REPEATS:-3}
 mkdir -p "$out/sharding"
-export PATH="$PWD/.venv/bin:$PATH"
 cargo build --release -q -p accel -p accel-ddp -p accel-zero -p accel-fsdp -p accel-examples
 rel=target/release
 cfgdir="$out/sharding"

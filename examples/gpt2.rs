@@ -57,16 +57,15 @@
 
 #[path = "gpt2/model.rs"]
 mod model;
+#[path = "shared/training.rs"]
+mod training;
 
 use accel::{
     accelerator::{parse_size, AccelError, Accelerator, Reduction},
     data::{DataLoader, Dataset, TokenDtype, TokenFile},
     hf,
 };
-use accel_sdk::{
-    optim::OptimizerConfig,
-    schedule::{LrScheduler, Schedule},
-};
+use accel_sdk::{optim::OptimizerConfig, schedule::LrScheduler};
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use model::{
@@ -80,16 +79,7 @@ use std::{
     path::{Path, PathBuf},
 };
 use tch::{nn, Kind, Tensor};
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Sched {
-    /// Warmup, then the base rate.
-    Constant,
-    /// Warmup, then linear decay to 0 at --steps.
-    Linear,
-    /// Warmup, then cosine decay to 0 at --steps.
-    Cosine,
-}
+use training::{backward_and_step, Precision, Report, Sched};
 
 #[derive(Clone, Copy, ValueEnum)]
 enum LoraInitArg {
@@ -97,16 +87,6 @@ enum LoraInitArg {
     Kaiming,
     /// PEFT's "gaussian": normal(0, 1/r).
     Gaussian,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Precision {
-    /// Full fp32.
-    No,
-    /// fp16 autocast with dynamic loss scaling.
-    Fp16,
-    /// bf16 autocast.
-    Bf16,
 }
 
 #[derive(Parser)]
@@ -239,49 +219,10 @@ struct Args {
     logits_input: Option<String>,
 }
 
-/// Optimizer steps whose losses are averaged across ranks in one all-reduce.
-const REPORT_EVERY: usize = 20;
-
-struct Pending {
-    step: u64,
-    lr: f64,
-    grad_norm: Option<f64>,
-    loss: Tensor,
-}
-
 fn create(path: &Path, flag: &str) -> Result<BufWriter<File>> {
     Ok(BufWriter::new(File::create(path).with_context(|| {
         format!("{flag}: creating {}", path.display())
     })?))
-}
-
-/// Writes the pending steps' losses, averaged across ranks.
-fn flush(
-    acc: &Accelerator,
-    pending: &mut Vec<Pending>,
-    log: &mut Option<BufWriter<File>>,
-    last: &mut (Option<f64>, f64),
-) -> Result<()> {
-    if pending.is_empty() {
-        return Ok(());
-    }
-    let local: Vec<Tensor> = pending.iter().map(|p| p.loss.shallow_clone()).collect();
-    let means = Vec::<f64>::try_from(
-        &acc.reduce(&Tensor::stack(&local, 0), Reduction::Mean)?
-            .to_kind(Kind::Double),
-    )?;
-    for (p, loss) in pending.drain(..).zip(means) {
-        last.0.get_or_insert(loss);
-        last.1 = loss;
-        if let Some(log) = log.as_mut() {
-            let mut record = serde_json::json!({ "step": p.step, "loss": loss, "lr": p.lr });
-            if let Some(norm) = p.grad_norm {
-                record["grad_norm"] = norm.into();
-            }
-            writeln!(log, "{record}")?;
-        }
-    }
-    Ok(())
 }
 
 /// Token ids outside the vocabulary are refused, naming where they came from.
@@ -646,11 +587,7 @@ fn main() -> Result<()> {
 
     let mut builder = Accelerator::builder().gradient_accumulation_steps(args.grad_accum);
     if let Some(mp) = args.mixed_precision {
-        builder = builder.mixed_precision(match mp {
-            Precision::No => "no",
-            Precision::Fp16 => "fp16",
-            Precision::Bf16 => "bf16",
-        });
+        builder = builder.mixed_precision(mp.name());
     }
     let mut acc = builder.build()?;
     acc.set_seed(args.seed, false);
@@ -725,19 +662,7 @@ fn main() -> Result<()> {
     let mut opt =
         acc.prepare_optimizer(OptimizerConfig::adamw(args.lr).weight_decay(args.weight_decay))?;
     let total = args.steps * u64::from(acc.num_processes());
-    let schedule = match args.scheduler {
-        Sched::Constant => Schedule::Constant {
-            warmup: args.warmup,
-        },
-        Sched::Linear => Schedule::Linear {
-            warmup: args.warmup,
-            total,
-        },
-        Sched::Cosine => Schedule::Cosine {
-            warmup: args.warmup,
-            total,
-        },
-    };
+    let schedule = args.scheduler.schedule(args.warmup, total);
     let mut scheduler = acc.prepare_scheduler(LrScheduler::new(schedule, &mut opt))?;
     let params: i64 = vs.variables().values().map(Tensor::numel).sum::<usize>() as i64;
     acc.print(format!(
@@ -776,7 +701,7 @@ fn main() -> Result<()> {
         ));
     }
 
-    let mut log = match (&args.loss_log, acc.is_main_process()) {
+    let log = match (&args.loss_log, acc.is_main_process()) {
         (Some(p), true) => Some(create(p, "--loss-log")?),
         _ => None,
     };
@@ -785,7 +710,8 @@ fn main() -> Result<()> {
         _ => None,
     };
     let mut step = 0u64;
-    let mut last = (None, f64::NAN);
+    // The losses go to the loss log only (no trackers).
+    let mut report = Report::new(log, false);
     let started = std::time::Instant::now();
     if let (Some(train), true) = (train, args.steps > 0) {
         let data_path = args.data.clone().unwrap_or_default();
@@ -807,8 +733,6 @@ fn main() -> Result<()> {
             args.batch_size
         ));
         let vocab = model.config.vocab_size;
-        let mut window: Vec<Tensor> = Vec::new();
-        let mut pending: Vec<Pending> = Vec::new();
         let epochs_done = |loader: &accel::accelerator::ShardedLoader| {
             let p = loader.position();
             p.epoch + u64::from(p.finished)
@@ -823,36 +747,19 @@ fn main() -> Result<()> {
                 check_ids(ids, vocab, &what)?;
                 check_ids(labels, vocab, &what)?;
                 let lr_used = opt.lr();
-                let (synced, loss, norm) = acc.accumulate(|acc| -> Result<_, AccelError> {
+                let micro = acc.accumulate(|acc| -> Result<_, AccelError> {
                     let logits = acc.forward(|scope| model.forward(scope, ids, true))??;
                     let loss = lm_loss(&logits, labels);
-                    acc.backward(&loss)?;
-                    let synced = acc.sync_gradients();
-                    let norm = match args.max_grad_norm {
-                        Some(max) if synced => Some(acc.clip_grad_norm(max, 2.0)?),
-                        _ => None,
-                    };
-                    acc.step(&mut opt)?;
-                    scheduler.step(&mut opt);
-                    acc.zero_grad(&mut opt);
-                    Ok((synced, loss.detach(), norm))
+                    let max_norm = args.max_grad_norm;
+                    backward_and_step(acc, &mut opt, &mut scheduler, &loss, max_norm, |_| Ok(()))
                 })?;
-                window.push(loss);
-                if !synced {
+                // The loss log records no skipped steps.
+                let used = (lr_used, false);
+                if !report.micro_batch(&mut acc, micro, step + 1, used, args.steps)? {
                     continue;
                 }
                 step += 1;
                 bar.inc(1);
-                pending.push(Pending {
-                    step,
-                    lr: lr_used,
-                    grad_norm: norm,
-                    loss: Tensor::stack(&window, 0).mean(Kind::Float),
-                });
-                window.clear();
-                if pending.len() == REPORT_EVERY || step == args.steps {
-                    flush(&acc, &mut pending, &mut log, &mut last)?;
-                }
                 if let (Some(every), Some(eval)) = (args.eval_every, eval.as_ref()) {
                     if step.is_multiple_of(every) {
                         let loss =
@@ -872,11 +779,11 @@ fn main() -> Result<()> {
                 }
             }
         }
-        flush(&acc, &mut pending, &mut log, &mut last)?;
+        report.flush(&mut acc)?;
         bar.finish();
     }
     let secs = started.elapsed().as_secs_f64();
-    if let Some(mut l) = log.take() {
+    if let Some(mut l) = report.log.take() {
         l.flush()?;
     }
     if let Some(mut l) = eval_log.take() {
@@ -921,8 +828,8 @@ fn main() -> Result<()> {
     if step > 0 {
         acc.print(format!(
             "gpt2: {step} steps, loss {:.6} -> {:.6}, {:.2} steps/s",
-            last.0.unwrap_or(f64::NAN),
-            last.1,
+            report.first.unwrap_or(f64::NAN),
+            report.last,
             step as f64 / secs.max(1e-9)
         ));
     }

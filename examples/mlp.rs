@@ -13,14 +13,13 @@
 //! before `l3`, each run as a unit scope (FSDP wraps them with
 //! `fsdp_transformer_layer_cls_to_wrap: layers`).
 
+#[path = "shared/training.rs"]
+mod training;
+
 use accel::accelerator::{
-    AccelError, Accelerator, Checkpointable, DataLoader, ForwardScope, Reduction, SaveOptions,
-    TrainingObjects,
+    AccelError, Accelerator, Checkpointable, DataLoader, ForwardScope, SaveOptions, TrainingObjects,
 };
-use accel_sdk::{
-    optim::OptimizerConfig,
-    schedule::{LrScheduler, Schedule},
-};
+use accel_sdk::{optim::OptimizerConfig, schedule::LrScheduler};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use std::sync::{Arc, Mutex};
@@ -31,6 +30,7 @@ use std::{
     path::{Path, PathBuf},
 };
 use tch::{nn, nn::Module, Device, Kind, Tensor};
+use training::{backward_and_step, Precision, Report, Sched};
 
 /// The network; every module runs as a unit scope named by its VarStore
 /// path, so sharding strategies can gather and free it (FSDP wraps the
@@ -51,26 +51,6 @@ impl Mlp {
         }
         scope.unit("l3", || self.l3.forward(&h))
     }
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Precision {
-    /// Full fp32.
-    No,
-    /// fp16 autocast with dynamic loss scaling.
-    Fp16,
-    /// bf16 autocast.
-    Bf16,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Sched {
-    /// Warmup, then the base rate.
-    Constant,
-    /// Warmup, then linear decay to 0 at --steps.
-    Linear,
-    /// Warmup, then cosine decay to 0 at --steps.
-    Cosine,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -424,69 +404,11 @@ fn value_name<T: ValueEnum>(v: &T) -> String {
         .map_or_else(String::new, |p| p.get_name().to_owned())
 }
 
-/// Optimizer steps whose losses are averaged across ranks in one
-/// all-reduce (instead of one round trip per step); the log lines and
-/// tracker values are the same, written up to this many steps later.
-const REPORT_EVERY: usize = 20;
-
-/// An optimizer step waiting for its loss to be averaged across ranks.
-struct Pending {
-    step: u64,
-    lr: f64,
-    grad_norm: Option<f64>,
-    skipped: bool,
-    /// This rank's mean loss over the step's micro-batches.
-    loss: Tensor,
-}
-
-/// Where finished steps go: the loss log, the trackers, the summary line.
-struct Report {
-    log: Option<BufWriter<File>>,
-    first: Option<f64>,
-    last: f64,
-}
-
-impl Report {
-    /// Averages the pending losses across ranks (one all-reduce) and writes
-    /// one record per step.
-    fn flush(&mut self, acc: &mut Accelerator, pending: &mut Vec<Pending>) -> Result<()> {
-        if pending.is_empty() {
-            return Ok(());
-        }
-        let local: Vec<Tensor> = pending.iter().map(|p| p.loss.shallow_clone()).collect();
-        let means = Vec::<f64>::try_from(
-            &acc.reduce(&Tensor::stack(&local, 0), Reduction::Mean)?
-                .to_kind(Kind::Double),
-        )?;
-        for (p, loss) in pending.drain(..).zip(means) {
-            self.first.get_or_insert(loss);
-            self.last = loss;
-            if let Some(log) = self.log.as_mut() {
-                let mut record = serde_json::json!({ "step": p.step, "loss": loss, "lr": p.lr });
-                if let Some(norm) = p.grad_norm {
-                    record["grad_norm"] = norm.into();
-                }
-                if p.skipped {
-                    record["skipped"] = true.into();
-                }
-                writeln!(log, "{record}")?;
-            }
-            // Queued for the tracker thread (main process only).
-            acc.log([("loss", loss), ("lr", p.lr)], Some(p.step))?;
-        }
-        Ok(())
-    }
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
     let mut builder = Accelerator::builder().gradient_accumulation_steps(args.grad_accum);
     if let Some(mp) = args.mixed_precision {
-        builder = builder.mixed_precision(match mp {
-            Precision::No => "no",
-            Precision::Fp16 => "fp16",
-            Precision::Bf16 => "bf16",
-        });
+        builder = builder.mixed_precision(mp.name());
     }
     for d in &args.plugin_dirs {
         builder = builder.plugin_dir(d);
@@ -535,19 +457,8 @@ fn main() -> Result<()> {
     })?;
     // The schedule counts single-process steps; Accelerate's scheduler
     // steps it num_processes times per optimizer step.
-    let schedule = match args.scheduler {
-        Sched::Constant => Schedule::Constant {
-            warmup: args.warmup,
-        },
-        Sched::Linear => Schedule::Linear {
-            warmup: args.warmup,
-            total: args.steps * u64::from(acc.num_processes()),
-        },
-        Sched::Cosine => Schedule::Cosine {
-            warmup: args.warmup,
-            total: args.steps * u64::from(acc.num_processes()),
-        },
-    };
+    let total = args.steps * u64::from(acc.num_processes());
+    let schedule = args.scheduler.schedule(args.warmup, total);
     let mut scheduler = acc.prepare_scheduler(LrScheduler::new(schedule, &mut opt))?;
     let samples = x.size()[0];
     let mut data = DataLoader::new(x, y, args.batch_size)?.num_workers(args.num_workers);
@@ -623,13 +534,7 @@ fn main() -> Result<()> {
     let stop = args.stop_at.map_or(args.steps, |s| s.min(args.steps));
     // Drawn on the local main process's terminal only (accel::progress).
     let bar = acc.progress_bar(stop.saturating_sub(step), "mlp");
-    let mut window: Vec<Tensor> = Vec::new();
-    let mut pending: Vec<Pending> = Vec::new();
-    let mut report = Report {
-        log,
-        first: None,
-        last: f64::NAN,
-    };
+    let mut report = Report::new(log, true);
     let epochs_done = |loader: &accel::accelerator::ShardedLoader| {
         let p = loader.position();
         p.epoch + u64::from(p.finished)
@@ -638,40 +543,23 @@ fn main() -> Result<()> {
         for batch in loader.iter()? {
             let (xb, yb) = batch?.pair()?;
             let lr_used = opt.lr();
-            let (synced, loss, norm) = acc.accumulate(|acc| -> Result<_, AccelError> {
+            let micro = acc.accumulate(|acc| -> Result<_, AccelError> {
                 let out = acc.forward(|scope| model.forward(scope, &xb))??;
                 let loss = out.to_kind(Kind::Float).mse_loss(&yb, tch::Reduction::Mean);
-                acc.backward(&loss)?;
-                let synced = acc.sync_gradients();
-                if args.print_memory && synced {
-                    memory = Some(acc.memory_stats()?);
-                }
-                let norm = match args.max_grad_norm {
-                    Some(max) if synced => Some(acc.clip_grad_norm(max, 2.0)?),
-                    _ => None,
-                };
-                acc.step(&mut opt)?;
-                scheduler.step(&mut opt);
-                acc.zero_grad(&mut opt);
-                Ok((synced, loss.detach(), norm))
+                let max_norm = args.max_grad_norm;
+                backward_and_step(acc, &mut opt, &mut scheduler, &loss, max_norm, |acc| {
+                    if args.print_memory {
+                        memory = Some(acc.memory_stats()?);
+                    }
+                    Ok(())
+                })
             })?;
-            window.push(loss);
-            if !synced {
+            let skipped = acc.optimizer_step_was_skipped();
+            if !report.micro_batch(&mut acc, micro, step + 1, (lr_used, skipped), stop)? {
                 continue;
             }
             step += 1;
             bar.inc(1);
-            pending.push(Pending {
-                step,
-                lr: lr_used,
-                grad_norm: norm,
-                skipped: acc.optimizer_step_was_skipped(),
-                loss: Tensor::stack(&window, 0).mean(Kind::Float),
-            });
-            window.clear();
-            if pending.len() == REPORT_EVERY || step == stop {
-                report.flush(&mut acc, &mut pending)?;
-            }
             if args
                 .checkpoint_every
                 .is_some_and(|n| step.is_multiple_of(n))

@@ -7,7 +7,7 @@
 
 use accel_integration_tests::{
     accel_bin, describe,
-    gpt2::{gpt2, save_tiny_model, write_tokens},
+    gpt2::{gpt2, on_tokens, save_tiny_model, write_tokens, SIZES},
     loss_records, max_abs_diff, read_weights, write_config,
 };
 use std::{
@@ -109,6 +109,18 @@ fn weights(dir: &Path, tag: &str) -> Vec<(String, tch::Tensor)> {
     read_weights(&dir.join(tag).join("model.safetensors"))
 }
 
+/// Asserts that run `tag` logged and saved what run `plain` did (within
+/// 1e-6), adding the differences to `report`.
+fn assert_same_run(dir: &Path, plain: &str, tag: &str, report: &mut Vec<String>) {
+    let logs = log_diff(
+        &dir.join(format!("{plain}.jsonl")),
+        &dir.join(format!("{tag}.jsonl")),
+    );
+    let w = max_abs_diff(&weights(dir, plain), &weights(dir, tag));
+    report.push(format!("{tag}: logs {logs:e}, weights {w:e}"));
+    assert!(logs <= 1e-6 && w <= 1e-6, "{report:#?}");
+}
+
 #[test]
 fn checkpointed_gpt2_blocks_give_the_same_gradients_under_every_strategy_and_precision() {
     let tmp = tempfile::tempdir().unwrap();
@@ -119,24 +131,22 @@ fn checkpointed_gpt2_blocks_give_the_same_gradients_under_every_strategy_and_pre
     let (init, tokens) = (init.to_str().unwrap(), tokens.to_str().unwrap());
     // Dropout on (the masks must be drawn again identically), every step's
     // gradient norm logged (never clipped at 1e9).
-    let base = [
-        "--model",
-        init,
-        "--data",
+    let base = on_tokens(
+        Some(init),
         tokens,
-        "--block-size",
-        "32",
-        "--batch-size",
-        "4",
-        "--steps",
-        "2",
-        "--lr",
-        "3e-3",
-        "--dropout",
-        "0.1",
-        "--max-grad-norm",
-        "1e9",
-    ];
+        &[
+            "--batch-size",
+            "4",
+            "--steps",
+            "2",
+            "--lr",
+            "3e-3",
+            "--dropout",
+            "0.1",
+            "--max-grad-norm",
+            "1e9",
+        ],
+    );
     let strategies = [
         Strategy {
             name: "single",
@@ -174,13 +184,7 @@ fn checkpointed_gpt2_blocks_give_the_same_gradients_under_every_strategy_and_pre
                 "{}",
                 describe(&out)
             );
-            let logs = log_diff(
-                &dir.join(format!("{plain}.jsonl")),
-                &dir.join(format!("{ckpt}.jsonl")),
-            );
-            let w = max_abs_diff(&weights(dir, &plain), &weights(dir, &ckpt));
-            report.push(format!("{ckpt}: logs {logs:e}, weights {w:e}"));
-            assert!(logs <= 1e-6 && w <= 1e-6, "{report:#?}");
+            assert_same_run(dir, &plain, &ckpt, &mut report);
         }
         if precision != "no" {
             continue;
@@ -201,13 +205,7 @@ fn checkpointed_gpt2_blocks_give_the_same_gradients_under_every_strategy_and_pre
             describe(&out)
         );
         let plain = format!("fsdp-full-shard-{precision}");
-        let logs = log_diff(
-            &dir.join(format!("{plain}.jsonl")),
-            &dir.join(format!("{tag}.jsonl")),
-        );
-        let w = max_abs_diff(&weights(dir, &plain), &weights(dir, &tag));
-        report.push(format!("{tag}: logs {logs:e}, weights {w:e}"));
-        assert!(logs <= 1e-6 && w <= 1e-6, "{report:#?}");
+        assert_same_run(dir, &plain, &tag, &mut report);
     }
     // Dropout really drew: without it the first loss differs.
     let no_dropout: Vec<&str> = base
@@ -229,17 +227,8 @@ fn checkpointing_lowers_the_peak_memory_of_a_gpt2_step() {
     let tokens: PathBuf = dir.join("tokens.bin");
     // Activations dominate: 4 blocks of width 128 over 32 windows of 64
     // tokens (about 20 MiB of saved activations per block).
-    let args = [
-        "--n-layer",
-        "4",
-        "--n-embd",
-        "128",
-        "--n-head",
-        "4",
-        "--vocab-size",
-        "512",
-        "--n-positions",
-        "64",
+    let wider = ["--n-layer", "4", "--n-embd", "128"];
+    let window = [
         "--data",
         tokens.to_str().unwrap(),
         "--block-size",
@@ -249,6 +238,8 @@ fn checkpointing_lowers_the_peak_memory_of_a_gpt2_step() {
         "--steps",
         "1",
     ];
+    // The test model's other sizes (heads, vocabulary, positions).
+    let args = [&wider[..], &SIZES[4..], &window].concat();
     let single = Strategy {
         name: "single",
         config: None,

@@ -4,7 +4,9 @@
 //! restored iteration, refusals.
 
 use accel::accelerator::{Accelerator, Checkpointable, SaveOptions, TrainingObjects};
-use accel_integration_tests::{describe, launch_mlp, mlp, read_weights, run_ok, venv_bin};
+use accel_integration_tests::{
+    adamw_args, describe, launch_mlp, mlp, read_weights, run_ok, venv_bin,
+};
 use accel_sdk::optim::OptimizerConfig;
 use serde_json::Value;
 use std::{
@@ -15,25 +17,20 @@ use std::{
 };
 use tch::{nn, Device, Kind, Tensor};
 
-const COMMON: [&str; 10] = [
-    "--steps",
-    "16",
-    "--optimizer",
-    "adamw",
-    "--lr",
-    "0.01",
-    "--scheduler",
-    "cosine",
-    "--warmup",
-    "3",
-];
-
 #[test]
 fn ddp_resume_is_bit_identical_to_a_straight_run() {
     let dir = tempfile::tempdir().unwrap();
     let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
     fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
-        [&COMMON[..], &["--grad-accum", "2"], extra].concat()
+        let schedule = [
+            "--scheduler",
+            "cosine",
+            "--warmup",
+            "3",
+            "--grad-accum",
+            "2",
+        ];
+        adamw_args("16", &[&schedule[..], extra].concat())
     }
     launch_mlp(
         2,

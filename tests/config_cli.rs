@@ -4,11 +4,12 @@
 //! the conformance corpus beside this repository when it is there (CI);
 //! without it that test says it skipped.
 
-use accel_integration_tests::{accel_bin, describe, plugin_dir, run};
+use accel_integration_tests::{accel_bin, assert_contains, describe, plugin_dir, run};
+use accel_test_kit::conformance_dir;
 use std::{
     io::Write,
     path::{Path, PathBuf},
-    process::{Command, Stdio},
+    process::{Command, Output, Stdio},
 };
 
 /// A file of the conformance corpus beside the repository (CI has it, a
@@ -16,22 +17,7 @@ use std::{
 /// `ACCEL_REQUIRE_CONFORMANCE` is set). `ACCEL_CONFORMANCE_DIR` names
 /// another place.
 fn conformance(rel: &str) -> Option<PathBuf> {
-    let dir = std::env::var_os("ACCEL_CONFORMANCE_DIR").map_or_else(
-        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/conformance"),
-        PathBuf::from,
-    );
-    if !dir.is_dir() {
-        let why = format!(
-            "no corpus at {} (it sits beside the repository in CI)",
-            dir.display()
-        );
-        assert!(
-            std::env::var_os("ACCEL_REQUIRE_CONFORMANCE").is_none(),
-            "conformance: {why}, and ACCEL_REQUIRE_CONFORMANCE is set"
-        );
-        eprintln!("conformance: skipped: {why}");
-        return None;
-    }
+    let dir = conformance_dir()?;
     let file = dir.join("accelerate-configs").join(rel);
     assert!(
         file.is_file(),
@@ -180,138 +166,144 @@ fn a_strategy_plugin_checks_its_own_section() {
     );
 }
 
-/// `accel launch --config_file config touch marker` (no ACCEL_PLUGIN_DIR).
-fn launch_touch(accel: &Path, config: &Path, marker: &Path) -> std::process::Output {
-    Command::new(accel)
-        .args(["launch", "--config_file"])
-        .arg(config)
-        .arg("touch")
-        .arg(marker)
-        .env_remove("ACCEL_PLUGIN_DIR")
-        .output()
-        .unwrap()
+/// A config file in a directory of its own, checked by `accel config
+/// validate` and run by `accel launch` (`touch` of a marker file, so a test
+/// sees whether a rank started).
+struct ConfigRun {
+    accel: PathBuf,
+    config: PathBuf,
+    marker: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl ConfigRun {
+    /// `yaml` written as `name`.
+    fn new(name: &str, yaml: &str) -> ConfigRun {
+        let dir = tempfile::tempdir().unwrap();
+        let run = ConfigRun {
+            accel: accel_bin(),
+            config: dir.path().join(name),
+            marker: dir.path().join("a-rank-ran"),
+            _dir: dir,
+        };
+        run.write(yaml);
+        run
+    }
+
+    /// Replaces the file with `yaml`.
+    fn write(&self, yaml: &str) {
+        std::fs::write(&self.config, yaml).unwrap();
+    }
+
+    /// `{file}:{line_col}`, where a message points in the file.
+    fn place(&self, line_col: &str) -> String {
+        format!("{}:{line_col}", self.config.display())
+    }
+
+    /// `accel config validate FILE`, asserted to exit with `code` saying
+    /// `said` on stderr.
+    fn validate(&self, code: i32, said: &str) {
+        let out = run(
+            &self.accel,
+            &["config", "validate", self.config.to_str().unwrap()],
+        );
+        assert_exit(&out, code, said);
+    }
+
+    /// [`ConfigRun::validate`] and [`ConfigRun::launch`], both exiting with
+    /// `code` and reporting `said` as a `severity` at `line_col` (validate:
+    /// `FILE:LINE:COL: SEVERITY: SAID`; launch: `accel launch: SEVERITY:
+    /// FILE:LINE:COL: SAID`).
+    fn both_say(&self, code: i32, severity: &str, line_col: &str, said: &str) {
+        let place = self.place(line_col);
+        self.validate(code, &format!("{place}: {severity}: {said}"));
+        self.launch(code, &format!("accel launch: {severity}: {place}: {said}"));
+    }
+
+    /// `accel launch --config_file FILE touch MARKER` (no ACCEL_PLUGIN_DIR),
+    /// asserted to exit with `code` saying `said` on stderr, a rank having
+    /// run exactly when it succeeded; returns all it wrote.
+    fn launch(&self, code: i32, said: &str) -> String {
+        let out = Command::new(&self.accel)
+            .args(["launch", "--config_file"])
+            .arg(&self.config)
+            .arg("touch")
+            .arg(&self.marker)
+            .env_remove("ACCEL_PLUGIN_DIR")
+            .output()
+            .unwrap();
+        let text = assert_exit(&out, code, said);
+        assert_eq!(self.marker.exists(), code == 0, "a rank ran: {text}");
+        let _ = std::fs::remove_file(&self.marker);
+        text
+    }
+}
+
+/// A 2-process CPU FSDP config whose `fsdp_config` is `section`.
+fn on_fsdp(section: &str) -> String {
+    format!("distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\nfsdp_config:\n{section}")
+}
+
+/// Asserts that `out` exited with `code` and its stderr contains `said`;
+/// returns all it wrote.
+fn assert_exit(out: &Output, code: i32, said: &str) -> String {
+    let text = describe(out);
+    assert_eq!(out.status.code(), Some(code), "{text}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(said),
+        "no `{said}` in {text}"
+    );
+    text
 }
 
 #[test]
 fn launch_refuses_what_accel_fsdp_cannot_run_before_any_rank_starts() {
-    let accel = accel_bin();
-    let dir = tempfile::tempdir().unwrap();
-    let marker = dir.path().join("a-rank-ran");
-    let config = dir.path().join("fsdp.yaml");
     // Accelerate's value, well-formed (so the file validates), but not
     // implemented by accel-fsdp: launch refuses it, pointing at it.
-    std::fs::write(
-        &config,
-        "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\nfsdp_config:\n  fsdp_state_dict_type: LOCAL_STATE_DICT\n",
-    )
-    .unwrap();
-    let out = run(&accel, &["config", "validate", config.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", describe(&out));
-    let out = launch_touch(&accel, &config, &marker);
-    let text = describe(&out);
-    assert_eq!(out.status.code(), Some(1), "{text}");
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains(&format!(
-            "accel launch: error: {}:5:25: plugin `accel-fsdp`: fsdp_config.fsdp_state_dict_type: \
+    let c = ConfigRun::new(
+        "fsdp.yaml",
+        &on_fsdp("  fsdp_state_dict_type: LOCAL_STATE_DICT\n"),
+    );
+    c.validate(0, "");
+    let text = c.launch(
+        1,
+        &format!(
+            "accel launch: error: {}: plugin `accel-fsdp`: fsdp_config.fsdp_state_dict_type: \
              LOCAL_STATE_DICT is not supported by accel-fsdp",
-            config.display()
-        )),
-        "{text}"
+            c.place("5:25")
+        ),
     );
     assert!(!text.contains("process(es) on machine"), "{text}");
-    assert!(!marker.exists(), "a rank started: {text}");
 
     // A setting the plugin's validator refuses outright: the same, in
     // `config validate` too, at the key's line and column.
-    std::fs::write(
-        &config,
-        "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\nfsdp_config:\n  fsdp_sync_module_states: false\n",
-    )
-    .unwrap();
-    let place = format!("{}:5:28", config.display());
+    c.write(&on_fsdp("  fsdp_sync_module_states: false\n"));
     let said = "plugin `accel-fsdp`: fsdp_config.fsdp_sync_module_states is false";
-    let out = run(&accel, &["config", "validate", config.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains(&format!("{place}: error: {said}")),
-        "{}",
-        describe(&out)
-    );
-    let out = launch_touch(&accel, &config, &marker);
-    let text = describe(&out);
-    assert_eq!(out.status.code(), Some(1), "{text}");
-    assert!(
-        String::from_utf8_lossy(&out.stderr)
-            .contains(&format!("accel launch: error: {place}: {said}")),
-        "{text}"
-    );
-    assert!(!marker.exists(), "a rank started: {text}");
+    c.both_say(1, "error", "5:28", said);
 }
 
 #[test]
 fn a_section_for_a_plugin_not_installed_is_a_warning_naming_the_close_ones() {
-    let accel = accel_bin();
-    let dir = tempfile::tempdir().unwrap();
-    let marker = dir.path().join("a-rank-ran");
-    let config = dir.path().join("typo.yaml");
-    std::fs::write(
-        &config,
+    let c = ConfigRun::new(
+        "typo.yaml",
         "distributed_type: NO\nnum_processes: 1\nuse_cpu: true\naccel:\n  plugins:\n    accel-fsdq:\n      bucket_mb: 25\n",
-    )
-    .unwrap();
-    let place = format!("{}:6:5", config.display());
+    );
     let said = "accel.plugins.accel-fsdq: no installed plugin is named `accel-fsdq`, \
                 so nothing reads these settings; did you mean `accel-fsdp`?";
-    let out = run(&accel, &["config", "validate", config.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", describe(&out));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains(&format!("{place}: warning: {said}")),
-        "{}",
-        describe(&out)
-    );
-    // At launch: the same warning, and the job runs.
-    let out = launch_touch(&accel, &config, &marker);
-    let text = describe(&out);
-    assert!(out.status.success(), "{text}");
-    assert!(
-        String::from_utf8_lossy(&out.stderr)
-            .contains(&format!("accel launch: warning: {place}: {said}")),
-        "{text}"
-    );
-    assert!(marker.exists(), "{text}");
+    // At launch too: the same warning, and the job runs.
+    c.both_say(0, "warning", "6:5", said);
 }
 
 #[test]
 fn launch_checks_the_strategys_settings_before_any_rank_starts() {
-    let accel = accel_bin();
-    let dir = tempfile::tempdir().unwrap();
-    let marker = dir.path().join("a-rank-ran");
-    let config = dir.path().join("fsdp.yaml");
     // `fsdp_offload_param` is one letter short of a real key: an error with
     // the suggestion; an unknown key is only a warning.
-    std::fs::write(
-        &config,
-        "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\nfsdp_config:\n  fsdp_offload_param: true\n  fsdp_shiny_new_knob: 1\n",
-    )
-    .unwrap();
-    let launch = || launch_touch(&accel, &config, &marker);
-    let out = launch();
-    let text = describe(&out);
-    assert_eq!(out.status.code(), Some(1), "{text}");
-    assert!(
-        text.contains("did you mean `fsdp_offload_params`"),
-        "{text}"
+    let c = ConfigRun::new(
+        "fsdp.yaml",
+        &on_fsdp("  fsdp_offload_param: true\n  fsdp_shiny_new_knob: 1\n"),
     );
-    assert!(!marker.exists(), "a rank started: {text}");
+    assert_contains(&c.launch(1, ""), &["did you mean `fsdp_offload_params`"]);
     // Without the near miss, the unknown key is a warning and the job runs.
-    std::fs::write(
-        &config,
-        "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\nfsdp_config:\n  fsdp_shiny_new_knob: 1\n",
-    )
-    .unwrap();
-    let out = launch();
-    let text = describe(&out);
-    assert!(out.status.success(), "{text}");
-    assert!(text.contains("fsdp_shiny_new_knob"), "{text}");
-    assert!(marker.exists(), "{text}");
+    c.write(&on_fsdp("  fsdp_shiny_new_knob: 1\n"));
+    assert_contains(&c.launch(0, ""), &["fsdp_shiny_new_knob"]);
 }

@@ -8,7 +8,7 @@
 
 use accel_integration_tests::{
     accel_bin,
-    gpt2::{gpt2, save_tiny_model, write_tokens},
+    gpt2::{gpt2, on_tokens, save_tiny_model, write_tokens},
     read_weights, run_ok, write_config,
 };
 use std::{path::Path, process::Command};
@@ -64,16 +64,11 @@ fn sharded_ranks_load_their_slices_and_end_with_the_files_weights() {
     // dropout: the deferred model draws its init as a random one would, so
     // the masks match too.
     let tokens = d.join("tokens.bin");
-    let train = [
-        "--data",
+    let train = on_tokens(
+        None,
         tokens.to_str().unwrap(),
-        "--block-size",
-        "32",
-        "--batch-size",
-        "4",
-        "--steps",
-        "2",
-    ];
+        &["--batch-size", "4", "--steps", "2"],
+    );
     run(d, "fsdp-mapped", "FSDP", &fsdp(true), &train);
     run(d, "fsdp-copied", "FSDP", &fsdp(false), &train);
     let (a, b) = (

@@ -3,8 +3,8 @@
 //! strategies report while training (`mlp --print-memory` on 2 ranks).
 
 use accel_integration_tests::{
-    accel_bin, describe, launch_mlp, launch_with_config, memory_lines, run_ok, venv_bin,
-    write_config,
+    accel_bin, assert_contains, describe, launch_mlp, launch_with_config, memory_lines, run_ok,
+    venv_bin, write_config,
 };
 use serde_json::Value;
 use std::{path::Path, process::Command};
@@ -95,14 +95,12 @@ print(json.dumps({
             .arg("estimate-memory")
             .arg(dir.path().join("single")),
     );
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.contains("│ dtype │Largest Layer│Total Size│Training using Adam│"),
-        "{text}"
-    );
-    assert!(
-        text.contains("│float32│  250.0 KB   │ 673.0 KB │"),
-        "{text}"
+    assert_contains(
+        &String::from_utf8_lossy(&out.stdout),
+        &[
+            "│ dtype │Largest Layer│Total Size│Training using Adam│",
+            "│float32│  250.0 KB   │ 673.0 KB │",
+        ],
     );
 }
 
@@ -179,44 +177,31 @@ fn per_rank_figures_are_within_10_percent_of_what_each_strategy_holds() {
 #[test]
 fn bad_input_is_named_and_the_process_count_comes_from_the_config() {
     let dir = tempfile::tempdir().unwrap();
-    let run = |args: &[&str]| {
-        Command::new(accel_bin())
+    // `accel estimate-memory ARGS` fails, saying `said` on stderr.
+    let fails_saying = |args: &[&str], said: &str| {
+        let out = Command::new(accel_bin())
             .arg("estimate-memory")
             .args(args)
             .output()
-            .unwrap()
+            .unwrap();
+        assert!(!out.status.success());
+        assert_contains(&String::from_utf8_lossy(&out.stderr), &[said]);
     };
     let missing = dir.path().join("missing");
-    let out = run(&[missing.to_str().unwrap()]);
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("missing: no such file or directory"),
-        "{}",
-        describe(&out)
+    fails_saying(
+        &[missing.to_str().unwrap()],
+        "missing: no such file or directory",
     );
     let empty = dir.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
-    let out = run(&[empty.to_str().unwrap()]);
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("no model.safetensors"),
-        "{}",
-        describe(&out)
-    );
+    fails_saying(&[empty.to_str().unwrap()], "no model.safetensors");
     std::fs::write(
         empty.join("model.safetensors"),
         b"\x10\0\0\0\0\0\0\0{not json}      ",
     )
     .unwrap();
-    let out = run(&[empty.to_str().unwrap()]);
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("not a safetensors file"),
-        "{}",
-        describe(&out)
-    );
-    let out = run(&[empty.to_str().unwrap(), "--num_processes", "0"]);
-    assert!(!out.status.success());
+    fails_saying(&[empty.to_str().unwrap()], "not a safetensors file");
+    fails_saying(&[empty.to_str().unwrap(), "--num_processes", "0"], "");
     // A real (tiny) model: one 2x3 F32 tensor.
     let model = dir.path().join("tiny");
     std::fs::create_dir(&model).unwrap();

@@ -5,8 +5,9 @@
 //! between FSDP and DDP, and refusals name the key.
 
 use accel_integration_tests::{
-    adamw_mlp_args, describe, file_weights_diff, launch_mlp, launch_with_config, loss_records,
-    max_abs_diff, memory_lines, read_weights, refused, run_ok, write_config,
+    adamw_mlp_args, assert_logs_join, assert_weights_close, describe, launch_mlp,
+    launch_with_config, log_values, max_abs_diff, memory_lines, read_weights, refused, run_ok,
+    write_config, StopResume,
 };
 use serde_json::Value;
 use std::{
@@ -17,13 +18,19 @@ use std::{
 /// An FSDP config wrapping the mlp's `layers.<i>` blocks, plus `extra`
 /// `fsdp_config` lines.
 fn fsdp_config(dir: &Path, name: &str, ranks: u32, extra: &str) -> PathBuf {
+    fsdp_config_wrapping(dir, name, ranks, "layers", extra)
+}
+
+/// An FSDP config wrapping the layer class `wrap`, with `extra` lines of
+/// `fsdp_config`.
+fn fsdp_config_wrapping(dir: &Path, name: &str, ranks: u32, wrap: &str, extra: &str) -> PathBuf {
     write_config(
         dir,
         name,
         "FSDP",
         ranks,
         &format!(
-            "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: layers\n{extra}"
+            "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: {wrap}\n{extra}"
         ),
     )
 }
@@ -118,23 +125,14 @@ fn clipping_and_accumulation_under_full_shard_match_ddp() {
     let mut args = with(&extra);
     args.extend(["--loss-log", &log, "--save", &w]);
     fsdp_mlp(&config, &args);
-    let norms = |f: &str| -> Vec<f64> {
-        loss_records(Path::new(f))
-            .iter()
-            .map(|r| r["grad_norm"].as_f64().unwrap())
-            .collect()
-    };
+    let norms = |f: &str| log_values(f, "grad_norm");
     let (want, got) = (norms(&ddp_log), norms(&log));
     assert_eq!(want.len(), 8);
     for (a, b) in got.iter().zip(&want) {
         assert!(*b > 0.5, "the clip does not bite: {want:?}");
         assert!((a - b).abs() <= 1e-6 * b, "{got:?} vs DDP {want:?}");
     }
-    let diff = file_weights_diff(&ddp_w, &w);
-    assert!(
-        diff <= 1e-5,
-        "FULL_SHARD with clipping and accumulation differs by {diff}"
-    );
+    assert_weights_close(&ddp_w, &w, "FULL_SHARD with clipping and accumulation");
 }
 
 #[test]
@@ -214,53 +212,29 @@ fn a_sharded_checkpoint_on_4_ranks_resumes_exactly_and_only_there() {
         &with(&["--save", &straight_w, "--loss-log", &straight_log]),
     );
     let proj = p("proj");
-    let first_log = p("first.jsonl");
-    fsdp_mlp(
-        &config,
-        &with(&[
-            "--stop-at",
-            "4",
-            "--checkpoint-every",
-            "4",
-            "--project-dir",
-            &proj,
-            "--loss-log",
-            &first_log,
-        ]),
-    );
-    let ckpt = Path::new(&proj).join("checkpoints/checkpoint_0");
-    for r in 0..4 {
-        for f in [
-            format!("model_rank{r}.safetensors"),
-            format!("optimizer_rank{r}.safetensors"),
-        ] {
-            assert!(ckpt.join(&f).exists(), "no {f} in {}", ckpt.display());
-        }
+    let (first_log, second_log) = (p("first.jsonl"), p("second.jsonl"));
+    StopResume {
+        project: &proj,
+        straight: &straight_w,
+        resumed: &p("resumed.safetensors"),
+        first: &["--loss-log", &first_log],
+        second: &["--loss-log", &second_log],
+        what: "SHARDED on 4 ranks",
     }
-    let (resumed_w, second_log) = (p("resumed.safetensors"), p("second.jsonl"));
-    let out = fsdp_mlp(
-        &config,
-        &with(&[
-            "--resume",
-            "--project-dir",
-            &proj,
-            "--save",
-            &resumed_w,
-            "--loss-log",
-            &second_log,
-        ]),
+    .run(
+        |flags| fsdp_mlp(&config, &with(flags)),
+        |ckpt| {
+            for r in 0..4 {
+                for f in [
+                    format!("model_rank{r}.safetensors"),
+                    format!("optimizer_rank{r}.safetensors"),
+                ] {
+                    assert!(ckpt.join(&f).exists(), "no {f} in {}", ckpt.display());
+                }
+            }
+        },
     );
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("at step 4"),
-        "{}",
-        describe(&out)
-    );
-    assert!(
-        std::fs::read(&straight_w).unwrap() == std::fs::read(&resumed_w).unwrap(),
-        "resumed weights differ from the straight run"
-    );
-    let read = |f: &str| std::fs::read_to_string(f).unwrap();
-    assert_eq!(read(&straight_log), read(&first_log) + &read(&second_log));
+    assert_logs_join(&straight_log, &first_log, &second_log);
     // Another world size cannot take these shards.
     let two = fsdp_config(
         dir.path(),
@@ -293,10 +267,7 @@ fn a_full_checkpoint_moves_between_fsdp_and_ddp_and_training_continues() {
     let (ddp_w, ddp_log) = (p("ddp.safetensors"), p("ddp.jsonl"));
     launch_mlp(4, &with(&["--save", &ddp_w, "--loss-log", &ddp_log]));
     let want = read_weights(Path::new(&ddp_w));
-    let want_losses: Vec<f64> = loss_records(Path::new(&ddp_log))
-        .iter()
-        .map(|r| r["loss"].as_f64().unwrap())
-        .collect();
+    let want_losses = log_values(&ddp_log, "loss");
     // Half under one strategy, the rest under the other, both ways.
     for (name, first, second) in [("to_ddp", &fsdp, &ddp), ("to_fsdp", &ddp, &fsdp)] {
         let proj = p(name);
@@ -344,11 +315,7 @@ fn a_full_checkpoint_moves_between_fsdp_and_ddp_and_training_continues() {
             diff <= 1e-5,
             "{name}: weights differ from DDP's straight run by {diff}"
         );
-        let losses: Vec<f64> = [log1, log2]
-            .iter()
-            .flat_map(|f| loss_records(Path::new(f)))
-            .map(|r| r["loss"].as_f64().unwrap())
-            .collect();
+        let losses = [log_values(&log1, "loss"), log_values(&log2, "loss")].concat();
         assert_eq!(losses.len(), want_losses.len());
         for (a, b) in losses.iter().zip(&want_losses) {
             assert!(
@@ -363,35 +330,38 @@ fn a_full_checkpoint_moves_between_fsdp_and_ddp_and_training_continues() {
 fn what_accel_fsdp_does_not_do_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    refused(
-        &fsdp_config(
-            d,
+    // (file, the layer class to wrap, more of `fsdp_config`, what the
+    // refusal names)
+    for (name, wrap, section, expect) in [
+        (
             "local.yaml",
-            2,
+            "layers",
             "  fsdp_state_dict_type: LOCAL_STATE_DICT\n",
+            &["fsdp_state_dict_type", "LOCAL_STATE_DICT"][..],
         ),
-        &["fsdp_state_dict_type", "LOCAL_STATE_DICT"],
-    );
-    refused(
-        &write_config(
-            d,
+        (
             "bert.yaml",
-            "FSDP",
-            2,
-            "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: BertLayer\n",
+            "BertLayer",
+            "",
+            &["`BertLayer` is not a layer class of this model"],
         ),
-        &["`BertLayer` is not a layer class of this model"],
-    );
-    refused(
-        &fsdp_config(d, "bogus.yaml", 2, "  fsdp_sharding_strategy: BOGUS\n"),
-        &["fsdp_sharding_strategy", "BOGUS"],
-    );
-    // bf16 parameters need the bf16 autocast that casts the inputs.
-    refused(
-        &fsdp_config(d, "policy.yaml", 2, "  fsdp_mixed_precision_policy: bf16\n"),
-        &[
-            "fsdp_config.fsdp_mixed_precision_policy",
-            "param_dtype bf16 needs mixed_precision: bf16",
-        ],
-    );
+        (
+            "bogus.yaml",
+            "layers",
+            "  fsdp_sharding_strategy: BOGUS\n",
+            &["fsdp_sharding_strategy", "BOGUS"],
+        ),
+        // bf16 parameters need the bf16 autocast that casts the inputs.
+        (
+            "policy.yaml",
+            "layers",
+            "  fsdp_mixed_precision_policy: bf16\n",
+            &[
+                "fsdp_config.fsdp_mixed_precision_policy",
+                "param_dtype bf16 needs mixed_precision: bf16",
+            ],
+        ),
+    ] {
+        refused(&fsdp_config_wrapping(d, name, 2, wrap, section), expect);
+    }
 }

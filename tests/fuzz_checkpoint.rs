@@ -21,9 +21,10 @@
 
 use accel::accelerator::{Accelerator, Checkpointable, DataLoader, SaveOptions, TrainingObjects};
 use accel::hf;
-use accel_integration_tests::Rng;
 use accel_sdk::optim::OptimizerConfig;
 use accel_sdk::schedule::{LrScheduler, Schedule};
+use accel_test_kit::safetensors::{mutate as mutate_safetensors, number};
+use accel_test_kit::{cases, CaseDir, Rng};
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 use serde_json::{json, Value};
@@ -32,45 +33,6 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use tch::{nn, Device, Kind, Tensor};
-
-fn cases(n: u32) -> ProptestConfig {
-    let scale = std::env::var("ACCEL_FUZZ_SCALE")
-        .ok()
-        .and_then(|s| s.parse::<u32>().ok())
-        .unwrap_or(1)
-        .max(1);
-    ProptestConfig {
-        failure_persistence: None,
-        ..ProptestConfig::with_cases(n.saturating_mul(scale))
-    }
-}
-
-/// A scratch directory for one case, removed when dropped, under a directory
-/// shared by the cases of a test thread (in memory where there is a tmpfs:
-/// creating directories on some disks costs more than the case itself).
-struct CaseDir(PathBuf);
-
-impl CaseDir {
-    fn new() -> Self {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        thread_local! {
-            static DIR: tempfile::TempDir = tempfile::tempdir_in("/dev/shm")
-                .or_else(|_| tempfile::tempdir())
-                .expect("a temporary directory");
-        }
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let dir = DIR.with(|d| d.path().join(format!("case{n}")));
-        std::fs::create_dir(&dir).unwrap();
-        CaseDir(dir)
-    }
-}
-
-impl Drop for CaseDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// The raw bytes of a tensor.
 fn raw(t: &Tensor) -> Vec<u8> {
@@ -97,34 +59,6 @@ fn truncated(before: &BTreeMap<String, Vec<u8>>, after: &BTreeMap<String, Vec<u8
         })
         .map(|(name, _)| name.clone())
         .collect()
-}
-
-/// Numbers a header may hold: small, at the edges of the integer types.
-fn number(r: &mut Rng) -> Value {
-    match r.below(3) {
-        0 => json!(r.below(40)),
-        1 => json!(r.pick(&[
-            0u64,
-            1,
-            8,
-            1 << 31,
-            1 << 32,
-            1 << 62,
-            (1 << 63) - 1,
-            1 << 63,
-            u64::MAX - 8,
-            u64::MAX - 7,
-            u64::MAX,
-        ])),
-        _ => r.pick(&[
-            json!(-1),
-            json!(1.5),
-            json!("3"),
-            json!(null),
-            json!(1e300),
-            json!([]),
-        ]),
-    }
 }
 
 /// A JSON value of any type, some of them huge or odd.
@@ -177,128 +111,6 @@ fn mutate_json_value(v: &mut Value, r: &mut Rng) {
         }
         (1, Value::Array(a)) => a.push(any_json(r)),
         _ => *v = any_json(r),
-    }
-}
-
-/// A header length from the edges, for a file of `len` bytes whose header
-/// length is `n`.
-fn edge_length(n: u64, len: u64, r: &mut Rng) -> u64 {
-    r.pick(&[
-        0,
-        1,
-        2,
-        n.wrapping_sub(1),
-        n.wrapping_add(1),
-        len.wrapping_sub(8),
-        len.wrapping_sub(7),
-        len,
-        u32::MAX as u64,
-        100_000_001,
-        1 << 63,
-        u64::MAX,
-        u64::MAX - 7,
-    ])
-}
-
-/// One change to safetensors bytes.
-fn mutate_safetensors(bytes: &mut Vec<u8>, r: &mut Rng) {
-    match r.below(8) {
-        0 if !bytes.is_empty() => {
-            let i = r.below(bytes.len());
-            bytes[i] ^= (r.below(255) + 1) as u8;
-        }
-        1 if !bytes.is_empty() => {
-            let i = r.below(bytes.len().min(24));
-            bytes[i] ^= 1 << r.below(8);
-        }
-        2 if !bytes.is_empty() => {
-            let at = r.below(bytes.len());
-            bytes.truncate(at);
-        }
-        3 if bytes.len() >= 8 => {
-            let n = u64::from_le_bytes(bytes[..8].try_into().unwrap());
-            let v = edge_length(n, bytes.len() as u64, r);
-            bytes[..8].copy_from_slice(&v.to_le_bytes());
-        }
-        4 => {
-            let n = r.below(16) + 1;
-            let extra = r.bytes(n);
-            bytes.extend_from_slice(&extra);
-        }
-        _ => {
-            // rewrite the JSON header
-            let Some(n) = bytes
-                .get(..8)
-                .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
-            else {
-                return;
-            };
-            let Some(end) = (n as usize).checked_add(8).filter(|&e| e <= bytes.len()) else {
-                return;
-            };
-            let Ok(mut header) = serde_json::from_slice::<Value>(&bytes[8..end]) else {
-                return;
-            };
-            let data = bytes[end..].to_vec();
-            mutate_header(&mut header, r);
-            let text = header.to_string();
-            let mut out = (text.len() as u64).to_le_bytes().to_vec();
-            out.extend_from_slice(text.as_bytes());
-            out.extend_from_slice(&data);
-            *bytes = out;
-        }
-    }
-}
-
-fn mutate_header(header: &mut Value, r: &mut Rng) {
-    let Some(obj) = header.as_object_mut() else {
-        return;
-    };
-    let names: Vec<String> = obj.keys().cloned().collect();
-    if names.is_empty() {
-        return;
-    }
-    let name = names[r.below(names.len())].clone();
-    let entry = obj.get_mut(&name).unwrap();
-    if !entry.is_object() {
-        *entry = json!({});
-    }
-    match r.below(9) {
-        0 => entry["shape"] = Value::Array((0..r.below(5)).map(|_| number(r)).collect()),
-        8 => {
-            // its shape kept, its end near u64::MAX
-            let end = r.pick(&[u64::MAX, u64::MAX - 7, 1 << 63]);
-            entry["data_offsets"] = json!([0, end]);
-        }
-        1 => {
-            let big = r.pick(&[1u64 << 32, 1 << 62, u64::MAX]);
-            let mut dims = vec![json!(big), json!(big)];
-            dims[r.below(2)] = json!(0);
-            entry["shape"] = json!(dims);
-        }
-        2 => entry["data_offsets"] = json!([number(r), number(r)]),
-        3 => {
-            // a tensor claiming the whole address space
-            let n = r.pick(&[u64::MAX, u64::MAX - 7, 1 << 63]);
-            entry["shape"] = json!([n]);
-            entry["data_offsets"] = json!([0, n]);
-            entry["dtype"] = json!("U8");
-        }
-        4 => {
-            entry["dtype"] =
-                json!(r.pick(&["F8_E4M3", "C64", "U16", "U64", "I64", "BOOL", "F16", "f32", ""]))
-        }
-        5 => {
-            let field = r.pick(&["dtype", "shape", "data_offsets"]);
-            entry.as_object_mut().unwrap().remove(field);
-        }
-        6 => {
-            let copy = entry.clone();
-            obj.insert(format!("{name}.copy"), copy);
-        }
-        _ => {
-            obj.remove(&name);
-        }
     }
 }
 
@@ -463,7 +275,7 @@ proptest! {
     fn hf_checkpoints_load_or_refuse(seed in any::<u64>(), edits in 0usize..4, sharded in any::<bool>()) {
         let r = &mut Rng(seed);
         let case = CaseDir::new();
-        let dir = &case.0;
+        let dir = case.path();
         let params = random_params(r);
         let max = if sharded { 1 } else { 1 << 30 };
         hf::save(dir, &params, max).unwrap();
@@ -624,8 +436,8 @@ fn load_state_of_a_damaged_directory_is_an_error_not_a_panic() {
             }
             let truncated = truncated(&fx.pristine, &files);
             let case = CaseDir::new();
-            write_files(&case.0, &files);
-            match fx.load(Some(&case.0)) {
+            write_files(case.path(), &files);
+            match fx.load(Some(case.path())) {
                 Ok(_) => prop_assert!(
                     truncated.is_empty(),
                     "loaded although {truncated:?} were truncated"
@@ -727,7 +539,7 @@ fn a_tensor_said_to_end_at_u64_max_is_refused_by_every_reader() {
                 Tensor::ones([4], (Kind::Float, Device::Cpu)),
             ),
         ];
-        let files = hf::save(&case.0, &params, max).unwrap();
+        let files = hf::save(case.path(), &params, max).unwrap();
         let shard = files
             .iter()
             .find(|f| f.extension().is_some_and(|e| e == "safetensors"));
@@ -737,7 +549,7 @@ fn a_tensor_said_to_end_at_u64_max_is_refused_by_every_reader() {
             ending_at_u64_max(&std::fs::read(shard).unwrap(), false),
         )
         .unwrap();
-        let err = hf::Checkpoint::open(&case.0).unwrap_err().to_string();
+        let err = hf::Checkpoint::open(case.path()).unwrap_err().to_string();
         assert!(err.contains("truncated"), "{err}");
     }
 
@@ -747,8 +559,8 @@ fn a_tensor_said_to_end_at_u64_max_is_refused_by_every_reader() {
     let model = files.get_mut("model.safetensors").unwrap();
     *model = ending_at_u64_max(model, true);
     let case = CaseDir::new();
-    write_files(&case.0, &files);
-    let err = fx.load(Some(&case.0)).unwrap_err();
+    write_files(case.path(), &files);
+    let err = fx.load(Some(case.path())).unwrap_err();
     assert!(
         err.contains("model.safetensors") && err.contains("truncated"),
         "{err}"

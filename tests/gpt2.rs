@@ -6,7 +6,9 @@
 
 use accel_integration_tests::{
     accel_bin, describe,
-    gpt2::{gpt2, logits, max_diff, peer, write_tokens, LOGITS_INPUT, SIZES},
+    gpt2::{
+        gpt2, logits, max_diff, on_tokens, peer, write_tokens, ACCUMULATED, LOGITS_INPUT, SIZES,
+    },
     loss_records, read_weights, run_ok, venv_bin, workspace_root,
 };
 use serde_json::Value;
@@ -74,20 +76,11 @@ fn parity(dir: &Path, init: &Path, tokens: &Path, n: u32, steps: u64, extra: &[&
         dir.join(format!("py_{tag}_logits.safetensors")),
     );
     let steps_s = steps.to_string();
-    let mut common: Vec<&str> = vec![
-        "--model",
-        init.to_str().unwrap(),
-        "--data",
+    let mut common = on_tokens(
+        init.to_str(),
         tokens.to_str().unwrap(),
-        "--block-size",
-        "32",
-        "--steps",
-        &steps_s,
-        "--lr",
-        "1e-3",
-        "--data-seed",
-        "7",
-    ];
+        &["--steps", &steps_s, "--lr", "1e-3", "--data-seed", "7"],
+    );
     common.extend(extra);
     let mut accel = if n == 1 {
         Command::new(gpt2())
@@ -226,18 +219,7 @@ fn losses_and_saved_logits_match_transformers_on_one_and_two_processes() {
         &tokens,
         2,
         60,
-        &[
-            "--batch-size",
-            "4",
-            "--grad-accum",
-            "2",
-            "--max-grad-norm",
-            "0.5",
-            "--scheduler",
-            "linear",
-            "--warmup",
-            "10",
-        ],
+        &[ACCUMULATED, &["--scheduler", "linear", "--warmup", "10"]].concat(),
     );
     // transformers loads what accel saved; its logits are accel's.
     let diffs = transformers_logits(&[&one, &two]);

@@ -3,7 +3,9 @@
 //! down with no process left behind, signals, restarts, output handling,
 //! refused combinations, dry runs, and two machines in network namespaces.
 
-use accel_integration_tests::{accel_bin, assert_no_leftovers, build_bin, describe, plugin_dir};
+use accel_integration_tests::{
+    accel_bin, assert_contains, assert_no_leftovers, build_bin, describe, no_hf_home, plugin_dir,
+};
 use serde_json::Value;
 use std::{
     collections::BTreeSet,
@@ -22,10 +24,23 @@ fn launch(args: &[&str]) -> Command {
     let mut cmd = Command::new(accel_bin());
     cmd.arg("launch").args(args).env_remove("ACCEL_PLUGIN_DIR");
     // No user config file may leak into the test.
-    cmd.env(
-        "HF_HOME",
-        std::env::temp_dir().join("accel-tests-no-hf-home"),
-    );
+    cmd.env("HF_HOME", no_hf_home());
+    cmd
+}
+
+/// `accel launch --cpu --num_processes N --launcher LAUNCHER ARGS`, not yet run.
+fn launch_cpu(n: &str, launcher: &str, args: &[&str]) -> Command {
+    let mut cmd = launch(&["--cpu", "--num_processes", n, "--launcher", launcher]);
+    cmd.args(args);
+    cmd
+}
+
+/// `cmd` running the probe, which writes into `dir`, with `probe_args`.
+fn probe_into(mut cmd: Command, dir: &Path, probe_args: &[&str]) -> Command {
+    cmd.arg(probe())
+        .arg("--write-dir")
+        .arg(dir)
+        .args(probe_args);
     cmd
 }
 
@@ -62,19 +77,11 @@ fn ranks_written(dir: &Path) -> usize {
 
 fn check_env_contract(launcher: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let out = output(launch(&[
-        "--cpu",
-        "--num_processes",
-        "4",
-        "--mixed_precision",
-        "bf16",
-        "--launcher",
-        launcher,
-        probe().to_str().unwrap(),
-        "--write-dir",
-        dir.path().to_str().unwrap(),
-        "--join",
-    ]));
+    let out = output(probe_into(
+        launch_cpu("4", launcher, &["--mixed_precision", "bf16"]),
+        dir.path(),
+        &["--join"],
+    ));
     assert!(out.status.success(), "{}", describe(&out));
     let ranks = ranks(dir.path());
     assert_eq!(ranks.len(), 4);
@@ -115,16 +122,7 @@ fn hanging_job(dir: &Path, extra: &[&str]) -> Child {
 }
 
 fn hanging_job_under(launcher: &str, dir: &Path, extra: &[&str]) -> Child {
-    let mut args = vec!["--cpu", "--num_processes", "4", "--launcher", launcher];
-    args.extend_from_slice(extra);
-    let probe = probe();
-    args.extend([
-        probe.to_str().unwrap(),
-        "--hang",
-        "--write-dir",
-        dir.to_str().unwrap(),
-    ]);
-    let child = launch(&args)
+    let child = probe_into(launch_cpu("4", launcher, extra), dir, &["--hang"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -214,23 +212,11 @@ fn sigint_under_mpi_counts_every_rank_of_the_job() {
 fn rank_1_stalls(launcher: &str, action: &str, timeout: &str) -> (Output, i64, Duration) {
     let dir = tempfile::tempdir().unwrap();
     let marker = dir.path().to_str().unwrap().to_owned();
-    let probe = probe();
-    let child = launch(&[
-        "--cpu",
-        "--num_processes",
-        "2",
-        "--launcher",
-        launcher,
-        "--collective_timeout",
-        timeout,
-        probe.to_str().unwrap(),
-        "--write-dir",
-        &marker,
-        action,
-        "--only-rank",
-        "1",
-        "--others-spin",
-    ])
+    let child = probe_into(
+        launch_cpu("2", launcher, &["--collective_timeout", timeout]),
+        dir.path(),
+        &[action, "--only-rank", "1", "--others-spin"],
+    )
     .stdout(Stdio::null())
     .stderr(Stdio::piped())
     .spawn()
@@ -277,17 +263,16 @@ fn the_watchdog_ends_a_job_whose_rank_uses_no_cpu() {
 
 #[test]
 fn the_collective_timeout_reaches_every_rank_and_bad_values_are_refused() {
-    let out = output(launch(&[
-        "--cpu",
-        "--num_processes",
+    let out = output(launch_cpu(
         "2",
-        "--launcher",
         "mpi",
-        "--collective_timeout",
-        "7",
-        "--dry-run",
-        probe().to_str().unwrap(),
-    ]));
+        &[
+            "--collective_timeout",
+            "7",
+            "--dry-run",
+            probe().to_str().unwrap(),
+        ],
+    ));
     assert!(out.status.success(), "{}", describe(&out));
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("ACCEL_COLLECTIVE_TIMEOUT=7"),
@@ -316,19 +301,13 @@ fn the_collective_timeout_reaches_every_rank_and_bad_values_are_refused() {
 #[test]
 fn absurd_process_counts_are_refused_before_anything_starts() {
     let dir = tempfile::tempdir().unwrap();
-    let probe = probe();
     for launcher in ["mpi", "local"] {
         let start = Instant::now();
-        let out = output(launch(&[
-            "--cpu",
-            "--num_processes",
-            "100000",
-            "--launcher",
-            launcher,
-            probe.to_str().unwrap(),
-            "--write-dir",
-            dir.path().to_str().unwrap(),
-        ]));
+        let out = output(probe_into(
+            launch_cpu("100000", launcher, &[]),
+            dir.path(),
+            &[],
+        ));
         assert_eq!(out.status.code(), Some(1), "{launcher}: {}", describe(&out));
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
@@ -343,16 +322,7 @@ fn absurd_process_counts_are_refused_before_anything_starts() {
         assert!(start.elapsed() < Duration::from_secs(20));
     }
     // The open-file limit, named with the value that would do.
-    let mut cmd = launch(&[
-        "--cpu",
-        "--num_processes",
-        "20",
-        "--launcher",
-        "mpi",
-        probe.to_str().unwrap(),
-        "--write-dir",
-        dir.path().to_str().unwrap(),
-    ]);
+    let mut cmd = probe_into(launch_cpu("20", "mpi", &[]), dir.path(), &[]);
     // SAFETY: setrlimit in the child before exec; no allocation.
     unsafe {
         use std::os::unix::process::CommandExt;
@@ -380,20 +350,15 @@ fn absurd_process_counts_are_refused_before_anything_starts() {
 #[test]
 fn several_machines_under_mpi_need_a_hostfile() {
     let dir = tempfile::tempdir().unwrap();
-    let out = output(launch(&[
-        "--cpu",
-        "--num_processes",
-        "4",
-        "--num_machines",
-        "2",
-        "--main_process_ip",
-        "127.0.0.1",
-        "--launcher",
-        "mpi",
-        probe().to_str().unwrap(),
-        "--write-dir",
-        dir.path().to_str().unwrap(),
-    ]));
+    let out = output(probe_into(
+        launch_cpu(
+            "4",
+            "mpi",
+            &["--num_machines", "2", "--main_process_ip", "127.0.0.1"],
+        ),
+        dir.path(),
+        &[],
+    ));
     assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -407,18 +372,17 @@ fn several_machines_under_mpi_need_a_hostfile() {
 
 #[test]
 fn a_crashing_rank_is_named_with_its_signal() {
-    let out = output(launch(&[
-        "--cpu",
-        "--num_processes",
+    let out = output(launch_cpu(
         "2",
-        "--launcher",
         "local",
-        probe().to_str().unwrap(),
-        "--crash",
-        "--only-rank",
-        "1",
-        "--others-hang",
-    ]));
+        &[
+            probe().to_str().unwrap(),
+            "--crash",
+            "--only-rank",
+            "1",
+            "--others-hang",
+        ],
+    ));
     assert_eq!(out.status.code(), Some(128 + 6), "{}", describe(&out));
     assert!(String::from_utf8_lossy(&out.stderr).contains("rank 1 (pid"));
     assert!(String::from_utf8_lossy(&out.stderr).contains("was killed by signal 6 (SIGABRT)"));
@@ -428,23 +392,23 @@ fn a_crashing_rank_is_named_with_its_signal() {
 fn max_restarts_restarts_the_group_after_a_failure() {
     let dir = tempfile::tempdir().unwrap();
     let marker = dir.path().join("failed-once");
-    let args = |restarts: &'static str| {
-        vec![
-            "--cpu".to_owned(),
-            "--num_processes".into(),
-            "2".into(),
-            "--launcher".into(),
-            "local".into(),
-            "--max_restarts".into(),
-            restarts.into(),
-            probe().to_str().unwrap().to_owned(),
-            "--fail-once".into(),
-            marker.to_str().unwrap().to_owned(),
-            "--only-rank".into(),
-            "1".into(),
-        ]
+    let probe = probe();
+    let restarting = |restarts: &str| {
+        launch_cpu(
+            "2",
+            "local",
+            &[
+                "--max_restarts",
+                restarts,
+                probe.to_str().unwrap(),
+                "--fail-once",
+                marker.to_str().unwrap(),
+                "--only-rank",
+                "1",
+            ],
+        )
     };
-    let out = output(launch(&[]).args(args("1")));
+    let out = output(restarting("1"));
     assert!(out.status.success(), "{}", describe(&out));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -453,25 +417,24 @@ fn max_restarts_restarts_the_group_after_a_failure() {
     );
 
     fs::remove_file(&marker).unwrap();
-    let out = output(launch(&[]).args(args("0")));
+    let out = output(restarting("0"));
     assert_eq!(out.status.code(), Some(3), "{}", describe(&out));
 }
 
 #[test]
 fn tee_prefixes_output_and_log_dir_keeps_every_rank() {
     let logs = tempfile::tempdir().unwrap();
-    let out = output(launch(&[
-        "--cpu",
-        "--num_processes",
+    let out = output(launch_cpu(
         "2",
-        "--launcher",
         "local",
-        "--tee",
-        "3",
-        "--log_dir",
-        logs.path().to_str().unwrap(),
-        probe().to_str().unwrap(),
-    ]));
+        &[
+            "--tee",
+            "3",
+            "--log_dir",
+            logs.path().to_str().unwrap(),
+            probe().to_str().unwrap(),
+        ],
+    ));
     assert!(out.status.success(), "{}", describe(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     for rank in 0..2 {
@@ -561,45 +524,26 @@ fn bad_combinations_are_refused_before_anything_starts() {
 #[test]
 fn dry_run_prints_each_rank_and_starts_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let out = output(launch(&[
-        "--cpu",
-        "--num_processes",
-        "2",
-        "--launcher",
-        "local",
-        "--dry-run",
-        probe().to_str().unwrap(),
-        "--write-dir",
-        dir.path().to_str().unwrap(),
-    ]));
+    let out = output(probe_into(
+        launch_cpu("2", "local", &["--dry-run"]),
+        dir.path(),
+        &[],
+    ));
     assert!(out.status.success(), "{}", describe(&out));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.contains("rank 0:") && text.contains("rank 1:"),
-        "{text}"
+    assert_contains(
+        &String::from_utf8_lossy(&out.stdout),
+        &[
+            "rank 0:",
+            "rank 1:",
+            "  RANK=1",
+            "  WORLD_SIZE=2",
+            "ACCELERATE_USE_CPU=true",
+        ],
     );
-    assert!(
-        text.contains("  RANK=1") && text.contains("  WORLD_SIZE=2"),
-        "{text}"
-    );
-    assert!(text.contains("ACCELERATE_USE_CPU=true"), "{text}");
     assert_eq!(ranks_written(dir.path()), 0);
-
-    let mpi = output(launch(&[
-        "--cpu",
-        "--num_processes",
-        "2",
-        "--launcher",
-        "mpi",
-        "--dry-run",
-        "prog",
-        "a",
-    ]));
-    let text = String::from_utf8_lossy(&mpi.stdout);
-    assert!(
-        text.contains("$ mpirun --np 2") && text.contains("__rank-exec -- prog a"),
-        "{text}"
-    );
+    let mpi = output(launch_cpu("2", "mpi", &["--dry-run", "prog", "a"]));
+    let expected = ["$ mpirun --np 2", "__rank-exec -- prog a"];
+    assert_contains(&String::from_utf8_lossy(&mpi.stdout), &expected);
 }
 
 #[test]
@@ -660,93 +604,27 @@ impl Namespaces {
         let [a, b] = &ns.names;
         let va = format!("av0-{id}");
         let vb = format!("av1-{id}");
-        let steps: Vec<Vec<String>> = vec![
-            vec!["netns".into(), "add".into(), a.clone()],
-            vec!["netns".into(), "add".into(), b.clone()],
-            vec![
-                "link".into(),
-                "add".into(),
-                va.clone(),
-                "type".into(),
-                "veth".into(),
-                "peer".into(),
-                "name".into(),
-                vb.clone(),
-            ],
-            vec![
-                "link".into(),
-                "set".into(),
-                va.clone(),
-                "netns".into(),
-                a.clone(),
-            ],
-            vec![
-                "link".into(),
-                "set".into(),
-                vb.clone(),
-                "netns".into(),
-                b.clone(),
-            ],
-            vec![
-                "-n".into(),
-                a.clone(),
-                "addr".into(),
-                "add".into(),
-                "10.231.7.1/24".into(),
-                "dev".into(),
-                va.clone(),
-            ],
-            vec![
-                "-n".into(),
-                b.clone(),
-                "addr".into(),
-                "add".into(),
-                "10.231.7.2/24".into(),
-                "dev".into(),
-                vb.clone(),
-            ],
-            vec![
-                "-n".into(),
-                a.clone(),
-                "link".into(),
-                "set".into(),
-                va,
-                "up".into(),
-            ],
-            vec![
-                "-n".into(),
-                b.clone(),
-                "link".into(),
-                "set".into(),
-                vb,
-                "up".into(),
-            ],
-            vec![
-                "-n".into(),
-                a.clone(),
-                "link".into(),
-                "set".into(),
-                "lo".into(),
-                "up".into(),
-            ],
-            vec![
-                "-n".into(),
-                b.clone(),
-                "link".into(),
-                "set".into(),
-                "lo".into(),
-                "up".into(),
-            ],
+        let steps = [
+            format!("netns add {a}"),
+            format!("netns add {b}"),
+            format!("link add {va} type veth peer name {vb}"),
+            format!("link set {va} netns {a}"),
+            format!("link set {vb} netns {b}"),
+            format!("-n {a} addr add 10.231.7.1/24 dev {va}"),
+            format!("-n {b} addr add 10.231.7.2/24 dev {vb}"),
+            format!("-n {a} link set {va} up"),
+            format!("-n {b} link set {vb} up"),
+            format!("-n {a} link set lo up"),
+            format!("-n {b} link set lo up"),
         ];
         for step in steps {
             let out = Command::new("ip")
-                .args(&step)
+                .args(step.split_whitespace())
                 .output()
                 .map_err(|e| format!("ip: {e}"))?;
             if !out.status.success() {
                 return Err(format!(
-                    "ip {}: {}",
-                    step.join(" "),
+                    "ip {step}: {}",
                     String::from_utf8_lossy(&out.stderr).trim()
                 ));
             }
@@ -799,10 +677,7 @@ fn two_machines_in_network_namespaces_form_one_job() {
             ])
             .arg(&probe)
             .args(["--join", "--write-dir", dir.path().to_str().unwrap()])
-            .env(
-                "HF_HOME",
-                std::env::temp_dir().join("accel-tests-no-hf-home"),
-            )
+            .env("HF_HOME", no_hf_home())
             .env_remove("ACCEL_PLUGIN_DIR")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -838,17 +713,18 @@ fn two_machines_in_network_namespaces_form_one_job() {
 fn a_third_party_launcher_from_a_plugin_dir_is_selectable() {
     let plugins = plugin_dir("accel-test-faulty");
     let dir = tempfile::tempdir().unwrap();
-    let out = output(launch(&[
-        "--plugin-dir",
-        plugins.path().to_str().unwrap(),
-        "--launcher",
-        "single",
-        "--mixed_precision",
-        "fp16",
-        probe().to_str().unwrap(),
-        "--write-dir",
-        dir.path().to_str().unwrap(),
-    ]));
+    let out = output(probe_into(
+        launch(&[
+            "--plugin-dir",
+            plugins.path().to_str().unwrap(),
+            "--launcher",
+            "single",
+            "--mixed_precision",
+            "fp16",
+        ]),
+        dir.path(),
+        &[],
+    ));
     assert!(out.status.success(), "{}", describe(&out));
     let ranks = ranks(dir.path());
     assert_eq!(ranks.len(), 1);
@@ -858,10 +734,9 @@ fn a_third_party_launcher_from_a_plugin_dir_is_selectable() {
     // Without the plugin dir, the launcher does not exist, and the error says what does.
     let out = output(launch(&["--launcher", "single", "prog"]));
     assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("no launcher plugin for `single`") && err.contains("local, mpi, slurm"),
-        "{err}"
+    assert_contains(
+        &String::from_utf8_lossy(&out.stderr),
+        &["no launcher plugin for `single`", "local, mpi, slurm"],
     );
 }
 
@@ -873,18 +748,11 @@ fn gpu_ids_become_cuda_visible_devices_and_too_few_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     for (ids, expected) in [("1,3", Some("1,3")), ("all", None)] {
         let out = output(
-            launch(&[
-                "--cpu",
-                "--num_processes",
-                "2",
-                "--launcher",
-                "local",
-                "--gpu_ids",
-                ids,
-                probe().to_str().unwrap(),
-                "--write-dir",
-                dir.path().to_str().unwrap(),
-            ])
+            probe_into(
+                launch_cpu("2", "local", &["--gpu_ids", ids]),
+                dir.path(),
+                &[],
+            )
             .env_remove("CUDA_VISIBLE_DEVICES"),
         );
         assert!(out.status.success(), "{}", describe(&out));
@@ -906,10 +774,6 @@ fn gpu_ids_become_cuda_visible_devices_and_too_few_are_refused() {
         probe().to_str().unwrap(),
     ]));
     assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
-    assert!(
-        String::from_utf8_lossy(&out.stderr)
-            .contains("gpu_ids 0,1 names 2 GPU(s) for 4 process(es) per machine"),
-        "{}",
-        describe(&out)
-    );
+    let expected = "gpu_ids 0,1 names 2 GPU(s) for 4 process(es) per machine";
+    assert_contains(&String::from_utf8_lossy(&out.stderr), &[expected]);
 }

@@ -5,7 +5,8 @@
 //! name.
 
 use accel_integration_tests::{
-    accel_bin, describe, launch_with_config, read_weights, run_ok, venv_bin, write_config,
+    accel_bin, adamw_args, describe, launch_with_config, read_weights, run_ok, venv_bin,
+    write_config,
 };
 use std::{
     path::{Path, PathBuf},
@@ -16,24 +17,21 @@ use std::{
 /// shards are padded) and 2 extra layers, a checkpoint after the last step,
 /// the gathered FULL weights saved to `save`.
 fn run_args<'a>(proj: &'a str, save: &'a str) -> Vec<&'a str> {
-    vec![
-        "--steps",
+    adamw_args(
         "8",
-        "--optimizer",
-        "adamw",
-        "--lr",
-        "0.01",
-        "--hidden",
-        "23",
-        "--layers",
-        "2",
-        "--checkpoint-every",
-        "8",
-        "--project-dir",
-        proj,
-        "--save",
-        save,
-    ]
+        &[
+            "--hidden",
+            "23",
+            "--layers",
+            "2",
+            "--checkpoint-every",
+            "8",
+            "--project-dir",
+            proj,
+            "--save",
+            save,
+        ],
+    )
 }
 
 /// `accel merge-weights <args>`, not asserted.

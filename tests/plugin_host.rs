@@ -9,7 +9,10 @@ use accel_integration_tests::{
 };
 use accel_sdk::{abi_stable::std_types::ROption, ErrorKind, LogEntry, PluginKind};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::{
+    path::{Path, PathBuf},
+    process::Output,
+};
 
 const TEMPLATE: &str = "libaccel_csv_tracker.so";
 
@@ -41,6 +44,16 @@ fn entry<'a>(list: &'a Value, path: &Path) -> &'a Value {
         .iter()
         .find(|p| p["path"].as_str() == path.to_str())
         .unwrap_or_else(|| panic!("{} not listed in {list:#}", path.display()))
+}
+
+/// `accel plugins select tracker csv EXTRA --plugin-dir DIR`.
+fn select_csv(accel: &Path, dir: &str, extra: &[&str]) -> Output {
+    let args = [
+        &["plugins", "select", "tracker", "csv"][..],
+        extra,
+        &["--plugin-dir", dir],
+    ];
+    run(accel, &args.concat())
 }
 
 #[test]
@@ -177,26 +190,11 @@ fn bad_files_are_rejected_one_line_each_and_the_rest_still_load() {
         "{}",
         describe(&show)
     );
-    let pick = run(
-        &accel,
-        &[
-            "plugins",
-            "select",
-            "tracker",
-            "csv",
-            "--use-plugin",
-            "junk",
-            "--plugin-dir",
-            d,
-        ],
-    );
+    let pick = select_csv(&accel, d, &["--use-plugin", "junk"]);
     assert_eq!(pick.status.code(), Some(1), "{}", describe(&pick));
     assert!(String::from_utf8_lossy(&pick.stderr).contains("not an accel plugin"));
     // The good plugin beside them still answers.
-    let ok = run(
-        &accel,
-        &["plugins", "select", "tracker", "csv", "--plugin-dir", d],
-    );
+    let ok = select_csv(&accel, d, &[]);
     assert!(ok.status.success(), "{}", describe(&ok));
     assert!(String::from_utf8_lossy(&ok.stdout).contains(template.to_str().unwrap()));
 }
@@ -215,10 +213,7 @@ fn two_plugins_claiming_one_selector_is_an_error_naming_both() {
     let d = dir.path().to_str().unwrap();
     let accel = accel_bin();
 
-    let out = run(
-        &accel,
-        &["plugins", "select", "tracker", "csv", "--plugin-dir", d],
-    );
+    let out = select_csv(&accel, d, &[]);
     assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -226,19 +221,7 @@ fn two_plugins_claiming_one_selector_is_an_error_naming_both() {
         "{err}"
     );
 
-    let picked = run(
-        &accel,
-        &[
-            "plugins",
-            "select",
-            "tracker",
-            "csv",
-            "--use-plugin",
-            "accel-csv-tracker",
-            "--plugin-dir",
-            d,
-        ],
-    );
+    let picked = select_csv(&accel, d, &["--use-plugin", "accel-csv-tracker"]);
     assert!(picked.status.success(), "{}", describe(&picked));
 }
 

@@ -5,7 +5,8 @@
 
 use accel::accelerator::Accelerator;
 use accel_integration_tests::{
-    file_weights_diff, launch_mlp, loss_records, max_abs_diff, mlp, read_weights, run_ok, venv_bin,
+    adamw_args, assert_weights_close, file_weights_diff, fp16_step_with_inf_at_2, launch_mlp,
+    log_values, loss_records, max_abs_diff, mlp, read_weights, run_ok, venv_bin,
 };
 use accel_sdk::optim::{Algorithm, Hyper, Optimizer, OptimizerConfig, ParamGroup};
 use serde_json::{json, Value};
@@ -261,25 +262,17 @@ fn fp16_skips_exactly_the_step_with_an_injected_inf_and_halves_the_scale() {
     let mut scales = Vec::new();
     for step in 0..6 {
         let before = snapshot(&vs);
+        // fp16 autocast on the CPU
         let out = acc.autocast(|| x.matmul(&w.tr())).unwrap();
-        assert_eq!(out.kind(), Kind::Half, "fp16 autocast on the CPU");
-        let mut loss = out.to_kind(Kind::Float).square().mean(Kind::Float);
-        if step == 2 {
-            loss *= f64::INFINITY;
-        }
-        acc.backward(&loss).unwrap();
-        let stepped = acc.step(&mut opt).unwrap();
-        acc.zero_grad(&mut opt);
-        assert_eq!(stepped, step != 2, "step {step}");
-        assert_eq!(acc.optimizer_step_was_skipped(), step == 2);
+        let after = |_: &_| snapshot(&vs);
+        scales.push(fp16_step_with_inf_at_2(
+            &mut acc,
+            &mut opt,
+            (&out, step),
+            &before,
+            after,
+        ));
         assert_eq!(opt.step_was_skipped(), step == 2);
-        let moved = max_abs_diff(&before, &snapshot(&vs));
-        if step == 2 {
-            assert_eq!(moved, 0.0, "the skipped step changed the weights");
-        } else {
-            assert!(moved > 0.0, "step {step} did not update");
-        }
-        scales.push(acc.loss_scale().unwrap());
     }
     // 2 clean steps, the inf halves 1024, then 3 clean steps double it.
     assert_eq!(scales, vec![1024.0, 1024.0, 512.0, 512.0, 512.0, 1024.0]);
@@ -335,17 +328,8 @@ fn bf16_autocast_yields_bf16_on_cpu_and_weights_stay_fp32() {
 fn clip_grad_norm_on_two_ranks_equals_one_process_on_the_whole_batch() {
     let dir = tempfile::tempdir().unwrap();
     let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
-    let common = [
-        "--steps",
-        "8",
-        "--optimizer",
-        "adamw",
-        "--lr",
-        "0.01",
-        "--max-grad-norm",
-        "0.5",
-    ];
-    run_ok(Command::new(mlp()).args(common).args([
+    let common = adamw_args("8", &["--max-grad-norm", "0.5"]);
+    run_ok(Command::new(mlp()).args(&common).args([
         "--batch-size",
         "32",
         "--loss-log",
@@ -383,13 +367,10 @@ fn clip_grad_norm_on_two_ranks_equals_one_process_on_the_whole_batch() {
             "norms differ: {one:?} vs {two:?}"
         );
     }
-    let diff = file_weights_diff(
-        dir.path().join("one.safetensors"),
-        dir.path().join("two.safetensors"),
-    );
-    assert!(
-        diff <= 1e-5,
-        "clipped DDP differs from one process by {diff}"
+    assert_weights_close(
+        p("one.safetensors"),
+        p("two.safetensors"),
+        "clipped DDP vs one process",
     );
 }
 
@@ -460,10 +441,7 @@ fn scheduler_steps_like_accelerated_scheduler() {
             log.to_str().unwrap(),
         ],
     );
-    let lrs: Vec<f64> = loss_records(&log)
-        .iter()
-        .map(|r| r["lr"].as_f64().unwrap())
-        .collect();
+    let lrs = log_values(&log, "lr");
     // total = 6 steps x 2 ranks = 12 schedule steps; warmup 4.
     let expected = [0.0, 0.05, 0.1, 0.075, 0.05, 0.025];
     for (got, want) in lrs.iter().zip(expected) {
@@ -482,8 +460,8 @@ fn a_third_party_precision_plugin_replaces_the_built_in_fp16() {
         &plugins.join("libaccel_test_faulty.so"),
     );
     let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
-    let common = ["--steps", "10", "--optimizer", "adamw", "--lr", "0.01"];
-    let out = run_ok(Command::new(mlp()).args(common).args([
+    let common = adamw_args("10", &[]);
+    let out = run_ok(Command::new(mlp()).args(&common).args([
         "--mixed-precision",
         "fp16",
         "--plugin-dir",
@@ -499,7 +477,7 @@ fn a_third_party_precision_plugin_replaces_the_built_in_fp16() {
     // Its fixed scale of 8 is undone exactly before the step and it does no
     // autocast: the run equals full precision bit for bit, so the plugin
     // (not the built-in GradScaler) scaled and unscaled every step.
-    run_ok(Command::new(mlp()).args(common).args([
+    run_ok(Command::new(mlp()).args(&common).args([
         "--mixed-precision",
         "no",
         "--save",

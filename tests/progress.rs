@@ -22,14 +22,18 @@ fn launch((launcher, n): (&str, &str), env: &[(&str, &str)]) -> Output {
         launcher,
     ])
     .arg(mlp())
-    .args(["--steps", "30"])
-    .env_remove("ACCEL_PLUGIN_DIR")
-    .env_remove("ACCEL_DISABLE_PROGRESS_BAR")
-    .env_remove("ACCEL_PROGRESS_TERMINAL");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = cmd.output().expect("accel starts");
+    .args(["--steps", "30"]);
+    run_ok_with(&mut cmd, env)
+}
+
+/// Runs `cmd` with extra environment `env` and none of accel's own plugin
+/// directory and progress settings; asserts it succeeded.
+fn run_ok_with(cmd: &mut Command, env: &[(&str, &str)]) -> Output {
+    cmd.env_remove("ACCEL_PLUGIN_DIR")
+        .env_remove("ACCEL_DISABLE_PROGRESS_BAR")
+        .env_remove("ACCEL_PROGRESS_TERMINAL")
+        .envs(env.iter().copied());
+    let out = cmd.output().expect("starts");
     assert!(out.status.success(), "{}", describe(&out));
     out
 }
@@ -42,16 +46,8 @@ fn on_terminal((launcher, n): (&str, &str), env: &[(&str, &str)]) -> String {
         mlp().display()
     );
     let mut cmd = Command::new("script");
-    cmd.args(["-qec", &line, "/dev/null"])
-        .env_remove("ACCEL_PLUGIN_DIR")
-        .env_remove("ACCEL_DISABLE_PROGRESS_BAR")
-        .env_remove("ACCEL_PROGRESS_TERMINAL");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = cmd.output().expect("script (util-linux) runs");
-    assert!(out.status.success(), "{}", describe(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    cmd.args(["-qec", &line, "/dev/null"]);
+    String::from_utf8_lossy(&run_ok_with(&mut cmd, env).stdout).into_owned()
 }
 
 #[test]

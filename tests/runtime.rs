@@ -5,7 +5,7 @@
 
 use accel::accelerator::{shard_indices, Sharding};
 use accel_integration_tests::{
-    accel_bin, build_bin, describe, file_weights_diff, free_port, launch_mlp, loss_log,
+    accel_bin, assert_weights_close, build_bin, describe, free_port, launch_mlp, loss_log,
     max_abs_diff, mlp, plugin_dir, read_weights, run_ok as run, venv_bin,
 };
 use serde_json::Value;
@@ -95,11 +95,11 @@ fn accumulation_equals_one_big_batch() {
         "--loss-log",
         &p("accum.jsonl"),
     ]));
-    let diff = file_weights_diff(
-        dir.path().join("big.safetensors"),
-        dir.path().join("accum.safetensors"),
+    assert_weights_close(
+        p("big.safetensors"),
+        p("accum.safetensors"),
+        "4 x 8 accumulated vs 32",
     );
-    assert!(diff <= 1e-5, "4 x 8 accumulated differs from 32 by {diff}");
     // One log line per optimizer step, not per micro-step.
     assert_eq!(loss_log(&dir.path().join("accum.jsonl")).len(), 10);
 
@@ -117,13 +117,10 @@ fn accumulation_equals_one_big_batch() {
             &p("ddp_accum.safetensors"),
         ],
     );
-    let diff = file_weights_diff(
-        dir.path().join("big.safetensors"),
-        dir.path().join("ddp_accum.safetensors"),
-    );
-    assert!(
-        diff <= 1e-5,
-        "DDP + accumulation differs from one batch of 32 by {diff}"
+    assert_weights_close(
+        p("big.safetensors"),
+        p("ddp_accum.safetensors"),
+        "DDP + accumulation vs one batch of 32",
     );
 }
 

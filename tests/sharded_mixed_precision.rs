@@ -18,10 +18,10 @@
 
 use accel::accelerator::Accelerator;
 use accel_integration_tests::{
-    accel_bin, adamw_mlp_args, describe,
+    accel_bin, adamw_args, adamw_mlp_args, assert_logs_join, describe, fp16_step_with_inf_at_2,
     gpt2::{gpt2, write_tokens, SIZES},
     launch_mlp, launch_with_config, loss_records, max_abs_diff, memory_lines, read_weights, run_ok,
-    write_config, write_deepspeed_config,
+    write_config, write_deepspeed_config, StopResume,
 };
 use accel_sdk::optim::OptimizerConfig;
 use serde_json::{json, Value};
@@ -268,50 +268,23 @@ fn checkpoints_hold_the_fp32_masters_and_resume_exactly() {
     // Half the run, a FULL checkpoint (model and optimizer state fp32), the
     // rest resumed from it: the same bits as the straight run, which a
     // checkpoint of the bf16 copies could not give.
-    let proj = p("proj");
-    let first = p("first.jsonl");
-    mlp_with(
-        &bf16,
-        "fsdp (accel-fsdp)",
-        &with(&[
-            "--stop-at",
-            "4",
-            "--checkpoint-every",
-            "4",
-            "--project-dir",
-            &proj,
-            "--loss-log",
-            &first,
-        ]),
+    let (first, second) = (p("first.jsonl"), p("second.jsonl"));
+    StopResume {
+        project: &p("proj"),
+        straight: &w,
+        resumed: &p("resumed.safetensors"),
+        first: &["--loss-log", &first],
+        second: &["--loss-log", &second],
+        what: "bf16 under FSDP",
+    }
+    .run(
+        |flags| mlp_with(&bf16, "fsdp (accel-fsdp)", &with(flags)),
+        |ckpt| {
+            assert_fp32(&ckpt.join("model.safetensors"));
+            assert_fp32(&ckpt.join("optimizer.safetensors"));
+        },
     );
-    let ckpt = Path::new(&proj).join("checkpoints/checkpoint_0");
-    assert_fp32(&ckpt.join("model.safetensors"));
-    assert_fp32(&ckpt.join("optimizer.safetensors"));
-    let (resumed, second) = (p("resumed.safetensors"), p("second.jsonl"));
-    let out = mlp_with(
-        &bf16,
-        "fsdp (accel-fsdp)",
-        &with(&[
-            "--resume",
-            "--project-dir",
-            &proj,
-            "--save",
-            &resumed,
-            "--loss-log",
-            &second,
-        ]),
-    );
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("at step 4"),
-        "{}",
-        describe(&out)
-    );
-    assert!(
-        std::fs::read(&w).unwrap() == std::fs::read(&resumed).unwrap(),
-        "the resumed bf16 run's weights differ from the straight run's"
-    );
-    let read = |f: &str| std::fs::read_to_string(f).unwrap();
-    assert_eq!(read(&log), read(&first) + &read(&second));
+    assert_logs_join(&log, &first, &second);
 }
 
 #[test]
@@ -359,25 +332,22 @@ fn zero_fp16_trains_with_loss_scaling_on_two_ranks() {
     let out = mlp_with(
         &config,
         "zero (accel-zero)",
-        &[
-            "--steps",
+        &adamw_args(
             "20",
-            "--optimizer",
-            "adamw",
-            "--lr",
-            "0.01",
-            "--hidden",
-            "24",
-            "--layers",
-            "2",
-            "--max-grad-norm",
-            "1",
-            "--loss-log",
-            log.to_str().unwrap(),
-            "--save",
-            w.to_str().unwrap(),
-            "--print-memory",
-        ],
+            &[
+                "--hidden",
+                "24",
+                "--layers",
+                "2",
+                "--max-grad-norm",
+                "1",
+                "--loss-log",
+                log.to_str().unwrap(),
+                "--save",
+                w.to_str().unwrap(),
+                "--print-memory",
+            ],
+        ),
     );
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("precision fp16"),
@@ -446,23 +416,15 @@ fn zero3_fp16_skips_exactly_the_step_whose_gradients_overflow() {
             .forward(|scope| scope.unit("fc", || fc.forward(&x)))
             .unwrap()
             .unwrap();
-        assert_eq!(out.kind(), Kind::Half);
-        let mut loss = out.to_kind(Kind::Float).square().mean(Kind::Float);
-        if step == 2 {
-            loss *= f64::INFINITY;
-        }
-        acc.backward(&loss).unwrap();
-        let stepped = acc.step(&mut opt).unwrap();
-        acc.zero_grad(&mut opt);
-        assert_eq!(stepped, step != 2, "step {step}");
-        assert_eq!(acc.optimizer_step_was_skipped(), step == 2);
-        let moved = max_abs_diff(&before, &acc.get_state_dict().unwrap());
-        if step == 2 {
-            assert_eq!(moved, 0.0, "the skipped step changed the masters");
-        } else {
-            assert!(moved > 0.0, "step {step} did not update");
-        }
-        scales.push(acc.loss_scale().unwrap());
+        // The fp32 masters stand still at the skipped step.
+        let masters = |acc: &Accelerator| acc.get_state_dict().unwrap();
+        scales.push(fp16_step_with_inf_at_2(
+            &mut acc,
+            &mut opt,
+            (&out, step),
+            &before,
+            masters,
+        ));
     }
     // 2 clean steps, the inf halves 1024, then 3 clean steps double it.
     assert_eq!(scales, vec![1024.0, 1024.0, 512.0, 512.0, 512.0, 1024.0]);

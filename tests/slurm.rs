@@ -13,7 +13,8 @@
 //! them the tests say so loudly and skip.
 
 use accel_integration_tests::{
-    accel_bin, assert_no_leftovers, describe, free_port, mlp, processes_mentioning, LIMIT,
+    accel_bin, assert_no_leftovers, describe, free_port, mlp, no_hf_home, processes_mentioning,
+    wait_limited, LIMIT,
 };
 use std::{
     path::{Path, PathBuf},
@@ -165,10 +166,7 @@ impl Slurm {
         cmd.env("SLURM_CONF", &self.conf)
             .env_remove("ACCEL_PLUGIN_DIR")
             .env_remove("SLURM_MPI_TYPE")
-            .env(
-                "HF_HOME",
-                std::env::temp_dir().join("accel-tests-no-hf-home"),
-            )
+            .env("HF_HOME", no_hf_home())
             .current_dir(self.dir.path());
         cmd
     }
@@ -231,6 +229,12 @@ fn set_mode(path: &Path, mode: u32) {
 
 /// `accel launch -q --cpu --num_processes 2 --launcher slurm mlp ARGS --save PATH`.
 fn slurm_launch_args(save: &Path, steps: Option<&str>) -> Vec<String> {
+    launch_args("slurm", save, steps)
+}
+
+/// `accel launch -q --cpu --num_processes 2 --launcher LAUNCHER mlp ARGS
+/// --save PATH`, with `--steps` replaced by `steps` if given.
+fn launch_args(launcher: &str, save: &Path, steps: Option<&str>) -> Vec<String> {
     let mut args: Vec<String> = [
         "launch",
         "-q",
@@ -238,7 +242,7 @@ fn slurm_launch_args(save: &Path, steps: Option<&str>) -> Vec<String> {
         "--num_processes",
         "2",
         "--launcher",
-        "slurm",
+        launcher,
     ]
     .iter()
     .map(|s| s.to_string())
@@ -272,54 +276,49 @@ fn slurm_trains_as_mpirun_outside_and_inside_an_allocation() {
     let reference = dir.path().join("mpi.safetensors");
     let out = slurm
         .cmd(accel_bin())
-        .args([
-            "launch",
-            "-q",
-            "--cpu",
-            "--num_processes",
-            "2",
-            "--launcher",
-            "mpi",
-        ])
-        .arg(mlp())
-        .args(ARGS)
-        .arg("--save")
-        .arg(&reference)
+        .args(launch_args("mpi", &reference, None))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", describe(&out));
 
-    // Outside an allocation: srun allocates.
-    let outside = dir.path().join("outside.safetensors");
-    let out = slurm
-        .cmd(accel_bin())
-        .args(slurm_launch_args(&outside, None))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}\n{}", describe(&out), slurm.logs());
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("mlp: 2 process(es), strategy ddp"),
-        "{}",
-        describe(&out)
-    );
-    assert_same_weights(&reference, &outside, "srun outside an allocation", &out);
-
-    // Inside salloc: the step runs in the allocation.
-    let in_salloc = dir.path().join("salloc.safetensors");
-    let out = slurm
-        .cmd("salloc")
-        .args(["--ntasks=2", "--job-name=accel-salloc"])
-        .arg(accel_bin())
-        .args(slurm_launch_args(&in_salloc, None))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}\n{}", describe(&out), slurm.logs());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("Granted job allocation"),
-        "{}",
-        describe(&out)
-    );
-    assert_same_weights(&reference, &in_salloc, "srun inside salloc", &out);
+    // Outside an allocation srun allocates (the job says so on stdout);
+    // inside salloc the step runs in the allocation (salloc says so on
+    // stderr).
+    for (how, name, wrapper, said, on_stdout) in [
+        (
+            "srun outside an allocation",
+            "outside.safetensors",
+            &[][..],
+            "mlp: 2 process(es), strategy ddp",
+            true,
+        ),
+        (
+            "srun inside salloc",
+            "salloc.safetensors",
+            &["salloc", "--ntasks=2", "--job-name=accel-salloc"][..],
+            "Granted job allocation",
+            false,
+        ),
+    ] {
+        let saved = dir.path().join(name);
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut cmd = slurm.cmd(program);
+                cmd.args(args).arg(accel_bin());
+                cmd
+            }
+            None => slurm.cmd(accel_bin()),
+        };
+        let out = cmd.args(slurm_launch_args(&saved, None)).output().unwrap();
+        assert!(out.status.success(), "{}\n{}", describe(&out), slurm.logs());
+        let stream = if on_stdout { &out.stdout } else { &out.stderr };
+        assert!(
+            String::from_utf8_lossy(stream).contains(said),
+            "{}",
+            describe(&out)
+        );
+        assert_same_weights(&reference, &saved, how, &out);
+    }
 
     // Inside an sbatch script (the multi-node recipe, on one node).
     let in_sbatch = dir.path().join("sbatch.safetensors");
@@ -358,16 +357,42 @@ fn slurm_trains_as_mpirun_outside_and_inside_an_allocation() {
     assert_same_weights(&reference, &in_sbatch, "srun inside sbatch", &out);
 }
 
-/// A long slurm job (`--steps 100000`) whose processes mention `marker`.
-fn start_long_job(slurm: &Slurm, marker: &Path) -> Child {
-    slurm
-        .cmd(accel_bin())
-        .args(slurm_launch_args(marker, Some("100000")))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+/// A long slurm job (`--steps 100000`) whose processes mention `marker`
+/// (where it would save its weights), once both its ranks run.
+struct LongJob {
+    marker: PathBuf,
+    child: Child,
+    /// The pids of the training ranks.
+    ranks: Vec<i32>,
+}
+
+impl LongJob {
+    fn start(slurm: &Slurm, marker: &Path) -> LongJob {
+        let child = slurm
+            .cmd(accel_bin())
+            .args(slurm_launch_args(marker, Some("100000")))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let ranks = wait_for_ranks(&marker.display().to_string());
+        LongJob {
+            marker: marker.to_owned(),
+            child,
+            ranks,
+        }
+    }
+
+    /// Waits for the job, asserts that it failed saying `said` and left no
+    /// process behind; returns its stderr and the marker.
+    fn fails_saying(self, said: &str) -> (String, PathBuf) {
+        let (status, stderr) = finish(self.child);
+        assert!(!status.success(), "{stderr}");
+        assert!(stderr.contains(said), "{stderr}");
+        assert_no_leftovers(&self.marker.display().to_string());
+        (stderr, self.marker)
+    }
 }
 
 /// The pids of the training ranks (`mlp`, not the `__rank-exec` before
@@ -396,25 +421,14 @@ fn wait_for_ranks(marker: &str) -> Vec<i32> {
 /// Waits for accel (at most [`LIMIT`]) and returns its stderr.
 fn finish(mut child: Child) -> (std::process::ExitStatus, String) {
     let mut stderr = child.stderr.take().unwrap();
-    let reader = thread::spawn(move || {
+    let mut reader = Some(thread::spawn(move || {
         let mut s = String::new();
         use std::io::Read;
         let _ = stderr.read_to_string(&mut s);
         s
-    });
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if start.elapsed() > LIMIT {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the job hung: {}", reader.join().unwrap());
-        }
-        thread::sleep(Duration::from_millis(50));
-    };
-    (status, reader.join().unwrap())
+    }));
+    let status = wait_limited(&mut child, || reader.take().unwrap().join().unwrap());
+    (status, reader.unwrap().join().unwrap())
 }
 
 #[test]
@@ -424,42 +438,26 @@ fn a_killed_rank_or_scancel_ends_the_job_with_what_happened() {
     let dir = tempfile::tempdir().unwrap();
 
     // SIGKILL one rank.
-    let marker = dir.path().join("killed-rank.safetensors");
-    let marker_text = marker.display().to_string();
-    let child = start_long_job(&slurm, &marker);
-    let ranks = wait_for_ranks(&marker_text);
+    let job = LongJob::start(&slurm, &dir.path().join("killed-rank.safetensors"));
     // SAFETY: kill(2) on a rank of the job this test started.
-    unsafe { libc::kill(ranks[1], libc::SIGKILL) };
-    let (status, stderr) = finish(child);
-    assert!(!status.success(), "{stderr}");
-    assert!(
-        stderr.contains(&format!(
-            "(pid {}) was killed by signal 9 (SIGKILL); srun (pid",
-            ranks[1]
-        )),
-        "{stderr}"
+    unsafe { libc::kill(job.ranks[1], libc::SIGKILL) };
+    let said = format!(
+        "(pid {}) was killed by signal 9 (SIGKILL); srun (pid",
+        job.ranks[1]
     );
+    let (stderr, marker) = job.fails_saying(&said);
     assert!(!stderr.contains("panicked"), "{stderr}");
-    assert_no_leftovers(&marker_text);
     assert!(!marker.exists(), "a killed job saved weights");
 
     // scancel the job.
-    let marker = dir.path().join("cancelled.safetensors");
-    let marker_text = marker.display().to_string();
-    let child = start_long_job(&slurm, &marker);
-    wait_for_ranks(&marker_text);
+    let job = LongJob::start(&slurm, &dir.path().join("cancelled.safetensors"));
     let jobs = slurm.jobs();
     assert_eq!(jobs.len(), 1, "{jobs:?}");
     let out = slurm.cmd("scancel").arg(&jobs[0]).output().unwrap();
     assert!(out.status.success(), "{}", describe(&out));
-    let (status, stderr) = finish(child);
-    assert!(!status.success(), "{stderr}");
-    assert!(
-        stderr.contains(&format!(
-            "accel launch: Slurm ended job {} (CANCELLED by scancel)",
-            jobs[0]
-        )),
-        "{stderr}"
+    let said = format!(
+        "accel launch: Slurm ended job {} (CANCELLED by scancel)",
+        jobs[0]
     );
-    assert_no_leftovers(&marker_text);
+    job.fails_saying(&said);
 }

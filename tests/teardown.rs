@@ -9,7 +9,8 @@
 //! non-zero and names it, is tested in `launch.rs`.)
 
 use accel_integration_tests::{
-    assert_no_leftovers, build_bin, describe, job_ranks, launch_mpi_with, launch_summary, LIMIT,
+    assert_contains, assert_no_leftovers, build_bin, describe, job_ranks, launch_mpi_with,
+    launch_summary, LIMIT,
 };
 use std::{
     path::PathBuf,
@@ -33,9 +34,7 @@ fn launch_mpi_within_limit(program: &PathBuf, args: &[&str]) -> Output {
 /// that rank 0 never got past the barrier, and that no rank is left.
 /// Returns the job's stderr.
 fn rank_1_fails(mode: &str, code: i32) -> String {
-    let marker = tempfile::tempdir().unwrap();
-    let marker = marker.path().to_str().unwrap();
-    let out = launch_mpi_within_limit(&teardown_probe(), &[mode, marker]);
+    let out = run_probe(mode);
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(out.status.code(), Some(code), "{}", describe(&out));
     assert!(
@@ -57,8 +56,17 @@ fn rank_1_fails(mode: &str, code: i32) -> String {
         "{}",
         describe(&out)
     );
-    assert_no_leftovers(marker);
     err
+}
+
+/// The teardown probe in `mode` under mpirun, its processes marked by a
+/// directory of their own; asserts none of them is left.
+fn run_probe(mode: &str) -> Output {
+    let marker = tempfile::tempdir().unwrap();
+    let marker = marker.path().to_str().unwrap();
+    let out = launch_mpi_within_limit(&teardown_probe(), &[mode, marker]);
+    assert_no_leftovers(marker);
+    out
 }
 
 #[test]
@@ -83,22 +91,15 @@ fn a_rank_calling_exit_takes_the_mpi_job_down() {
 
 #[test]
 fn ranks_that_succeed_still_finalize_and_exit_zero() {
-    let marker = tempfile::tempdir().unwrap();
-    let marker = marker.path().to_str().unwrap();
-    let out = launch_mpi_within_limit(&teardown_probe(), &["ok", marker]);
+    let out = run_probe("ok");
     assert!(out.status.success(), "{}", describe(&out));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.contains("rank 0 passed the barrier") && text.contains("rank 1 passed the barrier"),
-        "{}",
-        describe(&out)
-    );
+    let passed = ["rank 0 passed the barrier", "rank 1 passed the barrier"];
+    assert_contains(&String::from_utf8_lossy(&out.stdout), &passed);
     assert!(
         !String::from_utf8_lossy(&out.stderr).contains("aborting the MPI job"),
         "{}",
         describe(&out)
     );
-    assert_no_leftovers(marker);
 }
 
 /// A rank that fails before it starts MPI (here a program that never does)

@@ -2,7 +2,9 @@
 //! writes from the same file, refuses what Accelerate refuses, and the
 //! FSDP2 config it writes trains the same weights as the FSDP1 original.
 
-use accel_integration_tests::{accel_bin, describe, launch_with_config, run_ok, venv_bin};
+use accel_integration_tests::{
+    accel_bin, assert_contains, describe, launch_with_config, run_ok, venv_bin,
+};
 use std::{path::Path, process::Command};
 
 /// An FSDP1 config as `accelerate config` writes it, with `strategy`.
@@ -18,10 +20,14 @@ fn fsdp1(strategy: &str) -> String {
     )
 }
 
-fn accel_to_fsdp2(args: &[&std::ffi::OsStr]) -> std::process::Output {
-    Command::new(accel_bin())
-        .arg("to-fsdp2")
-        .args(args)
+/// `accel to-fsdp2 --config_file CONFIG [--output_file OUTPUT] FLAGS`.
+fn accel_to_fsdp2(config: &Path, output: Option<&Path>, flags: &[&str]) -> std::process::Output {
+    let mut cmd = Command::new(accel_bin());
+    cmd.arg("to-fsdp2").arg("--config_file").arg(config);
+    if let Some(output) = output {
+        cmd.arg("--output_file").arg(output);
+    }
+    cmd.args(flags)
         .env_remove("ACCEL_PLUGIN_DIR")
         .output()
         .unwrap()
@@ -60,12 +66,7 @@ fn output_equals_python_accelerates() {
         let py = dir.path().join(format!("py-{name}"));
         let rs = dir.path().join(format!("rs-{name}"));
         python_to_fsdp2(&input, &py);
-        let out = accel_to_fsdp2(&[
-            "--config_file".as_ref(),
-            input.as_os_str(),
-            "--output_file".as_ref(),
-            rs.as_os_str(),
-        ]);
+        let out = accel_to_fsdp2(&input, Some(&rs), &[]);
         assert!(out.status.success(), "{name}: {}", describe(&out));
         let (py, rs) = (
             std::fs::read_to_string(&py).unwrap(),
@@ -85,52 +86,44 @@ fn output_equals_python_accelerates() {
 #[test]
 fn flags_are_checked_as_accelerate_checks_them() {
     let dir = tempfile::tempdir().unwrap();
-    let input = dir.path().join("in.yaml");
-    std::fs::write(&input, fsdp1("FULL_SHARD")).unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    // Refused, saying `said`.
+    let refused = |out: std::process::Output, said: &str| {
+        assert!(!out.status.success());
+        assert_contains(&describe(&out), &[said]);
+    };
+    let input = write("in.yaml", &fsdp1("FULL_SHARD"));
     let missing = dir.path().join("missing.yaml");
-    let out = accel_to_fsdp2(&["--config_file".as_ref(), missing.as_os_str()]);
-    assert!(!out.status.success());
-    assert!(
-        describe(&out).contains("missing.yaml not found"),
-        "{}",
-        describe(&out)
+    refused(
+        accel_to_fsdp2(&missing, None, &[]),
+        "missing.yaml not found",
     );
-    let out = accel_to_fsdp2(&["--config_file".as_ref(), input.as_os_str()]);
-    assert!(!out.status.success());
-    assert!(
-        describe(&out).contains("if --overwrite is not set, --output_file must be provided"),
-        "{}",
-        describe(&out)
+    refused(
+        accel_to_fsdp2(&input, None, &[]),
+        "if --overwrite is not set, --output_file must be provided",
     );
-    let existing = dir.path().join("existing.yaml");
-    std::fs::write(&existing, "keep me").unwrap();
-    let out = accel_to_fsdp2(&[
-        "--config_file".as_ref(),
-        input.as_os_str(),
-        "--output_file".as_ref(),
-        existing.as_os_str(),
-    ]);
-    assert!(!out.status.success());
-    assert!(describe(&out).contains("already exists and --overwrite is not set"));
+    let existing = write("existing.yaml", "keep me");
+    refused(
+        accel_to_fsdp2(&input, Some(&existing), &[]),
+        "already exists and --overwrite is not set",
+    );
     assert_eq!(std::fs::read_to_string(&existing).unwrap(), "keep me");
     // --overwrite alone rewrites the config file in place.
-    let out = accel_to_fsdp2(&[
-        "--config_file".as_ref(),
-        input.as_os_str(),
-        "--overwrite".as_ref(),
-    ]);
+    let out = accel_to_fsdp2(&input, None, &["--overwrite"]);
     assert!(out.status.success(), "{}", describe(&out));
     assert!(std::fs::read_to_string(&input)
         .unwrap()
         .contains("fsdp_version: 2"));
     // A broken config is refused with the loader's located error.
-    let broken = dir.path().join("broken.yaml");
-    std::fs::write(&broken, "distributed_type: FSDP\nnum_processes: lots\n").unwrap();
-    let out = accel_to_fsdp2(&[
-        "--config_file".as_ref(),
-        broken.as_os_str(),
-        "--overwrite".as_ref(),
-    ]);
+    let broken = write(
+        "broken.yaml",
+        "distributed_type: FSDP\nnum_processes: lots\n",
+    );
+    let out = accel_to_fsdp2(&broken, None, &["--overwrite"]);
     let text = describe(&out);
     assert!(!out.status.success(), "{text}");
     assert!(
@@ -146,12 +139,7 @@ fn the_fsdp2_config_trains_the_weights_of_the_fsdp1_original() {
     let v1 = dir.path().join("v1.yaml");
     std::fs::write(&v1, fsdp1("SHARD_GRAD_OP")).unwrap();
     let v2 = dir.path().join("v2.yaml");
-    let out = accel_to_fsdp2(&[
-        "--config_file".as_ref(),
-        v1.as_os_str(),
-        "--output_file".as_ref(),
-        v2.as_os_str(),
-    ]);
+    let out = accel_to_fsdp2(&v1, Some(&v2), &[]);
     assert!(out.status.success(), "{}", describe(&out));
     let mut saved = Vec::new();
     for config in [&v1, &v2] {

@@ -254,18 +254,15 @@ fn mlp_data_files_with_wrong_keys_shapes_or_dtypes_are_refused() {
 
 #[test]
 fn the_builder_refuses_zero_counts_at_build_naming_the_setting() {
-    let e = Accelerator::builder()
-        .gradient_accumulation_steps(0)
-        .build()
-        .err()
-        .expect("0 accumulation steps refused");
-    assert!(e.to_string().contains("gradient_accumulation_steps"), "{e}");
-    let e = Accelerator::builder()
-        .total_limit(0)
-        .build()
-        .err()
-        .expect("total_limit 0 refused");
-    assert!(e.to_string().contains("total_limit"), "{e}");
+    let zero_accumulation = Accelerator::builder().gradient_accumulation_steps(0);
+    let zero_limit = Accelerator::builder().total_limit(0);
+    for (builder, setting) in [
+        (zero_accumulation, "gradient_accumulation_steps"),
+        (zero_limit, "total_limit"),
+    ] {
+        let e = builder.build().err().expect("0 refused");
+        assert!(e.to_string().contains(setting), "{e}");
+    }
 }
 
 #[test]

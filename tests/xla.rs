@@ -8,7 +8,7 @@
 use accel::plugins::PluginSet;
 use accel_integration_tests::{
     accel_bin, build_bin, build_plain_c_library, build_plugin_into, describe, launch_mlp,
-    max_abs_diff, mlp, read_weights, run_ok, workspace_root,
+    max_abs_diff, mlp, no_hf_home, read_weights, run_ok, workspace_root,
 };
 use accel_sdk::{
     abi_stable::{
@@ -292,10 +292,7 @@ fn launch(plugin_dir: &Path, cfg: &Path, mlp_args: &[&str]) -> Output {
         .arg(mlp())
         .args(mlp_args)
         .env_remove("ACCEL_PLUGIN_DIR")
-        .env(
-            "HF_HOME",
-            std::env::temp_dir().join("accel-tests-no-hf-home"),
-        )
+        .env("HF_HOME", no_hf_home())
         .output()
         .expect("accel starts")
 }
@@ -373,10 +370,7 @@ fn mlp_with_pjrt(plugin_dir: &Path, pjrt: &Path) -> Output {
         .args(["--steps", "1"])
         .env("ACCEL_PLUGIN_DIR", plugin_dir)
         .env("ACCEL_RESOLVED_CONFIG", config.to_string())
-        .env(
-            "HF_HOME",
-            std::env::temp_dir().join("accel-tests-no-hf-home"),
-        )
+        .env("HF_HOME", no_hf_home())
         .output()
         .expect("mlp starts")
 }

@@ -4,8 +4,8 @@
 //! checkpoints, and clear refusals of what it does not do.
 
 use accel_integration_tests::{
-    adamw_mlp_args, describe, file_weights_diff, launch_mlp, launch_with_config, loss_records,
-    max_abs_diff, memory_lines, read_weights, refused, run_ok, write_config,
+    adamw_mlp_args, assert_weights_close, describe, launch_mlp, launch_with_config, log_values,
+    max_abs_diff, memory_lines, read_weights, refused, run_ok, write_config, StopResume,
 };
 use serde_json::Value;
 use std::{
@@ -73,20 +73,12 @@ fn every_stage_reaches_ddps_weights_on_2_and_4_ranks() {
 fn clipping_and_accumulation_through_zero_match_ddp() {
     let dir = tempfile::tempdir().unwrap();
     let extra = ["--max-grad-norm", "0.5", "--grad-accum", "2"];
-    let ddp_log = dir.path().join("ddp.jsonl");
-    let ddp_w = dir.path().join("ddp.safetensors");
-    let mut args = with(&extra);
-    args.extend([
-        "--loss-log",
-        ddp_log.to_str().unwrap(),
-        "--save",
-        ddp_w.to_str().unwrap(),
-    ]);
-    launch_mlp(2, &args);
-    let ddp_norms: Vec<f64> = loss_records(&ddp_log)
-        .iter()
-        .map(|r| r["grad_norm"].as_f64().unwrap())
-        .collect();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let grad_norms = |log: &str| log_values(log, "grad_norm");
+    let (ddp_log, ddp_w) = (p("ddp.jsonl"), p("ddp.safetensors"));
+    let logged = ["--loss-log", &ddp_log, "--save", &ddp_w];
+    launch_mlp(2, &with(&[&extra[..], &logged].concat()));
+    let ddp_norms = grad_norms(&ddp_log);
     assert_eq!(ddp_norms.len(), 8);
     for stage in 1..=3 {
         let config = zero_config(
@@ -95,20 +87,13 @@ fn clipping_and_accumulation_through_zero_match_ddp() {
             2,
             &format!("  zero_stage: {stage}\n"),
         );
-        let log = dir.path().join(format!("z{stage}.jsonl"));
-        let w = dir.path().join(format!("z{stage}.safetensors"));
-        let mut args = with(&extra);
-        args.extend([
-            "--loss-log",
-            log.to_str().unwrap(),
-            "--save",
-            w.to_str().unwrap(),
-        ]);
-        zero_mlp(&config, &args);
-        let norms: Vec<f64> = loss_records(&log)
-            .iter()
-            .map(|r| r["grad_norm"].as_f64().unwrap())
-            .collect();
+        let (log, w) = (
+            p(&format!("z{stage}.jsonl")),
+            p(&format!("z{stage}.safetensors")),
+        );
+        let logged = ["--loss-log", &log, "--save", &w];
+        zero_mlp(&config, &with(&[&extra[..], &logged].concat()));
+        let norms = grad_norms(&log);
         assert_eq!(norms.len(), ddp_norms.len());
         for (a, b) in norms.iter().zip(&ddp_norms) {
             // The clip actually bites (norms above 0.5) and agrees with DDP's.
@@ -118,11 +103,7 @@ fn clipping_and_accumulation_through_zero_match_ddp() {
                 "stage {stage}: {norms:?} vs DDP {ddp_norms:?}"
             );
         }
-        let diff = file_weights_diff(&ddp_w, &w);
-        assert!(
-            diff <= 1e-5,
-            "stage {stage} with clipping differs by {diff}"
-        );
+        assert_weights_close(&ddp_w, &w, &format!("stage {stage} with clipping"));
     }
     // `deepspeed_config.gradient_clipping` clips before every step, as
     // `clip_grad_norm(0.5)` does in the loop.
@@ -137,11 +118,7 @@ fn clipping_and_accumulation_through_zero_match_ddp() {
         &config,
         &with(&["--grad-accum", "2", "--save", w.to_str().unwrap()]),
     );
-    let diff = file_weights_diff(&ddp_w, &w);
-    assert!(
-        diff <= 1e-5,
-        "gradient_clipping from the config differs by {diff}"
-    );
+    assert_weights_close(&ddp_w, &w, "gradient_clipping from the config");
 }
 
 #[test]
@@ -205,52 +182,43 @@ fn four_ranks_hold_a_quarter_of_the_optimizer_state_from_stage_1_gradients_from_
 fn nvme_offload_param_offload_below_stage_3_and_conflicts_are_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    refused(
-        &zero_config(
-            d,
-            "nvme0.yaml",
-            2,
-            "  zero_stage: 3\n  offload_param_device: nvme\n",
-        ),
-        &["deepspeed_config.offload_param_device: nvme", "none, cpu"],
-    );
-    refused(
-        &zero_config(
-            d,
-            "off.yaml",
-            2,
-            "  zero_stage: 2\n  offload_param_device: cpu\n",
-        ),
-        &["offload_param_device: cpu needs zero_stage 3"],
-    );
     let ds = d.join("ds.json");
-    std::fs::write(
-        &ds,
-        r#"{"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}"#,
-    )
-    .unwrap();
-    refused(
-        &zero_config(
-            d,
+    let file = format!("  deepspeed_config_file: {}\n", ds.display());
+    // (file, its `deepspeed_config`, the DeepSpeed file if any, what the
+    // refusal names)
+    for (name, section, json, expect) in [
+        (
+            "nvme0.yaml",
+            "  zero_stage: 3\n  offload_param_device: nvme\n".to_owned(),
+            None,
+            &["deepspeed_config.offload_param_device: nvme", "none, cpu"][..],
+        ),
+        (
+            "off.yaml",
+            "  zero_stage: 2\n  offload_param_device: cpu\n".to_owned(),
+            None,
+            &["offload_param_device: cpu needs zero_stage 3"],
+        ),
+        (
             "nvme.yaml",
-            2,
-            &format!("  deepspeed_config_file: {}\n", ds.display()),
-        ),
-        &["zero_optimization.offload_param.device: nvme"],
-    );
-    std::fs::write(&ds, r#"{"zero_optimization": {"stage": 1}}"#).unwrap();
-    refused(
-        &zero_config(
-            d,
-            "conflict.yaml",
-            2,
-            &format!(
-                "  zero_stage: 2\n  deepspeed_config_file: {}\n",
-                ds.display()
+            file.clone(),
+            Some(
+                r#"{"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}"#,
             ),
+            &["zero_optimization.offload_param.device: nvme"],
         ),
-        &["zero_stage is 2", "zero_optimization.stage to 1"],
-    );
+        (
+            "conflict.yaml",
+            format!("  zero_stage: 2\n{file}"),
+            Some(r#"{"zero_optimization": {"stage": 1}}"#),
+            &["zero_stage is 2", "zero_optimization.stage to 1"],
+        ),
+    ] {
+        if let Some(json) = json {
+            std::fs::write(&ds, json).unwrap();
+        }
+        refused(&zero_config(d, name, 2, &section), expect);
+    }
 }
 
 #[test]
@@ -298,34 +266,23 @@ fn a_sharded_zero_checkpoint_resumes_exactly() {
         let run = |extra: &[&str]| zero_mlp(&config, &with(extra));
         let straight = p(&format!("straight{stage}.safetensors"));
         run(&["--save", &straight]);
-        let proj = p(&format!("proj{stage}"));
-        run(&[
-            "--stop-at",
-            "4",
-            "--checkpoint-every",
-            "4",
-            "--project-dir",
-            &proj,
-        ]);
-        let ckpt = Path::new(&proj).join("checkpoints/checkpoint_0");
-        for f in ["optimizer_rank1.safetensors", "model_rank1.safetensors"] {
-            assert!(
-                ckpt.join(f).exists(),
-                "stage {stage}: no {f} in {}",
-                ckpt.display()
-            );
+        StopResume {
+            project: &p(&format!("proj{stage}")),
+            straight: &straight,
+            resumed: &p(&format!("resumed{stage}.safetensors")),
+            first: &[],
+            second: &[],
+            what: &format!("stage {stage}"),
         }
-        let resumed = p(&format!("resumed{stage}.safetensors"));
-        let out = run(&["--resume", "--project-dir", &proj, "--save", &resumed]);
-        assert!(
-            String::from_utf8_lossy(&out.stdout).contains("at step 4"),
-            "{}",
-            describe(&out)
-        );
-        assert!(
-            std::fs::read(&straight).unwrap() == std::fs::read(&resumed).unwrap(),
-            "stage {stage}: resumed weights differ from the straight run"
-        );
+        .run(run, |ckpt| {
+            for f in ["optimizer_rank1.safetensors", "model_rank1.safetensors"] {
+                assert!(
+                    ckpt.join(f).exists(),
+                    "stage {stage}: no {f} in {}",
+                    ckpt.display()
+                );
+            }
+        });
     }
 }
 
@@ -373,22 +330,13 @@ fn a_deepspeed_files_accumulation_and_precision_win_over_the_programs() {
             &ddp_w,
         ]),
     );
-    let losses = |f: &str| -> Vec<f64> {
-        loss_records(Path::new(f))
-            .iter()
-            .map(|r| r["loss"].as_f64().unwrap())
-            .collect()
-    };
+    let losses = |f: &str| log_values(f, "loss");
     let (got, want) = (losses(&log), losses(&ddp_log));
     assert_eq!(got.len(), 8, "one record per optimizer step");
     for (a, b) in got.iter().zip(&want) {
         assert!((a - b).abs() <= 1e-5 * b.abs(), "{got:?} vs DDP {want:?}");
     }
-    let diff = file_weights_diff(&ddp_w, &w);
-    assert!(
-        diff <= 1e-5,
-        "differs from DDP with bf16 and 2 micro-steps by {diff}"
-    );
+    assert_weights_close(&ddp_w, &w, "DDP vs bf16 with 2 micro-steps");
     // A config asking for the other half precision is refused, naming both.
     let fp16 = write_config(
         dir.path(),

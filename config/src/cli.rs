@@ -175,13 +175,7 @@ pub fn run_with_env(
                     return 1;
                 }
             };
-            save_or_report(
-                &config,
-                &path,
-                stdout,
-                stderr,
-                "accel configuration saved at",
-            )
+            save_or_report(&config, &path, stdout, stderr, SAVED)
         }
         Some(ConfigSubcommand::Default(d)) => {
             let Some(path) = target(&d.config_file) else {
@@ -197,13 +191,7 @@ pub fn run_with_env(
                 return 1;
             }
             let config = basic_config(&d.mixed_precision, gpu_count);
-            save_or_report(
-                &config,
-                &path,
-                stdout,
-                stderr,
-                "accel configuration saved at",
-            )
+            save_or_report(&config, &path, stdout, stderr, SAVED)
         }
         Some(ConfigSubcommand::Update(u)) => {
             let Some(path) = u
@@ -271,6 +259,9 @@ pub fn run_with_env(
         }
     }
 }
+
+/// What `accel config` says after writing a file, before its path.
+const SAVED: &str = "accel configuration saved at";
 
 fn save_or_report(
     config: &Config,

@@ -63,31 +63,21 @@ pub struct Diagnostic {
 
 impl Diagnostic {
     /// An error at `mark` in `origin`.
-    pub fn error(
-        origin: &Origin,
-        mark: Mark,
-        key: Option<&str>,
-        message: impl Into<String>,
-    ) -> Self {
+    pub fn error(origin: &Origin, mark: Mark, key: Option<&str>, msg: impl Into<String>) -> Self {
         Diagnostic {
             severity: Severity::Error,
             origin: origin.clone(),
             mark,
             key: key.map(str::to_string),
-            message: message.into(),
+            message: msg.into(),
         }
     }
 
     /// A warning at `mark` in `origin`.
-    pub fn warning(
-        origin: &Origin,
-        mark: Mark,
-        key: Option<&str>,
-        message: impl Into<String>,
-    ) -> Self {
+    pub fn warning(origin: &Origin, mark: Mark, key: Option<&str>, msg: impl Into<String>) -> Self {
         Diagnostic {
             severity: Severity::Warning,
-            ..Diagnostic::error(origin, mark, key, message)
+            ..Diagnostic::error(origin, mark, key, msg)
         }
     }
 

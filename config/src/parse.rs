@@ -596,12 +596,18 @@ fn parse_yaml(text: &str) -> Result<Option<Node>, SyntaxError> {
 mod tests {
     use super::*;
 
+    /// The entries of `text`, a map.
+    fn entries(text: &str, format: Format) -> Vec<(Node, Node)> {
+        let n = parse(text, format).unwrap().unwrap();
+        let NodeKind::Map(e) = n.kind else {
+            panic!("not a map: {text}")
+        };
+        e
+    }
+
     #[test]
     fn plain_no_is_false_but_keeps_text() {
-        let n = parse("a: NO\nb: 'no'\nc: 12\nd: 1.5\ne:\n", Format::Yaml)
-            .unwrap()
-            .unwrap();
-        let NodeKind::Map(e) = &n.kind else { panic!() };
+        let e = entries("a: NO\nb: 'no'\nc: 12\nd: 1.5\ne:\n", Format::Yaml);
         assert_eq!(e[0].1.scalar(), Some(Scalar::Bool(false)));
         assert_eq!(e[0].1.text(), Some("NO"));
         assert_eq!(e[1].1.scalar(), Some(Scalar::Str("no".into())));
@@ -621,10 +627,7 @@ mod tests {
 
     #[test]
     fn json_positions() {
-        let n = parse("{\n  \"a\": 1,\n  \"b\": \"x\"\n}", Format::Json)
-            .unwrap()
-            .unwrap();
-        let NodeKind::Map(e) = &n.kind else { panic!() };
+        let e = entries("{\n  \"a\": 1,\n  \"b\": \"x\"\n}", Format::Json);
         assert_eq!(e[1].0.mark.line, 3);
     }
 

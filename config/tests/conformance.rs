@@ -11,6 +11,8 @@
 
 use std::path::{Path, PathBuf};
 
+use accel_test_kit::conformance_dir;
+
 use accel_config::{
     load_file, load_str, resolve, Format, Layer, LoadOptions, Source, LAUNCH_PRECEDENCE,
 };
@@ -18,28 +20,7 @@ use accel_config::{
 /// `accelerate-configs/` of the corpus, or `None` (said on stderr) when
 /// there is no corpus.
 fn corpus() -> Option<PathBuf> {
-    let dir = std::env::var_os("ACCEL_CONFORMANCE_DIR").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../shared/conformance"
-            ))
-        },
-        PathBuf::from,
-    );
-    if !dir.is_dir() {
-        let why = format!(
-            "no corpus at {} (it sits beside the repository in CI; \
-             ACCEL_CONFORMANCE_DIR names another place)",
-            dir.display()
-        );
-        assert!(
-            std::env::var_os("ACCEL_REQUIRE_CONFORMANCE").is_none(),
-            "conformance: {why}, and ACCEL_REQUIRE_CONFORMANCE is set"
-        );
-        eprintln!("conformance: skipped: {why}");
-        return None;
-    }
+    let dir = conformance_dir()?;
     let root = dir.canonicalize().unwrap().join("accelerate-configs");
     assert!(
         root.is_dir(),

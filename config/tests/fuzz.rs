@@ -15,20 +15,9 @@ use accel_config::schema::{self, KeySpec, Kind};
 use accel_config::{
     load_bytes, load_file, load_str, ConfigError, Format, LoadOptions, Loaded, Origin,
 };
+use accel_test_kit::{cases, CaseFile, Rng};
 use proptest::prelude::*;
 use proptest::sample::select;
-
-fn cases(n: u32) -> ProptestConfig {
-    let scale = std::env::var("ACCEL_FUZZ_SCALE")
-        .ok()
-        .and_then(|s| s.parse::<u32>().ok())
-        .unwrap_or(1)
-        .max(1);
-    ProptestConfig {
-        failure_persistence: None,
-        ..ProptestConfig::with_cases(n.saturating_mul(scale))
-    }
-}
 
 /// Lines in `text` as YAML counts them (`\n`, `\r\n` and a lone `\r` end a
 /// line), counting a last line without its line break.
@@ -258,50 +247,6 @@ const ODD_SCALARS: &[&str] = &[
     "#",
 ];
 
-/// A small deterministic random stream (splitmix64). The structure-aware
-/// generators draw from it: proptest's recursive and regex strategies cost
-/// milliseconds a case in a debug build, this costs microseconds, so the
-/// suite runs tens of thousands of documents. A failing case is reported
-/// with its seed and the text it rendered.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    fn range(&mut self, r: std::ops::Range<usize>) -> usize {
-        r.start + self.below(r.end - r.start)
-    }
-    fn chance(&mut self, in_n: usize) -> bool {
-        self.below(in_n) == 0
-    }
-    fn pick<T: Copy>(&mut self, from: &[T]) -> T {
-        from[self.below(from.len())]
-    }
-    /// One of the arms, by weight.
-    fn weighted(&mut self, weights: &[usize]) -> usize {
-        let mut r = self.below(weights.iter().sum());
-        for (i, &w) in weights.iter().enumerate() {
-            if r < w {
-                return i;
-            }
-            r -= w;
-        }
-        weights.len() - 1
-    }
-    fn string(&mut self, len: std::ops::Range<usize>, pick: fn(u64) -> char) -> String {
-        let n = self.range(len);
-        (0..n).map(|_| pick(self.next())).collect()
-    }
-}
-
 /// `n` characters drawn by `pick` from a seeded stream.
 fn seeded(
     len: std::ops::Range<usize>,
@@ -396,14 +341,14 @@ fn gen_scalar(r: &mut Rng, enums: &[&'static str]) -> String {
                 s.iter_mut().for_each(|c| *c = c.to_ascii_lowercase());
             } else if !s.is_empty() {
                 let i = r.below(s.len());
-                s[i] = ident(r.next());
+                s[i] = ident(r.next_u64());
             }
             s.into_iter().collect()
         }
         2 => r.pick(ODD_SCALARS).to_string(),
-        3 => (r.next() as i64).to_string(),
+        3 => (r.next_u64() as i64).to_string(),
         4 => r.below(8).to_string(),
-        5 => format!("{:?}", f64::from_bits(r.next())),
+        5 => format!("{:?}", f64::from_bits(r.next_u64())),
         6 => {
             let sign = if r.chance(2) { "-" } else { "" };
             let int = r.string(15..300, digit);
@@ -437,7 +382,7 @@ fn gen_key(r: &mut Rng, keys: &[&'static str]) -> String {
                 0 => {
                     s.remove(i);
                 }
-                1 => s.insert(i, ident(r.next())),
+                1 => s.insert(i, ident(r.next_u64())),
                 2 => {
                     let j = (i + 1) % s.len();
                     s.swap(i, j)
@@ -552,7 +497,7 @@ impl Pools {
         match if depth == 0 { 0 } else { r.below(3) } {
             0 => Y::Scalar(match r.below(3) {
                 0 => r.string(1..10, ident),
-                1 => (r.next() as i32).to_string(),
+                1 => (r.next_u64() as i32).to_string(),
                 _ => r.pick(&["true", "false", "null"]).to_string(),
             }),
             1 => {
@@ -997,6 +942,13 @@ fn apply(text: &str, edits: &[Edit]) -> String {
     c.into_iter().collect()
 }
 
+/// `n` lines of `item`, each indented two spaces more than the one before.
+fn ladder(n: usize, item: &str) -> String {
+    (0..n)
+        .map(|i| format!("{}{item}\n", " ".repeat(2 * i)))
+        .collect()
+}
+
 /// Nesting around the depth limit, in every style.
 fn deep() -> impl Strategy<Value = String> {
     (0usize..200, 0u8..6, any::<bool>()).prop_map(|(n, style, close)| {
@@ -1004,24 +956,10 @@ fn deep() -> impl Strategy<Value = String> {
             0 => ("[".repeat(n), "]".repeat(n)),
             1 => ("{a: ".repeat(n), "}".repeat(n)),
             2 => ("[{x: ".repeat(n / 2), "}]".repeat(n / 2)),
-            3 => {
-                // block maps, two spaces a level
-                let mut s = String::new();
-                for i in 0..n {
-                    s.push_str(&" ".repeat(2 * i));
-                    s.push_str("k:\n");
-                }
-                (s, String::new())
-            }
-            4 => {
-                // block sequences
-                let mut s = String::new();
-                for i in 0..n {
-                    s.push_str(&" ".repeat(2 * i));
-                    s.push_str("-\n");
-                }
-                (s, String::new())
-            }
+            // block maps, two spaces a level
+            3 => (ladder(n, "k:"), String::new()),
+            // block sequences
+            4 => (ladder(n, "-"), String::new()),
             _ => ("- ".repeat(n), String::new()),
         };
         let shut = if close { shut } else { String::new() };
@@ -1064,7 +1002,7 @@ proptest! {
             b.insert(at, 0x80 + r.below(0x80) as u8);
             b
         } else {
-            (0..len).map(|_| r.next() as u8).collect()
+            (0..len).map(|_| r.next_u64() as u8).collect()
         };
         check_both(&bytes)?;
     }
@@ -1150,36 +1088,6 @@ proptest! {
         std::fs::write(path, &text).unwrap();
         let name = path.display().to_string();
         check(load_file(path, &LoadOptions::default()), &name, &text)?;
-    }
-}
-
-/// A file for one case, removed when dropped, in a directory shared by the
-/// cases of a test thread (a directory per case costs a millisecond on
-/// some disks, more than the case itself), in memory where possible.
-struct CaseFile(std::path::PathBuf);
-
-impl CaseFile {
-    fn new(name: &str) -> Self {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        thread_local! {
-            // in memory where there is a tmpfs
-            static DIR: tempfile::TempDir = tempfile::tempdir_in("/dev/shm")
-                .or_else(|_| tempfile::tempdir())
-                .expect("a temporary directory");
-        }
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        CaseFile(DIR.with(|d| d.path().join(format!("{n}-{name}"))))
-    }
-
-    fn path(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl Drop for CaseFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
     }
 }
 

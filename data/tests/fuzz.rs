@@ -12,49 +12,12 @@
 use accel_data::{
     DataError, Dataset, JsonLines, SafetensorsDataset, Sample, TokenDtype, TokenFile,
 };
+use accel_test_kit::safetensors::{join, mutate};
+use accel_test_kit::{cases, CaseFile, Rng};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 use std::path::Path;
 use tch::{Kind, Tensor};
-
-fn cases(n: u32) -> ProptestConfig {
-    let scale = std::env::var("ACCEL_FUZZ_SCALE")
-        .ok()
-        .and_then(|s| s.parse::<u32>().ok())
-        .unwrap_or(1)
-        .max(1);
-    ProptestConfig {
-        failure_persistence: None,
-        ..ProptestConfig::with_cases(n.saturating_mul(scale))
-    }
-}
-
-/// A small deterministic random stream (splitmix64): proptest draws the
-/// seed, the generators below draw the rest (cheaper than composing
-/// strategies in a debug build, so the suite runs tens of thousands of cases).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    fn chance(&mut self, in_n: usize) -> bool {
-        self.below(in_n) == 0
-    }
-    fn pick<T: Clone>(&mut self, from: &[T]) -> T {
-        from[self.below(from.len())].clone()
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-}
 
 /// A few indices of `0..len`: all of them when there are few, else the
 /// first, the last and some in between.
@@ -87,36 +50,6 @@ fn raw(t: &Tensor) -> Vec<u8> {
     let mut out = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
     t.copy_data_u8(&mut out, t.numel());
     out
-}
-
-/// A file for one case, removed when dropped, in a directory shared by the
-/// cases of a test thread (a directory per case costs a millisecond on
-/// some disks, more than the case itself), in memory where possible.
-struct CaseFile(std::path::PathBuf);
-
-impl CaseFile {
-    fn new(name: &str) -> Self {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        thread_local! {
-            // in memory where there is a tmpfs
-            static DIR: tempfile::TempDir = tempfile::tempdir_in("/dev/shm")
-                .or_else(|_| tempfile::tempdir())
-                .expect("a temporary directory");
-        }
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        CaseFile(DIR.with(|d| d.path().join(format!("{n}-{name}"))))
-    }
-
-    fn path(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl Drop for CaseFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -172,196 +105,6 @@ fn random_tensors(r: &mut Rng) -> Vec<Written> {
             Written { name, tensor }
         })
         .collect()
-}
-
-/// The JSON header of safetensors `bytes`, and where the data starts.
-fn split(bytes: &[u8]) -> Option<(Value, &[u8])> {
-    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
-    let header = bytes.get(8..8usize.checked_add(n)?)?;
-    Some((serde_json::from_slice(header).ok()?, &bytes[8 + n..]))
-}
-
-fn join(header: &str, data: &[u8]) -> Vec<u8> {
-    let mut out = (header.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(header.as_bytes());
-    out.extend_from_slice(data);
-    out
-}
-
-/// Numbers a header may hold: small, at the edges of every integer type,
-/// and far beyond the file.
-fn number(r: &mut Rng) -> Value {
-    match r.below(4) {
-        0 => json!(r.below(40)),
-        1 => json!(r.next()),
-        2 => json!(r.pick(&[
-            0u64,
-            1,
-            7,
-            8,
-            (1 << 31) - 1,
-            1 << 31,
-            1 << 32,
-            1 << 40,
-            1 << 62,
-            (1 << 63) - 1,
-            1 << 63,
-            u64::MAX - 8,
-            u64::MAX - 7,
-            u64::MAX,
-        ])),
-        _ => r.pick(&[
-            json!(-1),
-            json!(1.5),
-            json!("3"),
-            json!(null),
-            json!(1e300),
-            json!([]),
-        ]),
-    }
-}
-
-/// One change to a safetensors file.
-fn mutate(bytes: &mut Vec<u8>, r: &mut Rng) {
-    match r.below(9) {
-        // flip bits
-        0 if !bytes.is_empty() => {
-            let i = r.below(bytes.len());
-            bytes[i] ^= (r.below(255) + 1) as u8;
-        }
-        // flip bits in the header length or just after
-        1 if !bytes.is_empty() => {
-            let i = r.below(bytes.len().min(24));
-            bytes[i] ^= 1 << r.below(8);
-        }
-        // truncate
-        2 => {
-            let at = r.below(bytes.len() + 1);
-            bytes.truncate(at);
-        }
-        // a header length from the edges
-        3 if bytes.len() >= 8 => {
-            let len = bytes.len() as u64;
-            let n = u64::from_le_bytes(bytes[..8].try_into().unwrap());
-            let v = r.pick(&[
-                0,
-                1,
-                2,
-                n.wrapping_sub(1),
-                n.wrapping_add(1),
-                len - 8,
-                len.wrapping_sub(7),
-                len,
-                u32::MAX as u64,
-                100_000_000,
-                100_000_001,
-                1 << 63,
-                u64::MAX,
-                u64::MAX - 7,
-            ]);
-            bytes[..8].copy_from_slice(&v.to_le_bytes());
-        }
-        // append or insert garbage
-        4 => {
-            let n = r.below(16) + 1;
-            let extra = r.bytes(n);
-            let at = if r.chance(2) {
-                bytes.len()
-            } else {
-                r.below(bytes.len() + 1)
-            };
-            bytes.splice(at..at, extra);
-        }
-        // rewrite the JSON header
-        _ => {
-            let Some((mut header, data)) = split(bytes) else {
-                return;
-            };
-            let data = data.to_vec();
-            mutate_header(&mut header, r);
-            let mut text = header.to_string();
-            if r.chance(3) {
-                // safetensors pads headers with spaces to 8 bytes
-                while text.len() % 8 != 0 {
-                    text.push(' ');
-                }
-            }
-            *bytes = join(&text, &data);
-        }
-    }
-}
-
-fn mutate_header(header: &mut Value, r: &mut Rng) {
-    let names: Vec<String> = header
-        .as_object()
-        .map(|o| o.keys().cloned().collect())
-        .unwrap_or_default();
-    let Some(obj) = header.as_object_mut() else {
-        return;
-    };
-    let name = if names.is_empty() {
-        "x".to_string()
-    } else {
-        names[r.below(names.len())].clone()
-    };
-    let entry = obj.entry(name.clone()).or_insert_with(|| json!({}));
-    if !entry.is_object() {
-        *entry = json!({});
-    }
-    match r.below(11) {
-        0 => {
-            let dims: Vec<Value> = (0..r.below(5)).map(|_| number(r)).collect();
-            entry["shape"] = Value::Array(dims);
-        }
-        1 => {
-            // a shape whose product overflows but holds a zero
-            let big = r.pick(&[1u64 << 32, 1 << 40, 1 << 62, u64::MAX]);
-            let zero_at = r.below(3);
-            let mut dims = vec![json!(big), json!(big), json!(big)];
-            dims[zero_at] = json!(0);
-            entry["shape"] = json!(dims);
-        }
-        2 => entry["data_offsets"] = json!([number(r), number(r)]),
-        3 => {
-            // a tensor that claims the whole address space
-            let n = r.pick(&[u64::MAX, u64::MAX - 7, 1 << 63, (1 << 63) - 1]);
-            entry["shape"] = json!([n]);
-            entry["data_offsets"] = json!([0, n]);
-            entry["dtype"] = json!("U8");
-        }
-        4 => {
-            entry["dtype"] = json!(r.pick(&[
-                "F8_E4M3", "F8_E5M2", "C64", "U16", "U32", "U64", "F64", "BOOL", "bool", "f32", "",
-                "X",
-            ]))
-        }
-        5 => {
-            let field = r.pick(&["dtype", "shape", "data_offsets"]);
-            if let Some(o) = entry.as_object_mut() {
-                o.remove(field);
-            }
-        }
-        6 => *entry = r.pick(&[json!(1), json!("x"), json!([]), json!(null), json!(true)]),
-        7 => {
-            obj.insert(
-                "__metadata__".into(),
-                r.pick(&[
-                    json!({"format": "pt"}),
-                    json!({"a": 1}),
-                    json!("x"),
-                    json!(null),
-                ]),
-            );
-        }
-        8 => {
-            let copy = entry.clone();
-            obj.insert(format!("{name}.copy"), copy);
-        }
-        9 => {
-            obj.remove(&name);
-        }
-        _ => *header = r.pick(&[json!([]), json!(1), json!("x"), json!(null), json!({})]),
-    }
 }
 
 /// Opens `path` as a dataset and reads every valid index (a sample of them
@@ -519,7 +262,9 @@ proptest! {
 fn jsonl_line(r: &mut Rng) -> Vec<u8> {
     match r.below(12) {
         0..=3 => {
-            let ids: Vec<i64> = (0..r.below(6)).map(|_| r.next() as i64 % 1000).collect();
+            let ids: Vec<i64> = (0..r.below(6))
+                .map(|_| r.next_u64() as i64 % 1000)
+                .collect();
             json!({ "ids": ids }).to_string().into_bytes()
         }
         4 => json!({ "text": "no ids here" }).to_string().into_bytes(),

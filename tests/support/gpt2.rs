@@ -23,6 +23,29 @@ pub const SIZES: &[&str] = &[
     "64",
 ];
 
+/// gpt2's flags to train on the token file `tokens` in windows of 32
+/// (starting from the Hugging Face model in `model`, if given), followed by
+/// `extra`.
+pub fn on_tokens<'a>(model: Option<&'a str>, tokens: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = Vec::new();
+    if let Some(model) = model {
+        args.extend(["--model", model]);
+    }
+    args.extend(["--data", tokens, "--block-size", "32"]);
+    args.extend(extra);
+    args
+}
+
+/// Batches of 4 windows, 2 of them a step, gradients clipped at 0.5.
+pub const ACCUMULATED: &[&str] = &[
+    "--batch-size",
+    "4",
+    "--grad-accum",
+    "2",
+    "--max-grad-norm",
+    "0.5",
+];
+
 /// The token ids the tests compare logits on (`--logits-input`).
 pub const LOGITS_INPUT: &str = "1,8,43,218,67,338,459,500,3,0,511,77";
 

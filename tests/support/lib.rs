@@ -4,12 +4,14 @@
 
 pub mod gpt2;
 
+pub use accel_test_kit::Rng;
+
 use serde_json::Value;
 use std::{
     fs::File,
     io::Read,
     path::{Path, PathBuf},
-    process::{Command, Output, Stdio},
+    process::{Child, Command, ExitStatus, Output, Stdio},
     thread,
     time::{Duration, Instant},
 };
@@ -188,6 +190,12 @@ pub fn accel_bin() -> PathBuf {
     build_bin("accel", "accel")
 }
 
+/// An `HF_HOME` with nothing in it, so that no user's Accelerate config
+/// (its default config file) leaks into a test.
+pub fn no_hf_home() -> PathBuf {
+    std::env::temp_dir().join("accel-tests-no-hf-home")
+}
+
 /// Runs `program` with `args`, with `ACCEL_PLUGIN_DIR` cleared so only the
 /// directories a test names are searched explicitly.
 pub fn run(program: &Path, args: &[&str]) -> Output {
@@ -208,10 +216,7 @@ pub fn mlp() -> PathBuf {
 pub fn run_ok(cmd: &mut Command) -> Output {
     let out = cmd
         .env_remove("ACCEL_PLUGIN_DIR")
-        .env(
-            "HF_HOME",
-            std::env::temp_dir().join("accel-tests-no-hf-home"),
-        )
+        .env("HF_HOME", no_hf_home())
         .output()
         .expect("starts");
     assert!(out.status.success(), "{:?}: {}", cmd, describe(&out));
@@ -235,6 +240,14 @@ pub fn loss_records(path: &Path) -> Vec<Value> {
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The number `key` of every line of an `mlp --loss-log` file.
+pub fn log_values(path: impl AsRef<Path>, key: &str) -> Vec<f64> {
+    loss_records(path.as_ref())
+        .iter()
+        .map(|v| v[key].as_f64().unwrap())
         .collect()
 }
 
@@ -264,6 +277,13 @@ pub fn describe(out: &Output) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     )
+}
+
+/// Asserts that `text` contains every one of `parts`, showing `text` if not.
+pub fn assert_contains(text: &str, parts: &[&str]) {
+    for part in parts {
+        assert!(text.contains(part), "no `{part}` in:\n{text}");
+    }
 }
 
 /// Compiles a plain C shared library that is not an accel plugin.
@@ -385,10 +405,7 @@ pub fn memory_lines(out: &Output, ranks: usize) -> Vec<Value> {
 pub fn refused(config: &Path, expect: &[&str]) {
     let out = launch_with_config(config, &["--steps", "1"])
         .env_remove("ACCEL_PLUGIN_DIR")
-        .env(
-            "HF_HOME",
-            std::env::temp_dir().join("accel-tests-no-hf-home"),
-        )
+        .env("HF_HOME", no_hf_home())
         .output()
         .unwrap();
     assert!(!out.status.success(), "{}", describe(&out));
@@ -404,22 +421,105 @@ pub fn file_weights_diff(a: impl AsRef<Path>, b: impl AsRef<Path>) -> f64 {
     max_abs_diff(&read_weights(a.as_ref()), &read_weights(b.as_ref()))
 }
 
+/// Asserts that the weights of safetensors files `a` and `b` differ by at
+/// most 1e-5; `what` says what was compared.
+pub fn assert_weights_close(a: impl AsRef<Path>, b: impl AsRef<Path>, what: &str) {
+    let diff = file_weights_diff(a, b);
+    assert!(diff <= 1e-5, "{what}: the weights differ by {diff}");
+}
+
+/// One step of the fp16 loss-scaling tests on `out`, a half-precision
+/// output whose squared mean is the loss: at step 2 the loss is made
+/// infinite, and the optimizer step must be skipped then and only then,
+/// leaving the weights (`before` the step, `after` it) as they were, while
+/// every other step changes them. Returns the loss scale after the step.
+pub fn fp16_step_with_inf_at_2(
+    acc: &mut accel::accelerator::Accelerator,
+    opt: &mut accel_sdk::optim::Optimizer,
+    (out, step): (&tch::Tensor, usize),
+    before: &[(String, tch::Tensor)],
+    after: impl FnOnce(&accel::accelerator::Accelerator) -> Vec<(String, tch::Tensor)>,
+) -> f64 {
+    use tch::Kind;
+    assert_eq!(out.kind(), Kind::Half, "fp16 computes in half precision");
+    let mut loss = out.to_kind(Kind::Float).square().mean(Kind::Float);
+    if step == 2 {
+        loss *= f64::INFINITY;
+    }
+    acc.backward(&loss).unwrap();
+    let stepped = acc.step(opt).unwrap();
+    acc.zero_grad(opt);
+    assert_eq!(stepped, step != 2, "step {step}");
+    assert_eq!(acc.optimizer_step_was_skipped(), step == 2);
+    let moved = max_abs_diff(before, &after(acc));
+    if step == 2 {
+        assert_eq!(moved, 0.0, "the skipped step changed the weights");
+    } else {
+        assert!(moved > 0.0, "step {step} did not update");
+    }
+    acc.loss_scale().unwrap()
+}
+
+/// The mlp flags of an AdamW run (`--steps STEPS --optimizer adamw --lr
+/// 0.01`), followed by `extra`.
+pub fn adamw_args<'a>(steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let base = ["--steps", steps, "--optimizer", "adamw", "--lr", "0.01"];
+    base.into_iter().chain(extra.iter().copied()).collect()
+}
+
 /// The mlp flags the sharding tests train with (8 AdamW steps, hidden 24,
 /// `layers` extra layers), followed by `extra`.
 pub fn adamw_mlp_args<'a>(layers: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let base = [
-        "--steps",
-        "8",
-        "--optimizer",
-        "adamw",
-        "--lr",
-        "0.01",
-        "--hidden",
-        "24",
-        "--layers",
-        layers,
-    ];
-    base.into_iter().chain(extra.iter().copied()).collect()
+    let sized = ["--hidden", "24", "--layers", layers];
+    adamw_args("8", &[&sized[..], extra].concat())
+}
+
+/// A run stopped after step 4 with a checkpoint there, then resumed from
+/// it: the second half must say it resumed at step 4 and end with the same
+/// weights as a straight run.
+pub struct StopResume<'a> {
+    /// The project directory (`--project-dir`) of both halves.
+    pub project: &'a str,
+    /// The weights of the straight run.
+    pub straight: &'a str,
+    /// Where the resumed run saves its weights.
+    pub resumed: &'a str,
+    /// Extra flags of the first half.
+    pub first: &'a [&'a str],
+    /// Extra flags of the second half.
+    pub second: &'a [&'a str],
+    /// What is run, for assertion messages.
+    pub what: &'a str,
+}
+
+impl StopResume<'_> {
+    /// Runs both halves with `train` (given the flags), calling `between`
+    /// with the checkpoint directory after the first.
+    pub fn run(&self, train: impl Fn(&[&str]) -> Output, between: impl FnOnce(&Path)) {
+        let stop = ["--stop-at", "4", "--checkpoint-every", "4"];
+        let project = ["--project-dir", self.project];
+        train(&[&stop[..], &project, self.first].concat());
+        between(&Path::new(self.project).join("checkpoints/checkpoint_0"));
+        let resume = ["--resume", "--save", self.resumed];
+        let out = train(&[&resume[..], &project, self.second].concat());
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("at step 4"),
+            "{}: {}",
+            self.what,
+            describe(&out)
+        );
+        assert!(
+            std::fs::read(self.straight).unwrap() == std::fs::read(self.resumed).unwrap(),
+            "{}: the resumed run's weights differ from the straight run's",
+            self.what
+        );
+    }
+}
+
+/// Asserts that the loss log `whole` is `first` followed by `second`.
+pub fn assert_logs_join(whole: &str, first: &str, second: &str) {
+    let read = |f: &str| std::fs::read_to_string(f).unwrap();
+    assert_eq!(read(whole), read(first) + &read(second));
 }
 
 /// Live processes whose command line mentions `marker` (zombies, whose
@@ -493,10 +593,7 @@ pub fn launch_mpi_with(
         .arg(program)
         .args(args)
         .env_remove("ACCEL_PLUGIN_DIR")
-        .env(
-            "HF_HOME",
-            std::env::temp_dir().join("accel-tests-no-hf-home"),
-        )
+        .env("HF_HOME", no_hf_home())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -510,30 +607,42 @@ pub fn launch_mpi_with(
             buf
         })
     };
-    let stdout = drain(Box::new(child.stdout.take().unwrap()));
-    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let mut streams = Some((
+        drain(Box::new(child.stdout.take().unwrap())),
+        drain(Box::new(child.stderr.take().unwrap())),
+    ));
     watch(child.id());
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if start.elapsed() > LIMIT {
-            // accel's death takes mpirun (PR_SET_PDEATHSIG) and so the ranks.
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "the job hung: still running after {LIMIT:?}, killed\n--- stdout\n{}\n--- stderr\n{}",
-                String::from_utf8_lossy(&stdout.join().unwrap()),
-                String::from_utf8_lossy(&stderr.join().unwrap())
-            );
-        }
-        thread::sleep(Duration::from_millis(50));
-    };
+    // accel's death takes mpirun (PR_SET_PDEATHSIG) and so the ranks.
+    let status = wait_limited(&mut child, || {
+        let (stdout, stderr) = streams.take().unwrap();
+        format!(
+            "still running after {LIMIT:?}, killed\n--- stdout\n{}\n--- stderr\n{}",
+            String::from_utf8_lossy(&stdout.join().unwrap()),
+            String::from_utf8_lossy(&stderr.join().unwrap())
+        )
+    });
+    let (stdout, stderr) = streams.unwrap();
     Output {
         status,
         stdout: stdout.join().unwrap(),
         stderr: stderr.join().unwrap(),
+    }
+}
+
+/// Waits for `child` at most [`LIMIT`]; past it, kills it and panics: "the
+/// job hung: " and what `hung` says.
+pub fn wait_limited(child: &mut Child, hung: impl FnOnce() -> String) -> ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if start.elapsed() > LIMIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the job hung: {}", hung());
+        }
+        thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -591,34 +700,4 @@ pub fn job_ranks(accel_pid: u32, name: &str) -> Vec<(u32, i32, char)> {
         }
     }
     found
-}
-
-/// A small deterministic random stream (splitmix64) from a seed.
-pub struct Rng(pub u64);
-
-impl Rng {
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// A number below `n` (0 when `n` is 0).
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n.max(1) as u64) as usize
-    }
-    /// True once in `in_n` draws.
-    pub fn chance(&mut self, in_n: usize) -> bool {
-        self.below(in_n) == 0
-    }
-    /// One element of `from` (not empty).
-    pub fn pick<T: Clone>(&mut self, from: &[T]) -> T {
-        from[self.below(from.len())].clone()
-    }
-    /// `n` random bytes.
-    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next_u64() as u8).collect()
-    }
 }

@@ -4,10 +4,8 @@
 //! `config.json` beside it.
 
 use super::parse_settings;
-use accel_sdk::{
-    abi_stable::std_types::{ROk, ROption, RSlice, RStr},
-    Component, LogEntry, LogValue, PluginError, PluginResult, Tracker, TrackerBox,
-};
+use accel_sdk::{Component, LogEntry, LogValue, PluginError, TrackerBox};
+use accel_tracker_kit::{into_tracker, RunTracker};
 use serde_json::{Map, Value};
 use std::{
     fs::{self, File},
@@ -33,7 +31,7 @@ fn make(settings: &str) -> Result<TrackerBox, PluginError> {
             ))
         }
     };
-    Ok(accel_sdk::into_tracker(JsonlTracker {
+    Ok(into_tracker(JsonlTracker {
         logging_dir,
         out: None,
         next_step: 0,
@@ -88,28 +86,27 @@ impl JsonlTracker {
     }
 }
 
-impl Tracker for JsonlTracker {
-    fn start(&mut self, project: RStr<'_>, config_json: RStr<'_>) -> PluginResult<()> {
-        self.open(project.as_str(), config_json.as_str()).into()
+impl RunTracker for JsonlTracker {
+    fn start(&mut self, project: &str, config_json: &str) -> Result<(), PluginError> {
+        self.open(project, config_json)
     }
 
-    fn log(&mut self, values: RSlice<'_, LogEntry>, step: ROption<u64>) -> PluginResult<()> {
-        let step = step.into_option().unwrap_or(self.next_step);
+    fn log(&mut self, values: &[LogEntry], step: Option<u64>) -> Result<(), PluginError> {
+        let step = step.unwrap_or(self.next_step);
         self.next_step = step + 1;
-        self.write(values.as_slice(), step).into()
+        self.write(values, step)
     }
 
-    fn flush(&mut self) -> PluginResult<()> {
-        match self.out.as_mut() {
-            Some(out) => out.flush().map_err(io).into(),
-            None => ROk(()),
-        }
+    fn flush(&mut self) -> Result<(), PluginError> {
+        self.out
+            .as_mut()
+            .map_or(Ok(()), |out| out.flush().map_err(io))
     }
 
-    fn finish(&mut self) -> PluginResult<()> {
-        let flushed = self.flush();
-        self.out = None;
-        flushed
+    fn finish(&mut self) -> Result<(), PluginError> {
+        self.out
+            .take()
+            .map_or(Ok(()), |mut out| out.flush().map_err(io))
     }
 }
 

@@ -5,7 +5,7 @@
 use super::{
     env::Topology,
     options::{collective_timeout, from_spec, LaunchOptions},
-    supervisor::{supervise, Peers, RankProcess, Supervision, Tee},
+    supervisor::{supervise, FailureReport, Peers, RankProcess, Starter, Supervision, Tee},
 };
 use accel_rendezvous::{Client, Server};
 use accel_sdk::{
@@ -13,7 +13,7 @@ use accel_sdk::{
     Component, ErrorKind, LaunchOutcome, LaunchSpec, Launcher, LauncherBox, PluginError,
     PluginResult, ProcessPlan,
 };
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 struct LocalLauncher;
 
@@ -82,6 +82,35 @@ pub(super) fn plans(ranks: &[RankProcess]) -> RVec<ProcessPlan> {
 
 /// Supervision settings from the launch options, with the job's collective
 /// timeout as the watchdog's.
+/// Runs `process`, the one program that starts every rank (mpirun, srun),
+/// supervised with the options of `spec` and `opts` (`local_ranks` and
+/// `report` as [`Starter`] has them): the outcome of a launcher that hands
+/// the ranks to another program.
+pub(super) fn supervise_starter(
+    spec: &LaunchSpec,
+    opts: &LaunchOptions,
+    process: RankProcess,
+    local_ranks: Option<Option<u32>>,
+    report: impl Fn(u32) -> Option<String> + Send + Sync + 'static,
+) -> Result<LaunchOutcome, PluginError> {
+    let starter = Starter {
+        name: process.program.clone(),
+        world_size: spec.num_processes,
+        local_ranks,
+        report: Some(FailureReport(Arc::new(report))),
+    };
+    let supervision = Supervision {
+        starter: Some(starter),
+        ..supervision(spec, opts)?
+    };
+    let outcome = supervise(&[process], &supervision, None)
+        .map_err(|e| PluginError::other("accel", e.to_string()))?;
+    Ok(LaunchOutcome {
+        exit_code: outcome.exit_code,
+        message: outcome.message.into(),
+    })
+}
+
 pub(super) fn supervision(
     spec: &LaunchSpec,
     opts: &LaunchOptions,

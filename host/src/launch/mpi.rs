@@ -5,9 +5,9 @@
 //! the same environment under every launcher.
 
 use super::{
-    local::{host_store, plans, supervision},
+    local::{host_store, plans, supervise_starter},
     options::{from_spec, LaunchOptions},
-    supervisor::{supervise, FailureReport, RankProcess, Starter, Supervision},
+    supervisor::RankProcess,
 };
 use accel_rendezvous::Client;
 use accel_sdk::{
@@ -15,7 +15,7 @@ use accel_sdk::{
     Component, ErrorKind, LaunchOutcome, LaunchSpec, Launcher, LauncherBox, PluginError,
     PluginResult, ProcessPlan,
 };
-use std::{process::Command, sync::Arc, time::Duration};
+use std::{process::Command, time::Duration};
 
 struct MpiLauncher;
 
@@ -223,24 +223,11 @@ impl Launcher for MpiLauncher {
             spec.main_process_port = store.local_addr().port();
             let process = rank_process_with(&spec, &opts)?;
             let store_addr = format!("{}:{}", spec.main_process_ip, spec.main_process_port);
-            let supervision = Supervision {
-                starter: Some(Starter {
-                    name: process.program.clone(),
-                    world_size: spec.num_processes,
-                    // The ranks of this machine are mpirun's descendants;
-                    // all of them when there is no hostfile.
-                    local_ranks: Some(opts.mpirun_hostfile.is_none().then_some(spec.num_processes)),
-                    report: Some(FailureReport(Arc::new(move |attempt| {
-                        first_reported_failure(&store_addr, attempt)
-                    }))),
-                }),
-                ..supervision(&spec, &opts)?
-            };
-            let outcome = supervise(&[process], &supervision, None)
-                .map_err(|e| PluginError::other("accel", e.to_string()))?;
-            Ok(LaunchOutcome {
-                exit_code: outcome.exit_code,
-                message: outcome.message.into(),
+            // The ranks of this machine are mpirun's descendants; all of
+            // them when there is no hostfile.
+            let local_ranks = Some(opts.mpirun_hostfile.is_none().then_some(spec.num_processes));
+            supervise_starter(&spec, &opts, process, local_ranks, move |attempt| {
+                first_reported_failure(&store_addr, attempt)
             })
         };
         RResult::from(run())

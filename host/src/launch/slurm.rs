@@ -17,10 +17,10 @@
 //! (`scancel`, a time limit), the job's state.
 
 use super::{
-    local::{host_store, plans, supervision},
+    local::{host_store, plans, supervise_starter},
     mpi::first_reported_failure,
     options::from_spec,
-    supervisor::{supervise, FailureReport, RankProcess, Starter, Supervision},
+    supervisor::RankProcess,
 };
 use accel_rendezvous::Client;
 use accel_sdk::{
@@ -28,7 +28,7 @@ use accel_sdk::{
     Component, LaunchOutcome, LaunchSpec, Launcher, LauncherBox, PluginError, PluginResult,
     ProcessPlan,
 };
-use std::{process::Command, sync::Arc, time::Duration};
+use std::{process::Command, time::Duration};
 
 struct SlurmLauncher;
 
@@ -214,23 +214,9 @@ impl Launcher for SlurmLauncher {
             } else {
                 format!("{}:{}", spec.main_process_ip, spec.main_process_port)
             };
-            let supervision = Supervision {
-                // srun's tasks run under slurmd, not below srun.
-                starter: Some(Starter {
-                    name: "srun".into(),
-                    world_size: spec.num_processes,
-                    local_ranks: None,
-                    report: Some(FailureReport(Arc::new(move |attempt| {
-                        failure_report(&store_addr, attempt)
-                    }))),
-                }),
-                ..supervision(&spec, &opts)?
-            };
-            let outcome = supervise(&[process], &supervision, None)
-                .map_err(|e| PluginError::other("accel", e.to_string()))?;
-            Ok(LaunchOutcome {
-                exit_code: outcome.exit_code,
-                message: outcome.message.into(),
+            // srun's tasks run under slurmd, not below srun.
+            supervise_starter(&spec, &opts, process, None, move |attempt| {
+                failure_report(&store_addr, attempt)
             })
         };
         RResult::from(run())

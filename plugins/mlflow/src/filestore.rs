@@ -19,7 +19,7 @@
 //! are written single-quoted (valid YAML that PyYAML's `safe_load` reads).
 
 use crate::{
-    record::{Metric, Record},
+    record::{Metric, Record, RunEnd, TextRecord},
     settings::{ExperimentRef, Plan},
     PLUGIN,
 };
@@ -393,7 +393,7 @@ impl FileRun {
                     }
                 }
             }
-            Record::Text { key, step, text } => {
+            Record::Text(TextRecord { key, step, text }) => {
                 write_text(
                     &self
                         .run_dir
@@ -402,7 +402,7 @@ impl FileRun {
                     text,
                 )?;
             }
-            Record::End { status, end_time } => {
+            Record::End(RunEnd { status, end_time }) => {
                 self.meta.status = status_number(status);
                 self.meta.end_time = Some(*end_time);
                 self.write_meta()

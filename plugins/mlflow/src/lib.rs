@@ -38,7 +38,7 @@ pub mod sender;
 pub mod settings;
 
 use filestore::FileRun;
-use record::Record;
+use record::{Record, RunEnd};
 use rest::{Client, RunInfo};
 use sender::{Sender, SpoolFiles};
 use settings::{Backend, Env, ExperimentRef, Plan, Settings};
@@ -328,10 +328,10 @@ impl RunTracker for MlflowTracker {
     }
 
     fn finish(&mut self) -> Result<(), PluginError> {
-        let end = Record::End {
+        let end = Record::End(RunEnd {
             status: "FINISHED".into(),
             end_time: now_ms(),
-        };
+        });
         match std::mem::replace(&mut self.state, State::Finished) {
             State::File(mut run) => run.write(&[end]),
             State::Rest(mut r) => {

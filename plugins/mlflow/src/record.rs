@@ -78,22 +78,30 @@ pub enum Record {
     Params(Vec<(String, String)>),
     /// Tags, at most 100.
     Tags(Vec<(String, String)>),
-    /// A logged text: the artifact `text/<key>/step_<step>.txt`.
-    Text {
-        /// Its key.
-        key: String,
-        /// Its step.
-        step: i64,
-        /// The text.
-        text: String,
-    },
+    /// A logged text.
+    Text(TextRecord),
     /// The end of the run (`runs/update`).
-    End {
-        /// `FINISHED`, `FAILED` or `KILLED`.
-        status: String,
-        /// Milliseconds since the Unix epoch.
-        end_time: i64,
-    },
+    End(RunEnd),
+}
+
+/// A logged text: the artifact `text/<key>/step_<step>.txt`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TextRecord {
+    /// Its key.
+    pub key: String,
+    /// Its step.
+    pub step: i64,
+    /// The text.
+    pub text: String,
+}
+
+/// The end of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunEnd {
+    /// `FINISHED`, `FAILED` or `KILLED`.
+    pub status: String,
+    /// Milliseconds since the Unix epoch.
+    pub end_time: i64,
 }
 
 /// A double as MLflow's JSON (protobuf) takes it: NaN and infinities as
@@ -159,10 +167,10 @@ impl Record {
             Record::Metrics(m) => json!({"metrics": metrics_json(m)}),
             Record::Params(p) => json!({"params": pairs_json(p)}),
             Record::Tags(t) => json!({"tags": pairs_json(t)}),
-            Record::Text { key, step, text } => {
+            Record::Text(TextRecord { key, step, text }) => {
                 json!({"text": {"key": key, "step": step, "text": text}})
             }
-            Record::End { status, end_time } => {
+            Record::End(RunEnd { status, end_time }) => {
                 json!({"end": {"status": status, "end_time": end_time}})
             }
         };
@@ -194,17 +202,17 @@ impl Record {
             return Some(Record::Tags(pairs_of(t)?));
         }
         if let Some(t) = v.get("text") {
-            return Some(Record::Text {
+            return Some(Record::Text(TextRecord {
                 key: t["key"].as_str()?.to_owned(),
                 step: t["step"].as_i64()?,
                 text: t["text"].as_str()?.to_owned(),
-            });
+            }));
         }
         let e = v.get("end")?;
-        Some(Record::End {
+        Some(Record::End(RunEnd {
             status: e["status"].as_str()?.to_owned(),
             end_time: e["end_time"].as_i64()?,
-        })
+        }))
     }
 
     fn counts(&self) -> (usize, usize, usize) {
@@ -288,11 +296,11 @@ pub fn log_records(
                 timestamp,
                 step,
             }),
-            Some(LogValue::Text(t)) => out.push(Record::Text {
+            Some(LogValue::Text(t)) => out.push(Record::Text(TextRecord {
                 key: key.to_owned(),
                 step,
                 text: t.to_string(),
-            }),
+            })),
             // A kind of value newer than this plugin: skipped.
             _ => {}
         }
@@ -328,21 +336,9 @@ pub enum Work {
         tags: Vec<(String, String)>,
     },
     /// A text artifact.
-    Text {
-        /// Key.
-        key: String,
-        /// Step.
-        step: i64,
-        /// Text.
-        text: String,
-    },
+    Text(TextRecord),
     /// `runs/update` to a terminal status.
-    End {
-        /// Status.
-        status: String,
-        /// End time, ms.
-        end_time: i64,
-    },
+    End(RunEnd),
 }
 
 impl Work {
@@ -441,12 +437,12 @@ pub fn group(records: Vec<(Record, u64)>) -> Vec<(Work, u64)> {
                 open = true;
                 bytes = size;
             }
-            Record::Text { key, step, text } => {
-                out.push((Work::Text { key, step, text }, end));
+            Record::Text(text) => {
+                out.push((Work::Text(text), end));
                 open = false;
             }
-            Record::End { status, end_time } => {
-                out.push((Work::End { status, end_time }, end));
+            Record::End(run_end) => {
+                out.push((Work::End(run_end), end));
                 open = false;
             }
         }
@@ -513,15 +509,15 @@ mod tests {
             ]),
             Record::Params(vec![("lr".into(), "0.1".into())]),
             Record::Tags(vec![("t".into(), "v\nw".into())]),
-            Record::Text {
+            Record::Text(TextRecord {
                 key: "note".into(),
                 step: 2,
                 text: "héllo".into(),
-            },
-            Record::End {
+            }),
+            Record::End(RunEnd {
                 status: "FINISHED".into(),
                 end_time: 99,
-            },
+            }),
         ];
         for r in records {
             let back = Record::from_line(&r.to_line()).unwrap();
@@ -591,11 +587,11 @@ mod tests {
                     timestamp: 1000,
                     step: 7
                 }]),
-                Record::Text {
+                Record::Text(TextRecord {
                     key: "note".into(),
                     step: 7,
                     text: "hi".into()
-                },
+                }),
             ]
         );
         let err = err.unwrap();
@@ -634,21 +630,21 @@ mod tests {
         // ... a text, more metrics, the end.
         off += 10;
         records.push((
-            Record::Text {
+            Record::Text(TextRecord {
                 key: "t".into(),
                 step: 1,
                 text: "x".into(),
-            },
+            }),
             off,
         ));
         off += 10;
         records.push((Record::Metrics(vec![metric(5000)]), off));
         off += 10;
         records.push((
-            Record::End {
+            Record::End(RunEnd {
                 status: "FINISHED".into(),
                 end_time: 2,
-            },
+            }),
             off,
         ));
         let work = group(records);
@@ -658,8 +654,8 @@ mod tests {
                 Work::Batch {
                     metrics, params, ..
                 } => (metrics.len(), params.len(), *end),
-                Work::Text { .. } => (usize::MAX, 0, *end),
-                Work::End { .. } => (0, usize::MAX, *end),
+                Work::Text(_) => (usize::MAX, 0, *end),
+                Work::End(_) => (0, usize::MAX, *end),
             })
             .collect();
         assert_eq!(

@@ -22,7 +22,7 @@
 //! fully sent is deleted.
 
 use crate::{
-    record::{group, Record, Work},
+    record::{group, Record, RunEnd, TextRecord, Work},
     rest::{Client, Failure, RunInfo},
     settings::HttpSettings,
 };
@@ -500,10 +500,10 @@ impl Worker {
                 let body = work.batch_body(&run.run_id).expect("a batch has a body");
                 self.client.log_batch(&body)
             }
-            Work::End { status, end_time } => {
+            Work::End(RunEnd { status, end_time }) => {
                 self.client.update_run(&run.run_id, status, Some(*end_time))
             }
-            Work::Text { key, step, text } => {
+            Work::Text(TextRecord { key, step, text }) => {
                 let rel = crate::text_artifact_path(key, *step);
                 let uri = run.artifact_uri.as_str();
                 if let Some(path) = uri.strip_prefix("mlflow-artifacts:") {

@@ -85,6 +85,12 @@ fn history_rows(records: &[Value]) -> Vec<Value> {
 }
 
 /// The only `.wandb` file under `<dir>/wandb/<prefix>-*/`.
+/// The run id in the name of a run's `.wandb` file (`run-<id>.wandb`).
+fn run_id(file: &Path) -> String {
+    let stem = file.file_stem().unwrap().to_str().unwrap();
+    stem.trim_start_matches("run-").to_owned()
+}
+
 fn find_run_file(dir: &Path, prefix: &str) -> PathBuf {
     let runs: Vec<PathBuf> = std::fs::read_dir(dir.join("wandb"))
         .unwrap()
@@ -145,6 +151,20 @@ fn assert_close(v: &Value, x: f64, what: &str) {
 }
 
 /// Checks the 10 rows of `row(0..10)`, in order.
+/// A tracker of `settings` that started a run with [`CONFIG`] and logged
+/// [`row`]s 0 to 9, flushing after each step `flush_after` picks.
+fn ten_rows(settings: &str, flush_after: impl Fn(u64) -> bool) -> WandbTracker {
+    let mut t = WandbTracker::new(settings, Env::default()).unwrap();
+    t.start("proj", CONFIG).unwrap();
+    for step in 0..10 {
+        t.log(row(step).as_slice(), Some(step)).unwrap();
+        if flush_after(step) {
+            t.flush().unwrap();
+        }
+    }
+    t
+}
+
 fn assert_rows(rows: &[Value]) {
     assert_eq!(rows.len(), 10, "{rows:#?}");
     let mut last_runtime = -1.0;
@@ -576,14 +596,7 @@ fn online_run_creates_the_run_and_streams_history_in_order() {
     let dir = temp_dir("online");
     let mut server = FakeWandb::start(None);
     let settings = online_settings(&dir, &server.base_url, json!({}));
-    let mut t = WandbTracker::new(&settings, Env::default()).unwrap();
-    t.start("proj", CONFIG).unwrap();
-    for step in 0..10 {
-        t.log(row(step).as_slice(), Some(step)).unwrap();
-        if step % 4 == 3 {
-            t.flush().unwrap();
-        }
-    }
+    let mut t = ten_rows(&settings, |step| step % 4 == 3);
     t.finish().unwrap();
     let status = t.online_status();
     assert!(status.is_none(), "the sender is gone after finish");
@@ -606,13 +619,7 @@ fn online_run_creates_the_run_and_streams_history_in_order() {
         .contains("upsertBucket(input:"));
     let v = &upsert.body["variables"];
     let file = find_run_file(&dir, "run");
-    let id = file
-        .file_stem()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .trim_start_matches("run-")
-        .to_owned();
+    let id = run_id(&file);
     assert_eq!(v["name"], id);
     assert_eq!(v["project"], "proj");
     assert_eq!(v["entity"], "ent");
@@ -661,13 +668,8 @@ fn online_run_falls_back_to_the_log_when_the_server_goes_away() {
     // upsertBucket + 2 file-stream requests, then the socket closes.
     let mut server = FakeWandb::start(Some(3));
     let settings = online_settings(&dir, &server.base_url, json!({}));
-    let mut t = WandbTracker::new(&settings, Env::default()).unwrap();
-    t.start("proj", CONFIG).unwrap();
-    for step in 0..10 {
-        t.log(row(step).as_slice(), Some(step)).unwrap();
-        // One request per row, so the server goes away after rows 0 and 1.
-        t.flush().unwrap();
-    }
+    // One request per row, so the server goes away after rows 0 and 1.
+    let mut t = ten_rows(&settings, |_| true);
     let status = t.online_status().unwrap();
     assert_eq!(status.lines_sent, 2, "{status:?}");
     let failure = status.failure.expect("the run went offline");
@@ -706,11 +708,7 @@ fn unreachable_server_at_start_means_an_offline_run() {
         &format!("http://127.0.0.1:{port}"),
         json!({"max_retries": 1}),
     );
-    let mut t = WandbTracker::new(&settings, Env::default()).unwrap();
-    t.start("proj", CONFIG).unwrap();
-    for step in 0..10 {
-        t.log(row(step).as_slice(), Some(step)).unwrap();
-    }
+    let mut t = ten_rows(&settings, |_| false);
     t.flush().unwrap();
     let status = t.online_status().unwrap();
     assert!(status.server_run.is_none());
@@ -762,21 +760,11 @@ fn wandb_sync_uploads_an_offline_run() {
     let dir = temp_dir("sync");
     let settings =
         json!({"init_kwargs": {"dir": dir, "mode": "offline", "entity": "ent", "tags": ["x"]}});
-    let mut t = WandbTracker::new(&settings.to_string(), Env::default()).unwrap();
-    t.start("proj", CONFIG).unwrap();
-    for step in 0..10 {
-        t.log(row(step).as_slice(), Some(step)).unwrap();
-    }
+    let mut t = ten_rows(&settings.to_string(), |_| false);
     t.finish().unwrap();
     let file = find_run_file(&dir, "offline-run");
     let run_dir = file.parent().unwrap();
-    let id = file
-        .file_stem()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .trim_start_matches("run-")
-        .to_owned();
+    let id = run_id(&file);
 
     // `wandb sync <run dir>` against the fake server, as a user would
     // upload the run later (HOME kept apart so nothing touches ~/.netrc).

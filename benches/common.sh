@@ -1,0 +1,33 @@
+# What the bench scripts share. Each one starts with
+#   source "$(dirname "$0")/common.sh" DEFAULT_OUT "${1:-}"
+# which stops the script at its first error, moves to the repository root
+# with the project's venv first on PATH, and sets `out`, the results
+# directory (made): the script's OUT_DIR argument when given, else
+# DEFAULT_OUT.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${2:-$1}
+mkdir -p "$out"
+export PATH="$PWD/.venv/bin:$PATH"
+
+# peak_rss LOG MATCH COMMAND...: runs COMMAND (its output into LOG) while
+# polling, every 0.2 s, the peak RSS (VmHWM, kB) of the processes whose
+# command line contains MATCH; prints the largest. When COMMAND fails, LOG
+# goes to stderr and peak_rss fails.
+peak_rss() {
+    local log=$1 match=$2; shift 2
+    "$@" >"$log" 2>&1 &
+    local pid=$! peak=0
+    while kill -0 "$pid" 2>/dev/null; do
+        for s in /proc/[0-9]*/status; do
+            local p=${s#/proc/}; p=${p%/status}
+            if { tr '\0' ' ' <"/proc/$p/cmdline"; } 2>/dev/null | grep -q -- "$match"; then
+                local kb; kb=$(awk '/^VmHWM:/ {print $2}' "$s" 2>/dev/null || true)
+                if [ -n "$kb" ] && [ "$kb" -gt "$peak" ]; then peak=$kb; fi
+            fi
+        done
+        sleep 0.2
+    done
+    wait "$pid" || { cat "$log" >&2; return 1; }
+    echo "$peak"
+}
