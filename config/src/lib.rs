@@ -36,6 +36,7 @@ pub mod load;
 pub mod locate;
 pub mod parse;
 pub mod questionnaire;
+pub mod reference;
 pub mod resolve;
 pub mod schema;
 pub mod to_fsdp2;

@@ -12,8 +12,8 @@ use crate::error::ConfigError;
 use crate::load::{load_str, LoadOptions};
 use crate::parse::Format;
 use crate::schema::{
-    Config, DISTRIBUTED_TYPES, DYNAMO_BACKENDS, DYNAMO_MODES, FSDP_AUTO_WRAP_POLICIES,
-    FSDP_SHARDING_STRATEGIES, FSDP_STATE_DICT_TYPES, MIXED_PRECISIONS, OFFLOAD_DEVICES,
+    Config, KeySpec, Kind, DEEPSPEED_KEYS, DISTRIBUTED_TYPES, DYNAMO_BACKENDS, DYNAMO_KEYS,
+    FSDP_KEYS, FSDP_SHARDING_STRATEGIES, MEGATRON_KEYS, MIXED_PRECISIONS,
     SAGEMAKER_DISTRIBUTED_TYPES,
 };
 use crate::write::to_yaml;
@@ -146,6 +146,50 @@ impl Prompter<'_> {
                 choices.len() - 1
             )?;
         }
+    }
+    /// Asks for a section key as the key table describes it: its doc is
+    /// the question, its type decides the answer and what is allowed, so
+    /// the questions cannot drift from what the validator accepts.
+    fn key(
+        &mut self,
+        keys: &[KeySpec],
+        name: &str,
+        default: Value,
+    ) -> Result<Value, QuestionnaireError> {
+        let spec = keys
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| unreachable!("`{name}` is asked but is not in the key table"));
+        let mut doc = spec.doc.to_owned();
+        if let Some(first) = doc.get_mut(..1) {
+            first.make_ascii_uppercase();
+        }
+        let question = format!("{doc} ({name})");
+        let pick = |values: &[&str]| {
+            values
+                .iter()
+                .position(|v| Some(*v) == default.as_str())
+                .unwrap_or(0)
+        };
+        Ok(match spec.kind {
+            Kind::Bool => self
+                .yes_no(&question, default.as_bool().unwrap_or(false))?
+                .into(),
+            Kind::Int { min, max } => self
+                .int(&question, default.as_i64().unwrap_or(min), min, max)?
+                .into(),
+            Kind::Enum { values, .. } => {
+                self.choice(&question, &plain(values), pick(values))?.into()
+            }
+            Kind::ShardingStrategy => self
+                .choice(
+                    &question,
+                    &plain(FSDP_SHARDING_STRATEGIES),
+                    pick(FSDP_SHARDING_STRATEGIES),
+                )?
+                .into(),
+            _ => self.text(&question, default.as_str())?.into(),
+        })
     }
 }
 
@@ -321,125 +365,65 @@ pub fn ask(
             if !file.is_empty() {
                 ds.insert("deepspeed_config_file".into(), file.into());
             } else {
-                let stage = p.int("Which ZeRO stage (0, 1, 2 or 3)?", 2, 0, 3)?;
-                ds.insert("zero_stage".into(), stage.into());
-                let opt = p.choice(
-                    "Where should optimizer state be offloaded?",
-                    &plain(OFFLOAD_DEVICES),
-                    0,
-                )?;
-                ds.insert("offload_optimizer_device".into(), opt.into());
-                if stage == 3 {
-                    let par = p.choice(
-                        "Where should parameters be offloaded?",
-                        &plain(OFFLOAD_DEVICES),
-                        0,
-                    )?;
-                    ds.insert("offload_param_device".into(), par.into());
-                    ds.insert(
-                        "zero3_init_flag".into(),
-                        p.yes_no(
-                            "Build large models sharded from the start (zero3_init_flag)?",
-                            false,
-                        )?
-                        .into(),
-                    );
-                    ds.insert(
-                        "zero3_save_16bit_model".into(),
-                        p.yes_no("Save 16-bit model weights when saving?", false)?
-                            .into(),
-                    );
+                let mut ask = |ds: &mut Map<String, Value>, name: &str, default: Value| {
+                    p.key(DEEPSPEED_KEYS, name, default)
+                        .map(|v| ds.insert(name.into(), v))
+                };
+                ask(&mut ds, "zero_stage", 2.into())?;
+                ask(&mut ds, "offload_optimizer_device", "none".into())?;
+                if ds.get("zero_stage").and_then(Value::as_i64) == Some(3) {
+                    ask(&mut ds, "offload_param_device", "none".into())?;
+                    ask(&mut ds, "zero3_init_flag", false.into())?;
+                    ask(&mut ds, "zero3_save_16bit_model", false.into())?;
                 }
-                ds.insert(
-                    "gradient_accumulation_steps".into(),
-                    p.int("How many gradient accumulation steps?", 1, 1, i64::MAX)?
-                        .into(),
-                );
+                ask(&mut ds, "gradient_accumulation_steps", 1.into())?;
             }
             set(&mut c, "deepspeed_config", Value::Object(ds));
         }
 
         if dt == "FSDP" {
             let mut f = Map::new();
-            let version = p.int("Which FSDP version (1 or 2)?", 2, 1, 2)?;
-            f.insert("fsdp_version".into(), version.into());
-            if version == 2 {
-                f.insert(
-                    "fsdp_reshard_after_forward".into(),
-                    p.yes_no(
-                        "Free gathered parameters after forward (reshard_after_forward)?",
-                        true,
-                    )?
-                    .into(),
-                );
+            let mut ask = |f: &mut Map<String, Value>, name: &str, default: Value| {
+                p.key(FSDP_KEYS, name, default)
+                    .map(|v| f.insert(name.into(), v))
+            };
+            ask(&mut f, "fsdp_version", 2.into())?;
+            if f.get("fsdp_version").and_then(Value::as_i64) == Some(2) {
+                ask(&mut f, "fsdp_reshard_after_forward", true.into())?;
             } else {
-                let s = p.choice(
-                    "Which sharding strategy?",
-                    &plain(FSDP_SHARDING_STRATEGIES),
-                    0,
-                )?;
-                f.insert("fsdp_sharding_strategy".into(), s.into());
+                ask(&mut f, "fsdp_sharding_strategy", "FULL_SHARD".into())?;
             }
-            f.insert(
-                "fsdp_offload_params".into(),
-                p.yes_no("Offload parameters and gradients to CPU?", false)?
-                    .into(),
-            );
-            let wrap = p.choice(
-                "Which auto-wrap policy?",
-                &plain(FSDP_AUTO_WRAP_POLICIES),
-                0,
+            ask(&mut f, "fsdp_offload_params", false.into())?;
+            ask(
+                &mut f,
+                "fsdp_auto_wrap_policy",
+                "TRANSFORMER_BASED_WRAP".into(),
             )?;
-            if wrap == "TRANSFORMER_BASED_WRAP" {
-                let cls = p.text(
-                    "Layer class names to wrap, comma-separated (empty: the model decides)",
-                    Some(""),
-                )?;
-                if !cls.is_empty() {
-                    f.insert("fsdp_transformer_layer_cls_to_wrap".into(), cls.into());
+            match f.get("fsdp_auto_wrap_policy").and_then(Value::as_str) {
+                Some("TRANSFORMER_BASED_WRAP") => {
+                    ask(&mut f, "fsdp_transformer_layer_cls_to_wrap", "".into())?;
+                    // Empty: the model decides.
+                    if f.get("fsdp_transformer_layer_cls_to_wrap") == Some(&Value::from("")) {
+                        f.remove("fsdp_transformer_layer_cls_to_wrap");
+                    }
                 }
-            } else if wrap == "SIZE_BASED_WRAP" {
-                f.insert(
-                    "fsdp_min_num_params".into(),
-                    p.int(
-                        "Minimum number of parameters per wrapped unit?",
-                        100_000_000,
-                        0,
-                        i64::MAX,
-                    )?
-                    .into(),
-                );
+                Some("SIZE_BASED_WRAP") => {
+                    ask(&mut f, "fsdp_min_num_params", 100_000_000.into())?;
+                }
+                _ => {}
             }
-            f.insert("fsdp_auto_wrap_policy".into(), wrap.into());
-            let sd = p.choice(
-                "Which state dict type for checkpoints?",
-                &plain(FSDP_STATE_DICT_TYPES),
-                2,
-            )?;
-            f.insert("fsdp_state_dict_type".into(), sd.into());
-            let ram = p.yes_no(
-                "Load the model on rank 0 only and broadcast it (cpu_ram_efficient_loading)?",
-                true,
-            )?;
-            f.insert("fsdp_cpu_ram_efficient_loading".into(), ram.into());
+            ask(&mut f, "fsdp_state_dict_type", "SHARDED_STATE_DICT".into())?;
+            ask(&mut f, "fsdp_cpu_ram_efficient_loading", true.into())?;
             f.insert("fsdp_sync_module_states".into(), true.into());
-            f.insert(
-                "fsdp_activation_checkpointing".into(),
-                p.yes_no("Use activation checkpointing?", false)?.into(),
-            );
+            ask(&mut f, "fsdp_activation_checkpointing", false.into())?;
             set(&mut c, "fsdp_config", Value::Object(f));
         }
 
         if dt == "MEGATRON_LM" {
             let mut m = Map::new();
-            m.insert(
-                "megatron_lm_tp_degree".into(),
-                p.int("Tensor parallel degree?", 1, 1, i64::MAX)?.into(),
-            );
-            m.insert(
-                "megatron_lm_pp_degree".into(),
-                p.int("Pipeline parallel degree?", 1, 1, i64::MAX)?.into(),
-            );
+            for name in ["megatron_lm_tp_degree", "megatron_lm_pp_degree"] {
+                m.insert(name.into(), p.key(MEGATRON_KEYS, name, 1.into())?);
+            }
             set(&mut c, "megatron_lm_config", Value::Object(m));
         }
 
@@ -479,18 +463,11 @@ pub fn ask(
             );
             d.insert(
                 "dynamo_mode".into(),
-                p.choice("Which dynamo mode?", &plain(DYNAMO_MODES), 0)?
-                    .into(),
+                p.key(DYNAMO_KEYS, "dynamo_mode", "default".into())?,
             );
-            d.insert(
-                "dynamo_use_fullgraph".into(),
-                p.yes_no("Require one full graph (no graph breaks)?", false)?
-                    .into(),
-            );
-            d.insert(
-                "dynamo_use_dynamic".into(),
-                p.yes_no("Trace dynamic shapes?", false)?.into(),
-            );
+            for name in ["dynamo_use_fullgraph", "dynamo_use_dynamic"] {
+                d.insert(name.into(), p.key(DYNAMO_KEYS, name, false.into())?);
+            }
             set(&mut c, "dynamo_config", Value::Object(d));
         }
         set(&mut c, "main_training_function", "main".into());

@@ -1,8 +1,12 @@
 //! Accelerate's config schema (Accelerate 1.x `commands/config/config_args.py`),
 //! as data (the key tables) and as types (the [`Config`] struct and enums).
 //!
-//! The key tables drive validation, the precedence resolver and the
-//! questionnaire, so a key is described in exactly one place.
+//! The key tables ([`KeySpec`]: name, type, built-in default, environment
+//! variable, `accel launch` flag, owner, doc) are the one place a key is
+//! described: the validator, the resolver's environment and flag mapping and
+//! built-in defaults, `accel launch`'s section flags, the `accel config`
+//! questions and the README's reference ([`crate::reference`]) are made
+//! from them.
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
@@ -157,7 +161,47 @@ pub enum Scope {
     SageMaker,
 }
 
-/// One key of the schema.
+/// Who acts on a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Owner {
+    /// `accel launch` or the Accelerator.
+    Accel,
+    /// The strategy plugin with this package name, which receives the key's
+    /// section in its settings and checks it again.
+    Plugin(&'static str),
+    /// Checked and kept, so Accelerate's files load, but nothing in accel
+    /// acts on it.
+    Kept,
+}
+
+/// A built-in default: the value accel fills in when no source sets the key.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Builtin {
+    /// A string.
+    Str(&'static str),
+    /// A boolean.
+    Bool(bool),
+    /// An integer.
+    Int(i64),
+}
+
+impl Builtin {
+    /// The default as a JSON value.
+    pub fn to_value(self) -> Value {
+        match self {
+            Builtin::Str(s) => Value::from(s),
+            Builtin::Bool(b) => Value::from(b),
+            Builtin::Int(i) => Value::from(i),
+        }
+    }
+}
+
+/// One key of the schema: the single place a key is described. The
+/// validator checks [`KeySpec::kind`]; the resolver reads [`KeySpec::env`]
+/// and fills [`KeySpec::default`]; `accel launch` makes a flag of every key
+/// with [`KeySpec::flag`]; `accel config` asks with [`KeySpec::doc`]; and
+/// [`reference_markdown`](crate::reference::reference_markdown) writes the
+/// README's reference from all of them.
 #[derive(Clone, Copy, Debug)]
 pub struct KeySpec {
     /// The key as written in the file.
@@ -166,28 +210,74 @@ pub struct KeySpec {
     pub kind: Kind,
     /// Which config class has it (top level only).
     pub scope: Scope,
+    /// The environment variable that sets it (as Accelerate's launcher
+    /// writes it for its ranks and its `AcceleratorState` reads it).
+    pub env: Option<&'static str>,
+    /// The `accel launch` flag that sets it (`--<flag>`, also spelled with
+    /// `-`), as `accelerate launch` names it.
+    pub flag: Option<&'static str>,
+    /// The value accel fills in when nothing sets it.
+    pub default: Option<Builtin>,
+    /// Who acts on it.
+    pub owner: Owner,
+    /// What it does, in a few words.
+    pub doc: &'static str,
 }
 
-const fn k(name: &'static str, kind: Kind) -> KeySpec {
+impl KeySpec {
+    const fn env(mut self, var: &'static str) -> Self {
+        self.env = Some(var);
+        self
+    }
+    const fn flag(mut self) -> Self {
+        self.flag = Some(self.name);
+        self
+    }
+    const fn flag_named(mut self, flag: &'static str) -> Self {
+        self.flag = Some(flag);
+        self
+    }
+    const fn or(mut self, default: Builtin) -> Self {
+        self.default = Some(default);
+        self
+    }
+    const fn by(mut self, owner: Owner) -> Self {
+        self.owner = owner;
+        self
+    }
+    const fn scoped(mut self, scope: Scope) -> Self {
+        self.scope = scope;
+        self
+    }
+}
+
+const ZERO: Owner = Owner::Plugin("accel-zero");
+const FSDP: Owner = Owner::Plugin("accel-fsdp");
+
+/// A key acted on by accel.
+const fn k(name: &'static str, kind: Kind, doc: &'static str) -> KeySpec {
     KeySpec {
         name,
         kind,
         scope: Scope::Both,
+        env: None,
+        flag: None,
+        default: None,
+        owner: Owner::Accel,
+        doc,
     }
 }
-const fn kc(name: &'static str, kind: Kind) -> KeySpec {
-    KeySpec {
-        name,
-        kind,
-        scope: Scope::Cluster,
-    }
+/// A key accel checks and keeps but does not act on.
+const fn kept(name: &'static str, kind: Kind, doc: &'static str) -> KeySpec {
+    k(name, kind, doc).by(Owner::Kept)
 }
-const fn ks(name: &'static str, kind: Kind) -> KeySpec {
-    KeySpec {
-        name,
-        kind,
-        scope: Scope::SageMaker,
-    }
+/// A `deepspeed_config` key: the ZeRO plugin's, with an `accel launch` flag.
+const fn zero(name: &'static str, kind: Kind, doc: &'static str) -> KeySpec {
+    k(name, kind, doc).by(ZERO).flag()
+}
+/// An `fsdp_config` key: the FSDP plugin's, with an `accel launch` flag.
+const fn fsdp(name: &'static str, kind: Kind, doc: &'static str) -> KeySpec {
+    k(name, kind, doc).by(FSDP).flag()
 }
 const fn e(values: &'static [&'static str]) -> Kind {
     Kind::Enum {
@@ -218,166 +308,490 @@ const NONNEG_U32: Kind = Kind::Int {
     min: 0,
     max: u32::MAX as i64,
 };
+const CLUSTER: Scope = Scope::Cluster;
+const SAGEMAKER: Scope = Scope::SageMaker;
 
 /// Keys of `deepspeed_config`.
 pub const DEEPSPEED_KEYS: &[KeySpec] = &[
-    k("deepspeed_config_file", Kind::Str),
-    k("zero_stage", Kind::Int { min: 0, max: 3 }),
-    k("offload_optimizer_device", ei(OFFLOAD_DEVICES)),
-    k("offload_param_device", ei(OFFLOAD_DEVICES)),
-    k("offload_optimizer_nvme_path", Kind::Str),
-    k("offload_param_nvme_path", Kind::Str),
-    k("gradient_accumulation_steps", POS),
-    k("gradient_clipping", Kind::Float { min: 0.0 }),
-    k("zero3_init_flag", Kind::Bool),
-    k("zero3_save_16bit_model", Kind::Bool),
-    k("deepspeed_hostfile", Kind::Str),
-    k("deepspeed_exclusion_filter", Kind::Str),
-    k("deepspeed_inclusion_filter", Kind::Str),
-    k(
-        "deepspeed_multinode_launcher",
-        ei(DEEPSPEED_MULTINODE_LAUNCHERS),
-    ),
-    k("deepspeed_moe_layer_cls_names", Kind::StrOrList),
+    zero("deepspeed_config_file", Kind::Str, "a DeepSpeed JSON file; its ZeRO keys are read, the rest refused by name")
+        .env("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
+    zero("zero_stage", Kind::Int { min: 0, max: 3 }, "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters")
+        .env("ACCELERATE_DEEPSPEED_ZERO_STAGE"),
+    zero("offload_optimizer_device", ei(OFFLOAD_DEVICES), "where optimizer state lives (cpu: host memory)")
+        .env("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+    zero("offload_param_device", ei(OFFLOAD_DEVICES), "where ZeRO-3 parameters live between uses")
+        .env("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"),
+    zero("offload_optimizer_nvme_path", Kind::Str, "NVMe directory for offloaded optimizer state (refused: nvme offload is not implemented)")
+        .env("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH"),
+    zero("offload_param_nvme_path", Kind::Str, "NVMe directory for offloaded parameters (refused: nvme offload is not implemented)")
+        .env("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH"),
+    zero("gradient_accumulation_steps", POS, "micro-steps per optimizer step; the Accelerator takes it whatever the strategy, as Accelerate's")
+        .env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
+    zero("gradient_clipping", Kind::Float { min: 0.0 }, "clip the global gradient norm to this value")
+        .env("ACCELERATE_GRADIENT_CLIPPING"),
+    zero("zero3_init_flag", Kind::Bool, "ZeRO-3: each rank loads only its shard of the weights")
+        .env("ACCELERATE_DEEPSPEED_ZERO3_INIT"),
+    zero("zero3_save_16bit_model", Kind::Bool, "ZeRO-3: save_model gathers the whole model in 16 bits")
+        .env("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"),
+    zero("deepspeed_hostfile", Kind::Str, "DeepSpeed's hostfile (multi-node: use accel launch's machines instead)"),
+    zero("deepspeed_exclusion_filter", Kind::Str, "DeepSpeed's host exclusion filter"),
+    zero("deepspeed_inclusion_filter", Kind::Str, "DeepSpeed's host inclusion filter"),
+    zero("deepspeed_multinode_launcher", ei(DEEPSPEED_MULTINODE_LAUNCHERS), "DeepSpeed's multi-node launcher"),
+    zero("deepspeed_moe_layer_cls_names", Kind::StrOrList, "mixture-of-experts layer classes (refused: MoE is not implemented)")
+        .env("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"),
 ];
 
 /// Keys of `fsdp_config` (FSDP1 and FSDP2). A key written without the
 /// `fsdp_` prefix gets it, as Accelerate's launcher does.
 pub const FSDP_KEYS: &[KeySpec] = &[
-    k("fsdp_version", Kind::Int { min: 1, max: 2 }),
-    k("fsdp_sharding_strategy", Kind::ShardingStrategy),
-    k("fsdp_reshard_after_forward", Kind::ReshardAfterForward),
-    k("fsdp_offload_params", Kind::Bool),
-    // How the transformers docs (and the seeds' example) write offloading.
-    k("fsdp_cpu_offload", Kind::Bool),
-    k("fsdp_min_num_params", NONNEG),
-    k("fsdp_auto_wrap_policy", ei(FSDP_AUTO_WRAP_POLICIES)),
-    k("fsdp_transformer_layer_cls_to_wrap", Kind::StrOrList),
-    k("fsdp_backward_prefetch", ei(FSDP_BACKWARD_PREFETCH)),
-    k("fsdp_state_dict_type", ei(FSDP_STATE_DICT_TYPES)),
-    k("fsdp_forward_prefetch", Kind::Bool),
-    k("fsdp_use_orig_params", Kind::Bool),
-    k("fsdp_cpu_ram_efficient_loading", Kind::Bool),
-    k("fsdp_sync_module_states", Kind::Bool),
-    k("fsdp_activation_checkpointing", Kind::Bool),
-    k("fsdp_ignored_modules", Kind::StrOrList),
+    fsdp(
+        "fsdp_version",
+        Kind::Int { min: 1, max: 2 },
+        "FSDP API version whose keys the section uses",
+    )
+    .env("FSDP_VERSION"),
+    fsdp(
+        "fsdp_sharding_strategy",
+        Kind::ShardingStrategy,
+        "FSDP1: what is sharded (FULL_SHARD: parameters, gradients, optimizer state)",
+    )
+    .env("FSDP_SHARDING_STRATEGY"),
+    fsdp(
+        "fsdp_reshard_after_forward",
+        Kind::ReshardAfterForward,
+        "free gathered parameters after each unit's forward (FSDP2; FSDP1: a strategy)",
+    )
+    .env("FSDP_RESHARD_AFTER_FORWARD"),
+    fsdp(
+        "fsdp_offload_params",
+        Kind::Bool,
+        "keep parameters and gradients in host memory between uses",
+    )
+    .env("FSDP_OFFLOAD_PARAMS"),
+    fsdp(
+        "fsdp_cpu_offload",
+        Kind::Bool,
+        "fsdp_offload_params as the transformers docs write it",
+    ),
+    fsdp(
+        "fsdp_min_num_params",
+        NONNEG,
+        "SIZE_BASED_WRAP: parameters per unit at least",
+    )
+    .env("FSDP_MIN_NUM_PARAMS"),
+    fsdp(
+        "fsdp_auto_wrap_policy",
+        ei(FSDP_AUTO_WRAP_POLICIES),
+        "how the model is cut into units",
+    )
+    .env("FSDP_AUTO_WRAP_POLICY"),
+    fsdp(
+        "fsdp_transformer_layer_cls_to_wrap",
+        Kind::StrOrList,
+        "TRANSFORMER_BASED_WRAP: the layer classes that become units",
+    )
+    .env("FSDP_TRANSFORMER_CLS_TO_WRAP"),
+    fsdp(
+        "fsdp_backward_prefetch",
+        ei(FSDP_BACKWARD_PREFETCH),
+        "when the next unit is gathered during backward",
+    )
+    .env("FSDP_BACKWARD_PREFETCH"),
+    fsdp(
+        "fsdp_state_dict_type",
+        ei(FSDP_STATE_DICT_TYPES),
+        "what save_state writes: the full model or each rank's shard",
+    )
+    .env("FSDP_STATE_DICT_TYPE"),
+    fsdp(
+        "fsdp_forward_prefetch",
+        Kind::Bool,
+        "gather the next unit during forward",
+    )
+    .env("FSDP_FORWARD_PREFETCH"),
+    fsdp(
+        "fsdp_use_orig_params",
+        Kind::Bool,
+        "PyTorch's flat-parameter detail (accepted; parameters are always the originals)",
+    )
+    .env("FSDP_USE_ORIG_PARAMS"),
+    fsdp(
+        "fsdp_cpu_ram_efficient_loading",
+        Kind::Bool,
+        "only rank 0 reads the weights; the others receive their shards",
+    )
+    .env("FSDP_CPU_RAM_EFFICIENT_LOADING"),
+    fsdp(
+        "fsdp_sync_module_states",
+        Kind::Bool,
+        "broadcast rank 0's weights at prepare",
+    )
+    .env("FSDP_SYNC_MODULE_STATES"),
+    fsdp(
+        "fsdp_activation_checkpointing",
+        Kind::Bool,
+        "recompute each unit's activations in backward",
+    )
+    .env("FSDP_ACTIVATION_CHECKPOINTING"),
+    fsdp(
+        "fsdp_ignored_modules",
+        Kind::StrOrList,
+        "modules left out of sharding",
+    ),
 ];
 
 /// Keys of `megatron_lm_config`.
 pub const MEGATRON_KEYS: &[KeySpec] = &[
-    k("megatron_lm_tp_degree", POS),
-    k("megatron_lm_pp_degree", POS),
-    k("megatron_lm_num_micro_batches", POS),
-    k("megatron_lm_sequence_parallelism", Kind::Bool),
-    k("megatron_lm_recompute_activations", Kind::Bool),
-    k("megatron_lm_use_distributed_optimizer", Kind::Bool),
-    k("megatron_lm_gradient_clipping", Kind::Float { min: 0.0 }),
+    kept("megatron_lm_tp_degree", POS, "tensor-parallel degree").env("MEGATRON_LM_TP_DEGREE"),
+    kept("megatron_lm_pp_degree", POS, "pipeline-parallel degree").env("MEGATRON_LM_PP_DEGREE"),
+    kept(
+        "megatron_lm_num_micro_batches",
+        POS,
+        "pipeline micro-batches",
+    )
+    .env("MEGATRON_LM_NUM_MICRO_BATCHES"),
+    kept(
+        "megatron_lm_sequence_parallelism",
+        Kind::Bool,
+        "sequence parallelism",
+    )
+    .env("MEGATRON_LM_SEQUENCE_PARALLELISM"),
+    kept(
+        "megatron_lm_recompute_activations",
+        Kind::Bool,
+        "activation recomputation",
+    )
+    .env("MEGATRON_LM_RECOMPUTE_ACTIVATIONS"),
+    kept(
+        "megatron_lm_use_distributed_optimizer",
+        Kind::Bool,
+        "Megatron's distributed optimizer",
+    )
+    .env("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER"),
+    kept(
+        "megatron_lm_gradient_clipping",
+        Kind::Float { min: 0.0 },
+        "gradient clipping",
+    )
+    .env("MEGATRON_LM_GRADIENT_CLIPPING"),
 ];
 
 /// Keys of `fp8_config`.
 pub const FP8_KEYS: &[KeySpec] = &[
-    k("backend", ei(FP8_BACKENDS)),
-    k("fp8_format", ei(FP8_FORMATS)),
-    k("amax_history_len", POS),
-    k("amax_compute_algo", e(FP8_AMAX_COMPUTE_ALGOS)),
-    k("margin", NONNEG),
-    k("interval", POS),
-    k("override_linear_precision", Kind::Any),
-    k("use_autocast_during_eval", Kind::Bool),
-    k("opt_level", e(FP8_OPT_LEVELS)),
+    kept("backend", ei(FP8_BACKENDS), "fp8 library").env("ACCELERATE_FP8_BACKEND"),
+    kept("fp8_format", ei(FP8_FORMATS), "fp8 format").env("ACCELERATE_FP8_FORMAT"),
+    kept("amax_history_len", POS, "amax history length").env("ACCELERATE_FP8_AMAX_HISTORY_LEN"),
+    kept(
+        "amax_compute_algo",
+        e(FP8_AMAX_COMPUTE_ALGOS),
+        "amax algorithm",
+    )
+    .env("ACCELERATE_FP8_AMAX_COMPUTE_ALGO"),
+    kept("margin", NONNEG, "scaling margin").env("ACCELERATE_FP8_MARGIN"),
+    kept("interval", POS, "scaling interval").env("ACCELERATE_FP8_INTERVAL"),
+    kept(
+        "override_linear_precision",
+        Kind::Any,
+        "per-GEMM precision override",
+    )
+    .env("ACCELERATE_FP8_OVERRIDE_LINEAR_PRECISION"),
+    kept(
+        "use_autocast_during_eval",
+        Kind::Bool,
+        "fp8 autocast in evaluation",
+    )
+    .env("ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL"),
+    kept("opt_level", e(FP8_OPT_LEVELS), "MS-AMP optimisation level")
+        .env("ACCELERATE_FP8_OPT_LEVEL"),
 ];
 
 /// Keys of `dynamo_config`.
 pub const DYNAMO_KEYS: &[KeySpec] = &[
-    k("dynamo_backend", ei(DYNAMO_BACKENDS)),
-    k("dynamo_mode", e(DYNAMO_MODES)),
-    k("dynamo_use_fullgraph", Kind::Bool),
-    k("dynamo_use_dynamic", Kind::Bool),
-    k("dynamo_use_regional_compilation", Kind::Bool),
+    kept(
+        "dynamo_backend",
+        ei(DYNAMO_BACKENDS),
+        "torch.compile backend",
+    )
+    .env("ACCELERATE_DYNAMO_BACKEND"),
+    kept("dynamo_mode", e(DYNAMO_MODES), "torch.compile mode").env("ACCELERATE_DYNAMO_MODE"),
+    kept(
+        "dynamo_use_fullgraph",
+        Kind::Bool,
+        "torch.compile fullgraph",
+    )
+    .env("ACCELERATE_DYNAMO_USE_FULLGRAPH"),
+    kept(
+        "dynamo_use_dynamic",
+        Kind::Bool,
+        "torch.compile dynamic shapes",
+    )
+    .env("ACCELERATE_DYNAMO_USE_DYNAMIC"),
+    kept(
+        "dynamo_use_regional_compilation",
+        Kind::Bool,
+        "compile repeated blocks once",
+    )
+    .env("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"),
 ];
 
 /// Keys of `mpirun_config`.
-pub const MPIRUN_KEYS: &[KeySpec] = &[k("mpirun_hostfile", Kind::Str), k("mpirun_ccl", NONNEG)];
+pub const MPIRUN_KEYS: &[KeySpec] = &[
+    k(
+        "mpirun_hostfile",
+        Kind::Str,
+        "the mpi launcher's hostfile (machines and slots)",
+    )
+    .flag(),
+    kept("mpirun_ccl", NONNEG, "oneCCL worker count"),
+];
 
 /// Keys of `ipex_config`.
-pub const IPEX_KEYS: &[KeySpec] = &[k("ipex", Kind::Bool), k("use_xpu", Kind::Bool)];
+pub const IPEX_KEYS: &[KeySpec] = &[
+    kept("ipex", Kind::Bool, "Intel Extension for PyTorch").env("ACCELERATE_USE_IPEX"),
+    kept("use_xpu", Kind::Bool, "Intel XPU").env("ACCELERATE_USE_XPU"),
+];
 
 /// Keys of `tp_config`.
-pub const TP_KEYS: &[KeySpec] = &[k("tp_size", POS)];
+pub const TP_KEYS: &[KeySpec] = &[kept("tp_size", POS, "tensor-parallel size")];
 
 /// Keys of `parallelism_config`.
 pub const PARALLELISM_KEYS: &[KeySpec] = &[
-    k("parallelism_config_dp_replicate_size", POS),
-    k("parallelism_config_dp_shard_size", POS),
-    k("parallelism_config_tp_size", POS),
-    k("parallelism_config_cp_size", POS),
-    k("parallelism_config_cp_comm_strategy", e(CP_COMM_STRATEGIES)),
-    k("parallelism_config_sp_size", POS),
-    k("parallelism_config_sp_backend", Kind::Str),
+    kept(
+        "parallelism_config_dp_replicate_size",
+        POS,
+        "replicated data-parallel size",
+    )
+    .env("PARALLELISM_CONFIG_DP_REPLICATE_SIZE"),
+    kept(
+        "parallelism_config_dp_shard_size",
+        POS,
+        "sharded data-parallel size",
+    )
+    .env("PARALLELISM_CONFIG_DP_SHARD_SIZE"),
+    kept("parallelism_config_tp_size", POS, "tensor-parallel size")
+        .env("PARALLELISM_CONFIG_TP_SIZE"),
+    kept("parallelism_config_cp_size", POS, "context-parallel size")
+        .env("PARALLELISM_CONFIG_CP_SIZE"),
+    kept(
+        "parallelism_config_cp_comm_strategy",
+        e(CP_COMM_STRATEGIES),
+        "context-parallel exchange",
+    )
+    .env("PARALLELISM_CONFIG_CP_COMM_STRATEGY"),
+    kept("parallelism_config_sp_size", POS, "sequence-parallel size")
+        .env("PARALLELISM_CONFIG_SP_SIZE"),
+    kept(
+        "parallelism_config_sp_backend",
+        Kind::Str,
+        "sequence-parallel backend",
+    ),
 ];
 
 /// Keys of the `accel:` namespace (accel's own settings and third-party plugins').
 pub const ACCEL_KEYS: &[KeySpec] = &[
-    k("plugin_dir", Kind::StrList),
-    k("strategy", Kind::Str),
-    k("launcher", Kind::Str),
-    k("collective_timeout", Kind::Float { min: 0.1 }),
-    k("trackers", Kind::StrList),
-    k("plugins", Kind::Map),
+    k(
+        "plugin_dir",
+        Kind::StrList,
+        "more directories to search for plugins (ACCEL_PLUGIN_DIR and --plugin_dir are `:`-lists)",
+    ),
+    k(
+        "strategy",
+        Kind::Str,
+        "the plugin to use when several claim the distributed_type",
+    ),
+    k(
+        "launcher",
+        Kind::Str,
+        "local, mpi, slurm or a plugin's launcher",
+    ),
+    k(
+        "collective_timeout",
+        Kind::Float { min: 0.1 },
+        "seconds a collective waits for the other ranks (1800 when unset)",
+    )
+    .env("ACCEL_COLLECTIVE_TIMEOUT")
+    .flag(),
+    k(
+        "trackers",
+        Kind::StrList,
+        "Accelerate's log_with (`all`: every tracker found)",
+    )
+    .env("ACCELERATE_LOG_WITH"),
+    k(
+        "plugins",
+        Kind::Map,
+        "settings of each plugin, by plugin name; each plugin checks its own",
+    ),
 ];
 
 /// Every top-level key, in the order `accelerate config` writes them.
 pub const TOP_LEVEL_KEYS: &[KeySpec] = &[
     // BaseConfig
-    k("compute_environment", e(COMPUTE_ENVIRONMENTS)),
-    k("distributed_type", Kind::DistributedType),
-    k("mixed_precision", ei(MIXED_PRECISIONS)),
-    k("use_cpu", Kind::Bool),
-    k("debug", Kind::Bool),
-    k("enable_cpu_affinity", Kind::Bool),
-    k("num_machines", POS_U32),
-    k("gpu_ids", Kind::GpuIds),
-    k("dynamo_config", Kind::Section(DYNAMO_KEYS)),
+    k(
+        "compute_environment",
+        e(COMPUTE_ENVIRONMENTS),
+        "where training runs",
+    )
+    .or(Builtin::Str("LOCAL_MACHINE")),
+    k(
+        "distributed_type",
+        Kind::DistributedType,
+        "the strategy; selects its plugin (or one a plugin claims)",
+    )
+    .or(Builtin::Str("NO")),
+    k(
+        "mixed_precision",
+        ei(MIXED_PRECISIONS),
+        "the precision policy",
+    )
+    .flag()
+    .env("ACCELERATE_MIXED_PRECISION")
+    .or(Builtin::Str("no")),
+    k(
+        "use_cpu",
+        Kind::Bool,
+        "train on the CPU even with accelerators present",
+    )
+    .flag_named("cpu")
+    .env("ACCELERATE_USE_CPU")
+    .or(Builtin::Bool(false)),
+    k("debug", Kind::Bool, "extra checks and full error traces")
+        .flag()
+        .env("ACCELERATE_DEBUG_MODE")
+        .or(Builtin::Bool(false)),
+    kept("enable_cpu_affinity", Kind::Bool, "pin ranks to NUMA nodes")
+        .env("ACCELERATE_CPU_AFFINITY")
+        .or(Builtin::Bool(false)),
+    k("num_machines", POS_U32, "machines in the job")
+        .flag()
+        .or(Builtin::Int(1)),
+    k(
+        "gpu_ids",
+        Kind::GpuIds,
+        "GPUs this machine uses (`all` or `0,1`)",
+    )
+    .flag(),
+    kept(
+        "dynamo_config",
+        Kind::Section(DYNAMO_KEYS),
+        "torch.compile settings",
+    ),
     // ClusterConfig
-    kc("num_processes", POS_U32),
-    kc("machine_rank", NONNEG_U32),
-    kc("main_process_ip", Kind::Str),
-    kc("main_process_port", Kind::Int { min: 0, max: 65535 }),
-    kc("rdzv_backend", Kind::Str),
-    kc("same_network", Kind::Bool),
-    kc("main_training_function", Kind::Str),
-    kc("fp8_config", Kind::Section(FP8_KEYS)),
-    kc("deepspeed_config", Kind::Section(DEEPSPEED_KEYS)),
-    kc("fsdp_config", Kind::Section(FSDP_KEYS)),
-    kc("tp_config", Kind::Section(TP_KEYS)),
-    kc("megatron_lm_config", Kind::Section(MEGATRON_KEYS)),
-    kc("ipex_config", Kind::Section(IPEX_KEYS)),
-    kc("mpirun_config", Kind::Section(MPIRUN_KEYS)),
-    kc("parallelism_config", Kind::Section(PARALLELISM_KEYS)),
-    kc("downcast_bf16", Kind::YesNo),
-    kc("tpu_name", Kind::Str),
-    kc("tpu_zone", Kind::Str),
-    kc("tpu_use_cluster", Kind::Bool),
-    kc("tpu_use_sudo", Kind::Bool),
-    kc("command_file", Kind::Str),
-    kc("commands", Kind::StrList),
-    kc("tpu_vm", Kind::StrList),
-    kc("tpu_env", Kind::StrList),
+    k("num_processes", POS_U32, "ranks over all machines")
+        .scoped(CLUSTER)
+        .flag(),
+    k(
+        "machine_rank",
+        NONNEG_U32,
+        "this machine's index (0: the main machine)",
+    )
+    .scoped(CLUSTER)
+    .flag()
+    .or(Builtin::Int(0)),
+    k("main_process_ip", Kind::Str, "address of machine 0")
+        .scoped(CLUSTER)
+        .flag(),
+    k(
+        "main_process_port",
+        Kind::Int { min: 0, max: 65535 },
+        "port of the rendezvous store on machine 0",
+    )
+    .scoped(CLUSTER)
+    .flag(),
+    kept(
+        "rdzv_backend",
+        Kind::Str,
+        "rendezvous method (accel always uses its own store)",
+    )
+    .scoped(CLUSTER)
+    .flag()
+    .or(Builtin::Str("static")),
+    kept("same_network", Kind::Bool, "machines share a network")
+        .scoped(CLUSTER)
+        .or(Builtin::Bool(false)),
+    kept(
+        "main_training_function",
+        Kind::Str,
+        "function to run (TPU pods)",
+    )
+    .scoped(CLUSTER)
+    .or(Builtin::Str("main")),
+    kept("fp8_config", Kind::Section(FP8_KEYS), "fp8 settings").scoped(CLUSTER),
+    k(
+        "deepspeed_config",
+        Kind::Section(DEEPSPEED_KEYS),
+        "ZeRO settings",
+    )
+    .scoped(CLUSTER)
+    .by(ZERO),
+    k("fsdp_config", Kind::Section(FSDP_KEYS), "FSDP settings")
+        .scoped(CLUSTER)
+        .by(FSDP),
+    kept("tp_config", Kind::Section(TP_KEYS), "tensor parallelism").scoped(CLUSTER),
+    kept(
+        "megatron_lm_config",
+        Kind::Section(MEGATRON_KEYS),
+        "Megatron-LM settings",
+    )
+    .scoped(CLUSTER),
+    kept(
+        "ipex_config",
+        Kind::Section(IPEX_KEYS),
+        "Intel extension settings",
+    )
+    .scoped(CLUSTER),
+    k(
+        "mpirun_config",
+        Kind::Section(MPIRUN_KEYS),
+        "the mpi launcher's settings",
+    )
+    .scoped(CLUSTER),
+    kept(
+        "parallelism_config",
+        Kind::Section(PARALLELISM_KEYS),
+        "N-D parallelism",
+    )
+    .scoped(CLUSTER),
+    k(
+        "downcast_bf16",
+        Kind::YesNo,
+        "XLA bf16: also cast f64 to bf16",
+    )
+    .scoped(CLUSTER)
+    .env("ACCELERATE_DOWNCAST_BF16")
+    .or(Builtin::Bool(false)),
+    kept("tpu_name", Kind::Str, "TPU pod name").scoped(CLUSTER),
+    kept("tpu_zone", Kind::Str, "TPU pod zone").scoped(CLUSTER),
+    kept("tpu_use_cluster", Kind::Bool, "TPU pod").scoped(CLUSTER),
+    kept("tpu_use_sudo", Kind::Bool, "TPU pod").scoped(CLUSTER),
+    kept("command_file", Kind::Str, "TPU pod startup script").scoped(CLUSTER),
+    kept("commands", Kind::StrList, "TPU pod startup commands").scoped(CLUSTER),
+    kept("tpu_vm", Kind::StrList, "TPU VMs").scoped(CLUSTER),
+    kept("tpu_env", Kind::StrList, "TPU environment").scoped(CLUSTER),
     // SageMakerConfig
-    ks("ec2_instance_type", Kind::Str),
-    ks("iam_role_name", Kind::Str),
-    ks("image_uri", Kind::Str),
-    ks("profile", Kind::Str),
-    ks("region", Kind::Str),
-    ks("base_job_name", Kind::Str),
-    ks("pytorch_version", Kind::Str),
-    ks("transformers_version", Kind::Str),
-    ks("py_version", Kind::Str),
-    ks("sagemaker_inputs_file", Kind::Str),
-    ks("sagemaker_metrics_file", Kind::Str),
-    ks("additional_args", Kind::Map),
+    kept("ec2_instance_type", Kind::Str, "SageMaker instance type").scoped(SAGEMAKER),
+    kept("iam_role_name", Kind::Str, "SageMaker IAM role").scoped(SAGEMAKER),
+    kept("image_uri", Kind::Str, "SageMaker image").scoped(SAGEMAKER),
+    kept("profile", Kind::Str, "AWS profile").scoped(SAGEMAKER),
+    kept("region", Kind::Str, "AWS region").scoped(SAGEMAKER),
+    kept("base_job_name", Kind::Str, "SageMaker job name").scoped(SAGEMAKER),
+    kept("pytorch_version", Kind::Str, "SageMaker PyTorch version").scoped(SAGEMAKER),
+    kept(
+        "transformers_version",
+        Kind::Str,
+        "SageMaker transformers version",
+    )
+    .scoped(SAGEMAKER),
+    kept("py_version", Kind::Str, "SageMaker Python version").scoped(SAGEMAKER),
+    kept("sagemaker_inputs_file", Kind::Str, "SageMaker inputs").scoped(SAGEMAKER),
+    kept("sagemaker_metrics_file", Kind::Str, "SageMaker metrics").scoped(SAGEMAKER),
+    kept("additional_args", Kind::Map, "SageMaker extra arguments").scoped(SAGEMAKER),
     // accel's namespace
-    k("accel", Kind::Accel),
+    k(
+        "accel",
+        Kind::Accel,
+        "accel's own settings and its plugins'",
+    ),
 ];
 
 /// Top-level keys that Accelerate reads only from old files and rewrites.
@@ -395,7 +809,7 @@ pub fn spec_for_path(path: &str) -> Option<KeySpec> {
         None => top_level(path).copied(),
         Some(("accel", rest)) => {
             if let Some(name) = rest.strip_prefix("plugins.") {
-                (!name.is_empty()).then_some(k("plugins.*", Kind::Any))
+                (!name.is_empty()).then_some(k("plugins.*", Kind::Any, "a plugin's settings"))
             } else {
                 ACCEL_KEYS.iter().find(|s| s.name == rest).copied()
             }
@@ -405,6 +819,41 @@ pub fn spec_for_path(path: &str) -> Option<KeySpec> {
             _ => None,
         },
     }
+}
+
+/// Every key of the schema by its dotted path (`num_processes`,
+/// `fsdp_config.fsdp_version`, `accel.collective_timeout`), in table order:
+/// the rows that the resolver, `accel launch`'s flags and the reference are
+/// made from. Sections and the `accel:` map themselves are not listed.
+///
+/// ```
+/// let paths: Vec<String> = accel_config::schema::key_paths().map(|(p, _)| p).collect();
+/// assert!(paths.contains(&"deepspeed_config.zero_stage".to_string()));
+/// assert!(paths.contains(&"accel.collective_timeout".to_string()));
+/// assert!(!paths.contains(&"fsdp_config".to_string()));
+/// ```
+pub fn key_paths() -> impl Iterator<Item = (String, &'static KeySpec)> {
+    TOP_LEVEL_KEYS.iter().flat_map(|top| {
+        let nested: &'static [KeySpec] = match top.kind {
+            Kind::Section(keys) => keys,
+            Kind::Accel => ACCEL_KEYS,
+            _ => &[],
+        };
+        let own = (nested.is_empty()).then(|| (top.name.to_owned(), top));
+        own.into_iter().chain(
+            nested
+                .iter()
+                .map(move |spec| (format!("{}.{}", top.name, spec.name), spec)),
+        )
+    })
+}
+
+/// The sections (`fsdp_config`, ...) and their keys.
+pub fn sections() -> impl Iterator<Item = (&'static str, &'static [KeySpec])> {
+    TOP_LEVEL_KEYS.iter().filter_map(|top| match top.kind {
+        Kind::Section(keys) => Some((top.name, keys)),
+        _ => None,
+    })
 }
 
 /// The section a distributed type hands to its strategy plugin.

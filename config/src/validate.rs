@@ -7,7 +7,7 @@ use serde_json::{Map, Value};
 use crate::error::{suggest, Diagnostic, Origin};
 use crate::parse::{Mark, Node, NodeKind, Scalar};
 use crate::schema::{
-    self, Config, KeySpec, Kind, Scope, ACCEL_KEYS, DISTRIBUTED_TYPES, DYNAMO_BACKENDS,
+    self, Config, KeySpec, Kind, Scope, ACCEL_KEYS, DISTRIBUTED_TYPES, DYNAMO_KEYS,
     FSDP_SHARDING_STRATEGIES, LEGACY_KEYS, MIXED_PRECISIONS, SAGEMAKER_DISTRIBUTED_TYPES,
     TOP_LEVEL_KEYS,
 };
@@ -617,11 +617,7 @@ pub(crate) fn validate_document(
         if name == "dynamo_backend" {
             let spec = KeySpec {
                 name: "dynamo_backend",
-                kind: Kind::Enum {
-                    values: DYNAMO_BACKENDS,
-                    any_case: true,
-                },
-                scope: Scope::Both,
+                ..DYNAMO_KEYS[0]
             };
             if v.scalar() == Some(Scalar::Null) {
                 continue;

@@ -151,6 +151,39 @@ fn questionnaire_deepspeed_with_retries_and_defaults() {
 }
 
 #[test]
+fn questionnaire_fsdp_asks_the_key_tables_questions() {
+    let d = tmpdir("quiz-fsdp");
+    // LOCAL_MACHINE, FSDP, 1 machine, FSDP1, SHARD_GRAD_OP, offload no,
+    // SIZE_BASED_WRAP, 5000 params, FULL_STATE_DICT, efficient loading yes,
+    // activation checkpointing yes, 2 processes; the rest defaults.
+    let answers =
+        "0\nFSDP\n1\n1\nSHARD_GRAD_OP\nno\nSIZE_BASED_WRAP\n5000\nFULL_STATE_DICT\nyes\nyes\n2\n";
+    let out = run_in(&d, &parse(&[]), answers, &[]);
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    // The questions are the key table's docs, naming the key.
+    for spec in accel_config::schema::FSDP_KEYS
+        .iter()
+        .filter(|s| ["fsdp_sharding_strategy", "fsdp_min_num_params"].contains(&s.name))
+    {
+        assert!(
+            out.stdout.contains(&format!("({})", spec.name)),
+            "{}",
+            out.stdout
+        );
+    }
+    let written = d.join("hf/accelerate/default_config.yaml");
+    let l = accel_config::load_file(&written, &Default::default()).unwrap();
+    let f = l.config.fsdp_config.unwrap();
+    assert_eq!(f["fsdp_version"], 1);
+    assert_eq!(f["fsdp_sharding_strategy"], "SHARD_GRAD_OP");
+    assert_eq!(f["fsdp_auto_wrap_policy"], "SIZE_BASED_WRAP");
+    assert_eq!(f["fsdp_min_num_params"], 5000);
+    assert_eq!(f["fsdp_state_dict_type"], "FULL_STATE_DICT");
+    assert_eq!(f["fsdp_activation_checkpointing"], true);
+    assert_eq!(l.config.num_processes, Some(2));
+}
+
+#[test]
 fn questionnaire_offers_plugin_types() {
     let d = tmpdir("quiz-plugin");
     let target = d.join("p.yaml");

@@ -4,10 +4,7 @@ use super::layer::{Dest, Layer, Target, Target::*};
 use super::source::{Source, SourceKind};
 use crate::error::{ConfigError, Diagnostic, Origin};
 use crate::parse::Mark;
-use crate::schema::{
-    self, Kind, DEEPSPEED_KEYS, DYNAMO_KEYS, FP8_KEYS, FSDP_KEYS, IPEX_KEYS, MEGATRON_KEYS,
-    MPIRUN_KEYS, PARALLELISM_KEYS,
-};
+use crate::schema::{self, Kind, FP8_KEYS};
 
 /// Launch flags whose names are not simply the key they set.
 const SPECIAL_FLAGS: &[(&str, Target)] = &[
@@ -47,17 +44,7 @@ fn flag_target(flag: &str) -> Option<Dest> {
     if flag.contains('.') {
         return schema::spec_for_path(&flag).map(|_| Dest::key(flag));
     }
-    let sections: &[(&str, &[schema::KeySpec])] = &[
-        ("deepspeed_config", DEEPSPEED_KEYS),
-        ("fsdp_config", FSDP_KEYS),
-        ("megatron_lm_config", MEGATRON_KEYS),
-        ("dynamo_config", DYNAMO_KEYS),
-        ("mpirun_config", MPIRUN_KEYS),
-        ("parallelism_config", PARALLELISM_KEYS),
-        ("ipex_config", IPEX_KEYS),
-        ("fp8_config", FP8_KEYS),
-    ];
-    for (sec, keys) in sections {
+    for (sec, keys) in schema::sections() {
         if keys.iter().any(|s| s.name == flag) {
             return Some(Dest::key(format!("{sec}.{flag}")));
         }

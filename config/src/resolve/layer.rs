@@ -170,28 +170,19 @@ impl Layer {
         }
     }
 
-    /// accel's built-in defaults (Accelerate's `ClusterConfig` defaults).
+    /// accel's built-in defaults (Accelerate's `ClusterConfig` defaults):
+    /// the schema's [`KeySpec::default`](schema::KeySpec) column.
     pub fn builtin() -> Layer {
-        let s = |path: &str, value: Value| Setting {
-            path: path.into(),
-            value,
-            source: Source::Builtin,
-        };
         Layer {
-            settings: vec![
-                s("compute_environment", "LOCAL_MACHINE".into()),
-                s("distributed_type", "NO".into()),
-                s("mixed_precision", "no".into()),
-                s("use_cpu", false.into()),
-                s("debug", false.into()),
-                s("enable_cpu_affinity", false.into()),
-                s("num_machines", 1.into()),
-                s("machine_rank", 0.into()),
-                s("main_training_function", "main".into()),
-                s("rdzv_backend", "static".into()),
-                s("same_network", false.into()),
-                s("downcast_bf16", false.into()),
-            ],
+            settings: schema::key_paths()
+                .filter_map(|(path, spec)| {
+                    Some(Setting {
+                        path,
+                        value: spec.default?.to_value(),
+                        source: Source::Builtin,
+                    })
+                })
+                .collect(),
             ..Layer::empty(SourceKind::Builtin)
         }
     }

@@ -10,8 +10,10 @@ use crate::{
     },
 };
 use accel_config::{
-    launch_env, resolve_launch, Config, ConfigError, DistributedType, KeyMarks, LaunchInputs,
-    PluginProblem, ResolvedConfig, Severity, Source, RESOLVED_CONFIG_ENV,
+    launch_env, resolve_launch,
+    schema::{KeySpec, Owner},
+    Config, ConfigError, DistributedType, KeyMarks, LaunchInputs, PluginProblem, ResolvedConfig,
+    Severity, Source, RESOLVED_CONFIG_ENV,
 };
 use accel_sdk::{abi_stable::std_types::Tuple2, LaunchSpec, PluginKind};
 use clap::Args;
@@ -28,6 +30,58 @@ fn seconds(s: &str) -> Result<f64, String> {
             "must be a number of seconds above 0, at most {MAX_SECONDS}"
         )),
         Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The flags of the strategy sections' keys, made from the key table
+/// ([`accel_config::schema`]): every key a strategy plugin owns and the table
+/// gives a flag, as `accelerate launch` names it (also with `-`), its value
+/// checked by the resolver like the file's.
+#[derive(Debug, Default)]
+struct SectionFlags(Vec<(String, String)>);
+
+impl SectionFlags {
+    fn specs() -> impl Iterator<Item = (String, &'static str, &'static KeySpec)> {
+        accel_config::schema::key_paths().filter_map(|(path, spec)| match (spec.owner, spec.flag) {
+            (Owner::Plugin(_), Some(flag)) if path.contains('.') => Some((path, flag, spec)),
+            _ => None,
+        })
+    }
+}
+
+impl clap::FromArgMatches for SectionFlags {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let mut flags = Self::default();
+        flags.update_from_arg_matches(matches)?;
+        Ok(flags)
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        for (_, flag, _) in Self::specs() {
+            if let Some(value) = matches.get_one::<String>(flag) {
+                self.0.retain(|(f, _)| f != flag);
+                self.0.push((flag.to_owned(), value.clone()));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Args for SectionFlags {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        Self::specs().fold(cmd, |cmd, (path, flag, spec)| {
+            cmd.arg(
+                clap::Arg::new(flag)
+                    .long(flag)
+                    .alias(flag.replace('_', "-"))
+                    .value_name("VALUE")
+                    .help(format!("{} ({path})", spec.doc)),
+            )
+        })
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
     }
 }
 
@@ -70,60 +124,9 @@ pub struct LaunchArgs {
     /// Use DeepSpeed-style ZeRO.
     #[arg(long = "use_deepspeed", alias = "use-deepspeed")]
     use_deepspeed: bool,
-    /// FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD (or 1-4).
-    #[arg(long = "fsdp_sharding_strategy", alias = "fsdp-sharding-strategy")]
-    fsdp_sharding_strategy: Option<String>,
-    /// Offload parameters to the CPU.
-    #[arg(long = "fsdp_offload_params", alias = "fsdp-offload-params")]
-    fsdp_offload_params: Option<String>,
-    /// TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP.
-    #[arg(long = "fsdp_auto_wrap_policy", alias = "fsdp-auto-wrap-policy")]
-    fsdp_auto_wrap_policy: Option<String>,
-    /// Layer classes to wrap (TRANSFORMER_BASED_WRAP).
-    #[arg(
-        long = "fsdp_transformer_layer_cls_to_wrap",
-        alias = "fsdp-transformer-layer-cls-to-wrap"
-    )]
-    fsdp_transformer_layer_cls_to_wrap: Option<String>,
-    /// Minimum parameters per unit (SIZE_BASED_WRAP).
-    #[arg(long = "fsdp_min_num_params", alias = "fsdp-min-num-params")]
-    fsdp_min_num_params: Option<String>,
-    /// FULL_STATE_DICT or SHARDED_STATE_DICT.
-    #[arg(long = "fsdp_state_dict_type", alias = "fsdp-state-dict-type")]
-    fsdp_state_dict_type: Option<String>,
-    /// Broadcast module states from rank 0 at prepare.
-    #[arg(long = "fsdp_sync_module_states", alias = "fsdp-sync-module-states")]
-    fsdp_sync_module_states: Option<String>,
-    /// FSDP version, 1 or 2.
-    #[arg(long = "fsdp_version", alias = "fsdp-version")]
-    fsdp_version: Option<String>,
-    /// FSDP2: reshard after forward.
-    #[arg(
-        long = "fsdp_reshard_after_forward",
-        alias = "fsdp-reshard-after-forward"
-    )]
-    fsdp_reshard_after_forward: Option<String>,
-    /// ZeRO stage, 0 to 3.
-    #[arg(long = "zero_stage", alias = "zero-stage")]
-    zero_stage: Option<String>,
-    /// none or cpu.
-    #[arg(long = "offload_optimizer_device", alias = "offload-optimizer-device")]
-    offload_optimizer_device: Option<String>,
-    /// none or cpu.
-    #[arg(long = "offload_param_device", alias = "offload-param-device")]
-    offload_param_device: Option<String>,
-    /// Micro-steps per optimizer step (DeepSpeed).
-    #[arg(
-        long = "gradient_accumulation_steps",
-        alias = "gradient-accumulation-steps"
-    )]
-    gradient_accumulation_steps: Option<String>,
-    /// Gradient clipping value (DeepSpeed).
-    #[arg(long = "gradient_clipping", alias = "gradient-clipping")]
-    gradient_clipping: Option<String>,
-    /// DeepSpeed config JSON.
-    #[arg(long = "deepspeed_config_file", alias = "deepspeed-config-file")]
-    deepspeed_config_file: Option<String>,
+    /// The strategy sections' keys (`--zero_stage`, `--fsdp_sharding_strategy`, ...).
+    #[command(flatten)]
+    sections: SectionFlags,
     /// Rendezvous backend (accel always uses its own store; kept for compatibility).
     #[arg(long = "rdzv_backend", alias = "rdzv-backend")]
     rdzv_backend: Option<String>,
@@ -219,34 +222,7 @@ impl LaunchArgs {
         push("mixed_precision", self.mixed_precision.clone());
         push("rdzv_backend", self.rdzv_backend.clone());
         push("collective_timeout", self.collective_timeout.clone());
-        for (name, value) in [
-            ("fsdp_sharding_strategy", &self.fsdp_sharding_strategy),
-            ("fsdp_offload_params", &self.fsdp_offload_params),
-            ("fsdp_auto_wrap_policy", &self.fsdp_auto_wrap_policy),
-            (
-                "fsdp_transformer_layer_cls_to_wrap",
-                &self.fsdp_transformer_layer_cls_to_wrap,
-            ),
-            ("fsdp_min_num_params", &self.fsdp_min_num_params),
-            ("fsdp_state_dict_type", &self.fsdp_state_dict_type),
-            ("fsdp_sync_module_states", &self.fsdp_sync_module_states),
-            ("fsdp_version", &self.fsdp_version),
-            (
-                "fsdp_reshard_after_forward",
-                &self.fsdp_reshard_after_forward,
-            ),
-            ("zero_stage", &self.zero_stage),
-            ("offload_optimizer_device", &self.offload_optimizer_device),
-            ("offload_param_device", &self.offload_param_device),
-            (
-                "gradient_accumulation_steps",
-                &self.gradient_accumulation_steps,
-            ),
-            ("gradient_clipping", &self.gradient_clipping),
-            ("deepspeed_config_file", &self.deepspeed_config_file),
-        ] {
-            push(name, value.clone());
-        }
+        flags.extend(self.sections.0.iter().cloned());
         flags
     }
 
@@ -605,5 +581,44 @@ pub fn run(args: LaunchArgs, plugin_dirs: &[PathBuf], out: &mut dyn Write) -> an
             Ok(outcome.exit_code)
         }
         Err(e) => fail(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        launch: LaunchArgs,
+    }
+
+    /// Every flag the key table names exists on `accel launch`, and sets
+    /// the key it names.
+    #[test]
+    fn every_flag_of_the_key_table_is_a_launch_flag() {
+        let cmd = Cli::command();
+        let longs: Vec<&str> = cmd.get_arguments().filter_map(|a| a.get_long()).collect();
+        for (path, spec) in accel_config::schema::key_paths() {
+            if let Some(flag) = spec.flag {
+                assert!(
+                    longs.contains(&flag),
+                    "--{flag} ({path}) is not an accel launch flag"
+                );
+            }
+        }
+        let cli = Cli::try_parse_from(["t", "--zero-stage", "3", "--fsdp_version", "2", "prog"])
+            .expect("parses");
+        let flags = cli.launch.explicit_flags();
+        assert!(
+            flags.contains(&("zero_stage".into(), "3".into())),
+            "{flags:?}"
+        );
+        assert!(
+            flags.contains(&("fsdp_version".into(), "2".into())),
+            "{flags:?}"
+        );
     }
 }
