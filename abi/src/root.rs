@@ -29,33 +29,57 @@ use abi_stable::{
 };
 use std::sync::OnceLock;
 
-/// The root module of a plugin library.
-#[repr(C)]
-#[derive(StableAbi)]
-#[sabi(kind(Prefix(prefix_ref = AccelPluginRef)))]
-#[sabi(missing_field(panic))]
-pub struct AccelPlugin {
-    /// Who the plugin is and what it provides.
-    pub manifest: extern "C" fn() -> PluginManifest,
-    /// Builds the strategy `name` with the host context and its config (JSON).
-    pub new_strategy:
-        extern "C" fn(RStr<'_>, HostContextBox, RStr<'_>) -> PluginResult<StrategyBox>,
-    /// Builds the precision policy `name`.
-    pub new_precision:
-        extern "C" fn(RStr<'_>, HostContextBox, RStr<'_>) -> PluginResult<PrecisionBox>,
-    /// Builds the tracker `name` from its settings (JSON).
-    pub new_tracker: extern "C" fn(RStr<'_>, RStr<'_>) -> PluginResult<TrackerBox>,
-    /// Builds the launcher `name` from its settings (JSON).
-    pub new_launcher: extern "C" fn(RStr<'_>, RStr<'_>) -> PluginResult<LauncherBox>,
-    /// Checks the config section (JSON) of component `name` of a kind.
-    #[sabi(last_prefix_field)]
-    pub validate_config: extern "C" fn(PluginKind_NE, RStr<'_>, RStr<'_>) -> PluginResult<()>,
-    /// The rows this library adds to `accel env`, given the settings its
-    /// strategy would get (JSON): every registered
-    /// [`EnvReport`](crate::EnvReport)'s. Added in ABI 4.1.
-    #[cfg(not(accel_abi_minor_0))]
-    #[sabi(missing_field(option))]
-    pub env_report: extern "C" fn(RStr<'_>) -> PluginResult<abi_stable::std_types::RVec<EnvRow>>,
+/// Declares a root-module struct: the fields of ABI 4.0, then `$extra`
+/// (the fields later minor versions appended). [`AccelPlugin`] and the
+/// frozen [`v4_0::AccelPlugin`] are both made by it, so the 4.0 fields are
+/// written once.
+macro_rules! root_module {
+    ($(#[$doc:meta])* pub struct AccelPlugin { $($extra:tt)* }) => {
+        $(#[$doc])*
+        #[repr(C)]
+        #[derive(StableAbi)]
+        #[sabi(kind(Prefix(prefix_ref = AccelPluginRef)))]
+        #[sabi(missing_field(panic))]
+        pub struct AccelPlugin {
+            /// Who the plugin is and what it provides.
+            pub manifest: extern "C" fn() -> PluginManifest,
+            /// Builds the strategy `name` with the host context and its config (JSON).
+            pub new_strategy:
+                extern "C" fn(RStr<'_>, HostContextBox, RStr<'_>) -> PluginResult<StrategyBox>,
+            /// Builds the precision policy `name`.
+            pub new_precision:
+                extern "C" fn(RStr<'_>, HostContextBox, RStr<'_>) -> PluginResult<PrecisionBox>,
+            /// Builds the tracker `name` from its settings (JSON).
+            pub new_tracker: extern "C" fn(RStr<'_>, RStr<'_>) -> PluginResult<TrackerBox>,
+            /// Builds the launcher `name` from its settings (JSON).
+            pub new_launcher: extern "C" fn(RStr<'_>, RStr<'_>) -> PluginResult<LauncherBox>,
+            /// Checks the config section (JSON) of component `name` of a kind.
+            #[sabi(last_prefix_field)]
+            pub validate_config:
+                extern "C" fn(PluginKind_NE, RStr<'_>, RStr<'_>) -> PluginResult<()>,
+            $($extra)*
+        }
+
+        impl RootModule for AccelPluginRef {
+            declare_root_module_statics! {AccelPluginRef}
+            const BASE_NAME: &'static str = "accel_plugin";
+            const NAME: &'static str = "accel_plugin";
+            const VERSION_STRINGS: VersionStrings = package_version_strings!();
+        }
+    };
+}
+
+root_module! {
+    /// The root module of a plugin library.
+    pub struct AccelPlugin {
+        /// The rows this library adds to `accel env`, given the settings its
+        /// strategy would get (JSON): every registered
+        /// [`EnvReport`](crate::EnvReport)'s. Added in ABI 4.1.
+        #[cfg(not(accel_abi_minor_0))]
+        #[sabi(missing_field(option))]
+        pub env_report:
+            extern "C" fn(RStr<'_>) -> PluginResult<abi_stable::std_types::RVec<EnvRow>>,
+    }
 }
 
 /// One row of `accel env`: a label and its value.
@@ -68,34 +92,9 @@ pub type EnvRow = Tuple2<RString, RString>;
 pub mod v4_0 {
     use super::*;
 
-    /// [`AccelPlugin`](super::AccelPlugin)'s fields of ABI 4.0.
-    #[repr(C)]
-    #[derive(StableAbi)]
-    #[sabi(kind(Prefix(prefix_ref = AccelPluginRef)))]
-    #[sabi(missing_field(panic))]
-    pub struct AccelPlugin {
-        /// As in ABI 4.1.
-        pub manifest: extern "C" fn() -> PluginManifest,
-        /// As in ABI 4.1.
-        pub new_strategy:
-            extern "C" fn(RStr<'_>, HostContextBox, RStr<'_>) -> PluginResult<StrategyBox>,
-        /// As in ABI 4.1.
-        pub new_precision:
-            extern "C" fn(RStr<'_>, HostContextBox, RStr<'_>) -> PluginResult<PrecisionBox>,
-        /// As in ABI 4.1.
-        pub new_tracker: extern "C" fn(RStr<'_>, RStr<'_>) -> PluginResult<TrackerBox>,
-        /// As in ABI 4.1.
-        pub new_launcher: extern "C" fn(RStr<'_>, RStr<'_>) -> PluginResult<LauncherBox>,
-        /// As in ABI 4.1.
-        #[sabi(last_prefix_field)]
-        pub validate_config: extern "C" fn(PluginKind_NE, RStr<'_>, RStr<'_>) -> PluginResult<()>,
-    }
-
-    impl RootModule for AccelPluginRef {
-        declare_root_module_statics! {AccelPluginRef}
-        const BASE_NAME: &'static str = "accel_plugin";
-        const NAME: &'static str = "accel_plugin";
-        const VERSION_STRINGS: VersionStrings = package_version_strings!();
+    root_module! {
+        /// [`AccelPlugin`](super::AccelPlugin)'s fields of ABI 4.0.
+        pub struct AccelPlugin {}
     }
 }
 
@@ -120,13 +119,6 @@ pub fn init_root_module(header: &'static LibHeader) -> Result<AccelPluginRef, Li
         return Err(current);
     }
     Ok(module)
-}
-
-impl RootModule for AccelPluginRef {
-    declare_root_module_statics! {AccelPluginRef}
-    const BASE_NAME: &'static str = "accel_plugin";
-    const NAME: &'static str = "accel_plugin";
-    const VERSION_STRINGS: VersionStrings = package_version_strings!();
 }
 
 struct Identity {

@@ -119,27 +119,23 @@ pub trait DistributedStrategy: Send {
     fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>>;
 
     /// Called just before wrap unit `unit` runs its forward (default: nothing).
-    fn pre_forward(&mut self, unit: u32) -> PluginResult<()> {
-        let _ = unit;
+    fn pre_forward(&mut self, _unit: u32) -> PluginResult<()> {
         abi_stable::std_types::ROk(())
     }
 
     /// Called just after wrap unit `unit` ran its forward (default: nothing).
-    fn post_forward(&mut self, unit: u32) -> PluginResult<()> {
-        let _ = unit;
+    fn post_forward(&mut self, _unit: u32) -> PluginResult<()> {
         abi_stable::std_types::ROk(())
     }
 
     /// Called just before the backward of wrap unit `unit` runs (default: nothing).
-    fn pre_backward(&mut self, unit: u32) -> PluginResult<()> {
-        let _ = unit;
+    fn pre_backward(&mut self, _unit: u32) -> PluginResult<()> {
         abi_stable::std_types::ROk(())
     }
 
     /// Called during backward once every parameter of `unit` has its
     /// gradient for this pass (default: nothing).
-    fn post_unit_backward(&mut self, unit: u32) -> PluginResult<()> {
-        let _ = unit;
+    fn post_unit_backward(&mut self, _unit: u32) -> PluginResult<()> {
         abi_stable::std_types::ROk(())
     }
 

@@ -53,33 +53,28 @@ pub trait Strategy: Send + 'static {
     fn prepare_optimizer(&mut self) -> Result<Vec<NamedOwnedTensor>, PluginError>;
 
     /// Before wrap unit `unit` runs its forward. Default: nothing.
-    fn pre_forward(&mut self, unit: u32) -> Result<(), PluginError> {
-        let _ = unit;
+    fn pre_forward(&mut self, _unit: u32) -> Result<(), PluginError> {
         Ok(())
     }
 
     /// After wrap unit `unit` ran its forward. Default: nothing.
-    fn post_forward(&mut self, unit: u32) -> Result<(), PluginError> {
-        let _ = unit;
+    fn post_forward(&mut self, _unit: u32) -> Result<(), PluginError> {
         Ok(())
     }
 
     /// Before the backward of wrap unit `unit`. Default: nothing.
-    fn pre_backward(&mut self, unit: u32) -> Result<(), PluginError> {
-        let _ = unit;
+    fn pre_backward(&mut self, _unit: u32) -> Result<(), PluginError> {
         Ok(())
     }
 
     /// Once every parameter of `unit` has its gradient. Default: nothing.
-    fn post_unit_backward(&mut self, unit: u32) -> Result<(), PluginError> {
-        let _ = unit;
+    fn post_unit_backward(&mut self, _unit: u32) -> Result<(), PluginError> {
         Ok(())
     }
 
     /// After `loss.backward()`; `sync` is false on accumulation micro-steps,
     /// where no communication may happen. Default: nothing.
-    fn post_backward(&mut self, sync: bool) -> Result<(), PluginError> {
-        let _ = sync;
+    fn post_backward(&mut self, _sync: bool) -> Result<(), PluginError> {
         Ok(())
     }
 

@@ -174,14 +174,12 @@ pub type WrapPolicy =
     Box<dyn Fn(&[String], &[i64]) -> Result<Vec<(String, Vec<usize>)>, PluginError> + Send>;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use accel_sdk::serde_json::json;
-
-    fn plan(shard_params: bool) -> Plan {
+impl Plan {
+    /// FULL_SHARD / ZeRO-3: everything sharded (for the crate's tests).
+    pub(crate) fn full_shard(plugin: &'static str) -> Plan {
         Plan {
-            plugin: "p",
-            shard_params,
+            plugin,
+            shard_params: true,
             reshard_after_forward: true,
             shard_grads: true,
             shard_optimizer: true,
@@ -193,7 +191,21 @@ mod tests {
             overrides: RunOverrides::default(),
             param_dtype: None,
             reduce_dtype: None,
+            release_freed_memory: true,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use accel_sdk::serde_json::json;
+
+    fn plan(shard_params: bool) -> Plan {
+        Plan {
+            shard_params,
             release_freed_memory: false,
+            ..Plan::full_shard("p")
         }
     }
 

@@ -13,8 +13,7 @@ use accel_sdk::tch::{Kind, Tensor};
 use accel_sdk::{
     shim,
     tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef, TensorMut, TensorRef},
-    DeviceSpec, DistributedStrategy, HostContext, LogLevel, PluginResult, ReduceOp, RunOverrides,
-    StateDictKind,
+    DeviceSpec, DistributedStrategy, HostContext, LogLevel, PluginResult, ReduceOp, StateDictKind,
 };
 
 /// The only process of a one-process job: every collective leaves the
@@ -64,22 +63,7 @@ fn copied(input: TensorRef<'_>, mut output: TensorMut<'_>) -> PluginResult<()> {
 
 /// FULL_SHARD / ZeRO-3: everything sharded.
 fn full_shard() -> Plan {
-    Plan {
-        plugin: "test",
-        shard_params: true,
-        reshard_after_forward: true,
-        shard_grads: true,
-        shard_optimizer: true,
-        hybrid: false,
-        offload: false,
-        sync_module_states: false,
-        gradient_clipping: 0.0,
-        state_dict_kind: StateDictKind::Sharded,
-        overrides: RunOverrides::default(),
-        param_dtype: None,
-        reduce_dtype: None,
-        release_freed_memory: true,
-    }
+    Plan::full_shard("test")
 }
 
 /// Unit `a` holds `a.w`, the root unit `b.w`.
