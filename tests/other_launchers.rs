@@ -131,7 +131,12 @@ fn hand_set_rank_variables_on_the_cpu_are_refused() {
 
 #[test]
 fn accel_env_shows_what_mpirun_started() {
-    let out = run_ok(mpirun(2).arg(accel_bin()).arg("env"));
+    let out = run_ok(
+        mpirun(2)
+            .arg(accel_bin())
+            .arg("env")
+            .env_remove("OMP_NUM_THREADS"),
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     for rank in 0..2 {
         assert!(
@@ -146,6 +151,50 @@ fn accel_env_shows_what_mpirun_started() {
         "{text}"
     );
     assert!(text.contains("ranks join through MPI"), "{text}");
+    // Bare mpirun binds each of 2 ranks to a core (one thread each);
+    // `accel launch` passes `--bind-to none`, and the machine's cores are
+    // shared; OMP_NUM_THREADS, when set, wins.
+    assert!(
+        text.contains(
+            "intra-op threads:      1 per CPU rank (the launcher bound this rank to 1 core(s))"
+        ),
+        "{text}"
+    );
+    // SAFETY: sysconf reads a system constant.
+    let cores = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    let out = run_ok(
+        Command::new(accel_bin())
+            .args([
+                "launch",
+                "--cpu",
+                "--num_processes",
+                "2",
+                "--launcher",
+                "mpi",
+            ])
+            .arg(accel_bin())
+            .arg("env")
+            .env_remove("OMP_NUM_THREADS"),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&format!(
+            "intra-op threads:      {} per CPU rank ({cores} cores / ranks on this machine)",
+            (cores / 2).max(1)
+        )),
+        "{text}"
+    );
+    let out = run_ok(
+        mpirun(2)
+            .arg(accel_bin())
+            .arg("env")
+            .env("OMP_NUM_THREADS", "3"),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("intra-op threads:      OMP_NUM_THREADS=3 (set by you)"),
+        "{text}"
+    );
     let out = run_ok(Command::new(accel_bin()).arg("env").envs([
         ("RANK", "0"),
         ("WORLD_SIZE", "2"),

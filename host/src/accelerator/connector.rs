@@ -197,6 +197,80 @@ fn resolve(b: &AcceleratorBuilder, plugins: &PluginSet) -> Result<ResolvedConfig
 /// Who started this process (accel launch, mpirun, srun, torchrun, a
 /// Kubernetes job), its place in the job, its device, and the communicator
 /// it joins (collectives wait `accel.collective_timeout`).
+/// The intra-op threads of a CPU rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CpuThreads {
+    /// `OMP_NUM_THREADS` is set: libtorch follows it (OpenMP's own
+    /// variable, not accel's config).
+    User,
+    /// The machine's cores shared by the ranks on it, as Accelerate's
+    /// `num_cpu_threads_per_process` and torchrun's `OMP_NUM_THREADS` do.
+    Shared {
+        /// Threads per rank (at least 1).
+        threads: u32,
+        /// Cores on this machine.
+        cores: u32,
+    },
+    /// The launcher bound this rank to some of the cores (mpirun's default
+    /// `--bind-to core`): one thread per core of its own.
+    Bound {
+        /// The cores this rank may run on.
+        cores: u32,
+    },
+}
+
+impl CpuThreads {
+    /// The choice for `local_world` ranks on this machine.
+    pub(crate) fn for_ranks(local_world: u32) -> CpuThreads {
+        if std::env::var_os("OMP_NUM_THREADS").is_some() {
+            return CpuThreads::User;
+        }
+        // The cores this process may use (its affinity mask) and the machine's.
+        let allowed = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+        // SAFETY: sysconf reads a system constant.
+        let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+        let machine = u32::try_from(online).unwrap_or(0).max(allowed);
+        if allowed < machine {
+            return CpuThreads::Bound { cores: allowed };
+        }
+        CpuThreads::Shared {
+            threads: (machine / local_world.max(1)).max(1),
+            cores: machine,
+        }
+    }
+
+    /// Threads per rank, unless the user set them.
+    pub(crate) fn threads(self) -> Option<u32> {
+        match self {
+            CpuThreads::User => None,
+            CpuThreads::Shared { threads, .. } => Some(threads),
+            CpuThreads::Bound { cores } => Some(cores),
+        }
+    }
+}
+
+impl std::fmt::Display for CpuThreads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CpuThreads::User => write!(
+                f,
+                "OMP_NUM_THREADS={} (set by you)",
+                std::env::var("OMP_NUM_THREADS").unwrap_or_default()
+            ),
+            CpuThreads::Shared { threads, cores } => {
+                write!(
+                    f,
+                    "{threads} per CPU rank ({cores} cores / ranks on this machine)"
+                )
+            }
+            CpuThreads::Bound { cores } => write!(
+                f,
+                "{cores} per CPU rank (the launcher bound this rank to {cores} core(s))"
+            ),
+        }
+    }
+}
+
 fn join(config: &ResolvedConfig) -> Result<Process, AccelError> {
     let detected = crate::launch::detect::detect_here().map_err(AccelError::Usage)?;
     let (world, rank) = (detected.world_size, detected.rank);
@@ -207,13 +281,11 @@ fn join(config: &ResolvedConfig) -> Result<Process, AccelError> {
     } else {
         Device::Cuda(local_rank as usize)
     };
-    // OpenMP's own variable, not accel's config: when the user set it,
-    // libtorch already follows it.
-    if device == Device::Cpu && local_world > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
-        // Ranks sharing a machine share its cores, as Accelerate's
-        // num_cpu_threads_per_process and torchrun's OMP_NUM_THREADS do.
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
-        tch::set_num_threads((cores / local_world).max(1) as i32);
+    // One rank alone keeps libtorch's own default (its physical cores).
+    if device == Device::Cpu && local_world > 1 {
+        if let Some(threads) = CpuThreads::for_ranks(local_world).threads() {
+            tch::set_num_threads(threads as i32);
+        }
     }
     let join = detected
         .join(device != Device::Cpu)

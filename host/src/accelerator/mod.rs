@@ -36,7 +36,7 @@ mod builder;
 mod checkpoint;
 mod checkpoint_safety;
 mod config_optim;
-mod connector;
+pub(crate) mod connector;
 mod data;
 mod loading;
 mod precision;

@@ -99,6 +99,12 @@ fn launcher_rows(out: &mut dyn Write, cuda: bool) -> anyhow::Result<()> {
                 Err(e) => format!("refused: {e}"),
             };
             row(out, "joins:", &join)?;
+            row(
+                out,
+                "intra-op threads:",
+                &crate::accelerator::connector::CpuThreads::for_ranks(d.local_world_size)
+                    .to_string(),
+            )?;
         }
         Err(e) => row(out, "launcher:", &format!("invalid environment: {e}"))?,
     }
