@@ -53,7 +53,7 @@ fn on_terminal((launcher, n): (&str, &str), env: &[(&str, &str)]) -> String {
 #[test]
 fn only_the_local_main_process_draws() {
     for job in JOBS {
-        let launcher = job.0;
+        let (launcher, n) = job;
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().to_str().unwrap();
         let out = launch(job, &[("ACCEL_TEST_PROGRESS_DIR", d)]);
@@ -63,6 +63,14 @@ fn only_the_local_main_process_draws() {
             });
         assert!(rank0.contains("mlp ["), "{launcher}: {rank0:?}");
         assert!(rank0.contains("30/30 steps"), "{launcher}: {rank0:?}");
+        // Several ranks: a spinner while the world forms, before the bar.
+        if n != "1" {
+            let spun = rank0.find(&format!("accel: waiting for {n} ranks to join (MPI"));
+            assert!(
+                spun.is_some_and(|at| at < rank0.find("mlp [").unwrap_or(0)),
+                "{launcher}: {rank0:?}"
+            );
+        }
         assert!(
             !dir.path().join("progress_rank1.txt").exists(),
             "{launcher}: rank 1 drew a bar"

@@ -303,30 +303,45 @@ fn join(config: &ResolvedConfig) -> Result<Process, AccelError> {
             .as_ref()
             .and_then(|a| a.collective_timeout),
     );
-    let comm: Arc<dyn Communicator> = match join {
-        Join::Single => Arc::new(SingleProcess),
-        Join::Mpi => {
-            let mpi = crate::comm::mpi::Mpi::shared(timeout)?;
-            if mpi.world_size() != world || mpi.rank() != rank {
-                return Err(AccelError::Usage(format!(
-                    "MPI says rank {} of {}, {} said rank {rank} of {world} ({})",
-                    mpi.rank(),
-                    mpi.world_size(),
-                    detected.starter,
-                    detected.rank_source
-                )));
+    // While the world forms (every rank loading libtorch and meeting the
+    // others), the local main process shows a spinner on the terminal that
+    // `accel launch` runs in; it is gone before the program prints.
+    let forming = (!matches!(join, Join::Single)).then(|| {
+        crate::progress::ProgressBar::spinner(
+            format!("accel: waiting for {world} ranks to join ({join})"),
+            local_rank == 0,
+        )
+    });
+    let comm = (|| -> Result<Arc<dyn Communicator>, AccelError> {
+        Ok(match join {
+            Join::Single => Arc::new(SingleProcess),
+            Join::Mpi => {
+                let mpi = crate::comm::mpi::Mpi::shared(timeout)?;
+                if mpi.world_size() != world || mpi.rank() != rank {
+                    return Err(AccelError::Usage(format!(
+                        "MPI says rank {} of {}, {} said rank {rank} of {world} ({})",
+                        mpi.rank(),
+                        mpi.world_size(),
+                        detected.starter,
+                        detected.rank_source
+                    )));
+                }
+                mpi
             }
-            mpi
-        }
-        Join::Nccl { addr, store } => Arc::new(crate::comm::nccl::Nccl::init(
-            rank,
-            world,
-            local_rank as usize,
-            &addr,
-            store,
-            timeout,
-        )?),
-    };
+            Join::Nccl { addr, store } => Arc::new(crate::comm::nccl::Nccl::init(
+                rank,
+                world,
+                local_rank as usize,
+                &addr,
+                store,
+                timeout,
+            )?),
+        })
+    })();
+    if let Some(bar) = forming {
+        bar.finish_and_clear();
+    }
+    let comm = comm?;
     Ok(Process {
         rank,
         world,
