@@ -12,9 +12,9 @@
 #  2. trains the mlp and gpt2 examples through `accel launch` on the GPU in
 #     fp32, bf16 and fp16, and on the CPU in fp32 (--cpu), and compares each
 #     GPU run's final loss with the CPU's within a tolerance per precision;
-#  3. with 2 GPUs or more, trains both on 2 ranks with --multi_gpu (NCCL) and
-#     compares with 2 CPU ranks (DDP over MPI); with 1 GPU it says why NCCL
-#     is not exercised (a world of one rank opens no communicator);
+#  3. trains mlp under FSDP on one CUDA rank, through an NCCL communicator of
+#     world size 1, against the CPU; with 2 GPUs or more, also trains both on
+#     2 ranks with --multi_gpu (NCCL) and compares with 2 CPU ranks (DDP over MPI);
 #  4. reports gpt2 tokens/s beside transformers + Python Accelerate on the
 #     same GPU, model, data and precision (tests/peers/gpt2_reference.py).
 # It prints a table, and exits 1 when a loss is outside its tolerance or a
@@ -191,10 +191,22 @@ if [ "$cuda_count" -ge 2 ]; then
         --cuda --mixed-precision bf16 --loss-log "$out/peer_nccl.jsonl" &&
         rows+=("$(printf '%-34s %-6s %12.6f %12s %10s  %s' "gpt2, Python Accelerate, 2 GPUs" bf16 \
             "$(final_loss "$out/peer_nccl.jsonl")" "-" "$(tokens_per_s "$out/peer_nccl.log" 2)" "(peer)")")
-else
-    echo "== NCCL: 1 GPU here. NCCL needs one GPU per rank, and a job of one rank opens no"
-    echo "   communicator in accel (there is nothing to all-reduce), so the 1-GPU runs above"
-    echo "   are what is checked; run this script on a machine with 2 GPUs for NCCL."
+fi
+# NCCL with a world of one rank (every machine with a GPU): FSDP FULL_SHARD on
+# one CUDA rank that `accel launch` started opens an NCCL communicator of one
+# (as Accelerate's launcher does through torchrun), so its all-gathers and
+# reduce-scatters go through NCCL; the loss must match the CPU's.
+cat >"$out/fsdp1.yaml" <<'YAML'
+distributed_type: FSDP
+num_processes: 1
+fsdp_config:
+  fsdp_sharding_strategy: FULL_SHARD
+YAML
+if run "mlp, FSDP on 1 GPU rank (NCCL, world size 1)" "$out/mlp_nccl1.log" \
+    "$accel" launch -q --config_file "$out/fsdp1.yaml" --gpu_ids 0 "$rel/mlp" "${mlp_args[@]}" \
+    --mixed-precision no --loss-log "$out/mlp_nccl1.jsonl"; then
+    [ -s "$out/mlp_cpu.jsonl" ] &&
+        compare "mlp, FSDP, 1 GPU (NCCL of 1)" no "$out/mlp_nccl1.jsonl" "$out/mlp_cpu.jsonl" "-"
 fi
 
 # --- 4. Report ------------------------------------------------------------------

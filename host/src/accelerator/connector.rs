@@ -288,7 +288,13 @@ fn join(config: &ResolvedConfig) -> Result<Process, AccelError> {
         }
     }
     let join = detected
-        .join(device != Device::Cpu)
+        .join(
+            device != Device::Cpu,
+            !matches!(
+                config.config.distributed_type,
+                None | Some(DistributedType::No)
+            ),
+        )
         .map_err(AccelError::Usage)?;
     tracing::debug!(
         starter = %detected.starter,

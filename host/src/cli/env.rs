@@ -93,7 +93,16 @@ fn launcher_rows(out: &mut dyn Write, cuda: bool) -> anyhow::Result<()> {
                 d.mpi.unwrap_or("none (MPI cannot join ranks)"),
             )?;
             let device = if cuda { "CUDA" } else { "CPU" };
-            let join = match d.join(cuda) {
+            // The distributed type this process would train with: what
+            // `accel launch` handed it, else none.
+            let distributed = accel_config::resolve_training(&[], &|k| std::env::var(k).ok(), &[])
+                .is_ok_and(|c| {
+                    !matches!(
+                        c.config.distributed_type,
+                        None | Some(accel_config::DistributedType::No)
+                    )
+                });
+            let join = match d.join(cuda, distributed) {
                 Ok(j @ crate::launch::detect::Join::Single) => j.to_string(),
                 Ok(j) => format!("{device} ranks join through {j}"),
                 Err(e) => format!("refused: {e}"),

@@ -275,8 +275,14 @@ impl Detected {
 
     /// How this process joins its job, computing on CUDA when `cuda`; an
     /// error (saying what to run instead) when it cannot.
-    pub fn join(&self, cuda: bool) -> Result<Join, String> {
-        if self.world_size == 1 {
+    /// `distributed`: the config asks for a distributed type (not `NO`).
+    /// A CUDA rank that `accel launch` started alone with one still opens
+    /// an NCCL communicator (of one rank), as Accelerate's launcher does
+    /// through torchrun: `--multi_gpu --num_processes 1` runs NCCL.
+    pub fn join(&self, cuda: bool, distributed: bool) -> Result<Join, String> {
+        let nccl_of_one =
+            cuda && distributed && self.starter == Starter::AccelLaunch && self.master.is_some();
+        if self.world_size == 1 && !nccl_of_one {
             return Ok(Join::Single);
         }
         let place = format!(
@@ -328,12 +334,37 @@ mod tests {
     }
 
     #[test]
+    fn a_cuda_rank_accel_launch_started_alone_opens_nccl_of_one() {
+        let alone = detect_in(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_RANK", "0"),
+            ("LOCAL_WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            (ACCEL_LAUNCH_MARKER, "{}"),
+        ])
+        .unwrap();
+        assert_eq!(alone.starter, Starter::AccelLaunch);
+        assert!(matches!(
+            alone.join(true, true),
+            Ok(Join::Nccl {
+                store: IdStore::Launcher,
+                ..
+            })
+        ));
+        // Not on the CPU, not without a distributed type.
+        assert!(matches!(alone.join(false, true), Ok(Join::Single)));
+        assert!(matches!(alone.join(true, false), Ok(Join::Single)));
+    }
+
+    #[test]
     fn nothing_set_is_one_process() {
         let d = detect_in(&[]).unwrap();
         assert_eq!(d.starter, Starter::Nothing);
         assert_eq!((d.rank, d.world_size), (0, 1));
-        assert_eq!(d.join(false).unwrap(), Join::Single);
-        assert_eq!(d.join(true).unwrap(), Join::Single);
+        assert_eq!(d.join(false, true).unwrap(), Join::Single);
+        assert_eq!(d.join(true, true).unwrap(), Join::Single);
     }
 
     #[test]
@@ -348,9 +379,9 @@ mod tests {
         assert_eq!(d.starter.to_string(), "mpirun (Open MPI)");
         assert_eq!((d.rank, d.world_size, d.local_rank), (1, 2, 1));
         assert_eq!(d.mpi, Some("mpirun (Open MPI)"));
-        assert_eq!(d.join(false).unwrap(), Join::Mpi);
+        assert_eq!(d.join(false, true).unwrap(), Join::Mpi);
         // CUDA ranks under mpirun need the store's address.
-        let err = d.join(true).unwrap_err();
+        let err = d.join(true, true).unwrap_err();
         assert!(err.contains("MASTER_ADDR:MASTER_PORT"), "{err}");
     }
 
@@ -368,7 +399,7 @@ mod tests {
         ];
         let d = detect_in(&env).unwrap();
         assert_eq!(d.starter, Starter::Torchrun);
-        let err = d.join(false).unwrap_err();
+        let err = d.join(false, true).unwrap_err();
         assert!(
             err.contains("torchrun started this process as rank 0 of 2"),
             "{err}"
@@ -379,7 +410,7 @@ mod tests {
         );
         assert!(err.contains("`mpirun -n 2 train --lr '0.1 x'`"), "{err}");
         assert_eq!(
-            d.join(true).unwrap(),
+            d.join(true, true).unwrap(),
             Join::Nccl {
                 addr: "127.0.0.1:29500".into(),
                 store: IdStore::TorchAgent
@@ -399,13 +430,13 @@ mod tests {
         assert_eq!(d.starter, Starter::Environment);
         assert_eq!(d.local_rank, 0);
         assert_eq!(
-            d.join(true).unwrap(),
+            d.join(true, true).unwrap(),
             Join::Nccl {
                 addr: "job-master-0:23456".into(),
                 store: IdStore::RankZero
             }
         );
-        assert!(d.join(false).is_err());
+        assert!(d.join(false, true).is_err());
         assert_eq!(d.launcher_store(), None);
     }
 
@@ -422,14 +453,14 @@ mod tests {
         ];
         let d = detect_in(&env).unwrap();
         assert_eq!(d.starter, Starter::AccelLaunch);
-        assert_eq!(d.join(false).unwrap(), Join::Mpi);
+        assert_eq!(d.join(false, true).unwrap(), Join::Mpi);
         // `accel launch --launcher local` on the CPU has no MPI.
         let local = detect_in(&env[..5]).unwrap();
-        let err = local.join(false).unwrap_err();
+        let err = local.join(false, true).unwrap_err();
         assert!(err.contains("--launcher mpi"), "{err}");
         assert_eq!(d.launcher_store(), Some("127.0.0.1:4000"));
         assert!(matches!(
-            d.join(true).unwrap(),
+            d.join(true, true).unwrap(),
             Join::Nccl {
                 store: IdStore::Launcher,
                 ..
@@ -449,7 +480,7 @@ mod tests {
         let d = detect_in(&step).unwrap();
         assert_eq!(d.starter.to_string(), "srun");
         assert_eq!((d.rank, d.world_size), (2, 4));
-        let err = d.join(false).unwrap_err();
+        let err = d.join(false, true).unwrap_err();
         assert!(err.contains("srun started this process"), "{err}");
         // srun with PMIx starts MPI ranks.
         let pmix = [
@@ -458,7 +489,7 @@ mod tests {
             ("SLURM_STEP_ID", "0"),
             ("PMIX_RANK", "2"),
         ];
-        assert_eq!(detect_in(&pmix).unwrap().join(false).unwrap(), Join::Mpi);
+        assert_eq!(detect_in(&pmix).unwrap().join(false, true).unwrap(), Join::Mpi);
     }
 
     #[test]
