@@ -4,7 +4,9 @@
 //! ranks cannot join (CPU ranks talk through MPI), so each stops at start
 //! naming what to run instead, rather than training alone.
 
-use accel_integration_tests::{accel_bin, describe, free_port, launch_mlp, mlp, run_ok, venv_bin};
+use accel_integration_tests::{
+    accel_bin, describe, free_port, launch_mlp, launch_mpi, mlp, run_ok, venv_bin,
+};
 use accel_rendezvous::{torch::TorchStoreClient, StoreError};
 use std::{
     io::{BufRead, BufReader},
@@ -163,15 +165,7 @@ fn accel_env_shows_what_mpirun_started() {
     // SAFETY: sysconf reads a system constant.
     let cores = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
     let out = run_ok(
-        Command::new(accel_bin())
-            .args([
-                "launch",
-                "--cpu",
-                "--num_processes",
-                "2",
-                "--launcher",
-                "mpi",
-            ])
+        launch_mpi()
             .arg(accel_bin())
             .arg("env")
             .env_remove("OMP_NUM_THREADS"),

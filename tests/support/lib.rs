@@ -571,24 +571,31 @@ pub fn free_port() -> u16 {
 /// job hung.
 pub const LIMIT: Duration = Duration::from_secs(60);
 
-/// `accel launch --cpu --num_processes 2 --launcher mpi FLAGS PROGRAM ARGS`,
-/// with `watch` called with accel's pid once the job runs, and the job
-/// killed if it runs past [`LIMIT`] (then this panics: the job hung).
+/// `accel launch --cpu --num_processes 2 --launcher mpi`, to which the
+/// flags, program and arguments are added.
+pub fn launch_mpi() -> Command {
+    let mut cmd = Command::new(accel_bin());
+    cmd.args([
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--launcher",
+        "mpi",
+    ]);
+    cmd
+}
+
+/// [`launch_mpi`] `FLAGS PROGRAM ARGS`, with `watch` called with accel's
+/// pid once the job runs, and the job killed if it runs past [`LIMIT`]
+/// (then this panics: the job hung).
 pub fn launch_mpi_with(
     flags: &[&str],
     program: &PathBuf,
     args: &[&str],
     watch: impl FnOnce(u32),
 ) -> Output {
-    let mut child = Command::new(accel_bin())
-        .args([
-            "launch",
-            "--cpu",
-            "--num_processes",
-            "2",
-            "--launcher",
-            "mpi",
-        ])
+    let mut child = launch_mpi()
         .args(flags)
         .arg(program)
         .args(args)

@@ -489,7 +489,10 @@ mod tests {
             ("SLURM_STEP_ID", "0"),
             ("PMIX_RANK", "2"),
         ];
-        assert_eq!(detect_in(&pmix).unwrap().join(false, true).unwrap(), Join::Mpi);
+        assert_eq!(
+            detect_in(&pmix).unwrap().join(false, true).unwrap(),
+            Join::Mpi
+        );
     }
 
     #[test]
