@@ -172,10 +172,9 @@ pub trait DistributedStrategy: Send {
     /// result is saved. Default: an unchanged copy.
     fn gather_optimizer_state(
         &mut self,
-        param: RStr<'_>,
+        _param: RStr<'_>,
         state: TensorRef<'_>,
     ) -> PluginResult<OwnedTensor> {
-        let _ = param;
         unchanged_copy(state)
     }
 
@@ -184,10 +183,9 @@ pub trait DistributedStrategy: Send {
     /// checkpoint. Default: an unchanged copy.
     fn shard_optimizer_state(
         &mut self,
-        param: RStr<'_>,
+        _param: RStr<'_>,
         state: TensorRef<'_>,
     ) -> PluginResult<OwnedTensor> {
-        let _ = param;
         unchanged_copy(state)
     }
 
