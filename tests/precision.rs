@@ -6,7 +6,7 @@
 use accel::accelerator::Accelerator;
 use accel_integration_tests::{
     adamw_args, assert_weights_close, file_weights_diff, fp16_step_with_inf_at_2, launch_mlp,
-    log_values, loss_records, max_abs_diff, mlp, read_weights, run_ok, venv_bin,
+    log_values, loss_records, max_abs_diff, mlp, read_weights, run_ok, snapshot, venv_bin,
 };
 use accel_sdk::optim::{Algorithm, Hyper, Optimizer, OptimizerConfig, ParamGroup};
 use serde_json::{json, Value};
@@ -241,16 +241,6 @@ fn tiny(mp: &str, settings: Value) -> (Accelerator, tch::nn::VarStore) {
     });
     acc.prepare_model(&mut vs).unwrap();
     (acc, vs)
-}
-
-fn snapshot(vs: &tch::nn::VarStore) -> Vec<(String, Tensor)> {
-    let mut v: Vec<(String, Tensor)> = vs
-        .variables()
-        .into_iter()
-        .map(|(n, t)| (n, t.detach().copy()))
-        .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
 }
 
 #[test]

@@ -320,6 +320,31 @@ pub fn read_weights(path: &Path) -> Vec<(String, tch::Tensor)> {
     t
 }
 
+/// Copies of the variables of `vs` (detached, their own memory), by name.
+pub fn snapshot(vs: &tch::nn::VarStore) -> Vec<(String, tch::Tensor)> {
+    let mut v: Vec<(String, tch::Tensor)> = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, t.detach().copy()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// The tensor `name` of `tensors` (a safetensors file's, read by a probe),
+/// or an error naming it and `file`.
+pub fn tensor_named(
+    tensors: &[(String, tch::Tensor)],
+    name: &str,
+    file: &str,
+) -> Result<tch::Tensor, String> {
+    tensors
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, t)| t.shallow_clone())
+        .ok_or(format!("{file} holds no `{name}`"))
+}
+
 /// The largest absolute difference between two sets of weights with the
 /// same names and shapes (NaN when either holds NaN).
 pub fn max_abs_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64 {

@@ -6,15 +6,15 @@
 //!
 //! | file | what | written by |
 //! | --- | --- | --- |
-//! | `model.safetensors` | the model's FULL state dict (through the strategy) | rank 0 |
-//! | `model_rank<r>.safetensors` | rank `r`'s shard, for strategies that save SHARDED state | every rank |
+//! | `model.safetensors` (`model_1.safetensors`, … for more models) | the model's FULL state dict (through its strategy) | rank 0 |
+//! | `model_rank<r>.safetensors` (`model_1_rank<r>…`) | rank `r`'s shard, for strategies that save SHARDED state | every rank |
 //! | `optimizer.safetensors` + `optimizer.json` (`optimizer_1…` for more) | optimizer state tensors; hyper-parameters, groups and step counts | rank 0 (FULL) or every rank as `optimizer_rank<r>…` (SHARDED) |
 //! | `scheduler.json` (`scheduler_1.json`, …) | scheduler steps | rank 0 |
 //! | `precision.json` | the precision policy's state (fp16: GradScaler's scale and growth tracker) | rank 0 |
 //! | `random_states_<r>.safetensors` | rank `r`'s libtorch CPU (and CUDA) generator states | every rank |
 //! | `data_loaders.json` | every prepared data loader's epoch and batches consumed | rank 0 |
 //! | `custom_checkpoint_<i>.json` | objects given to [`Accelerator::register_for_checkpointing`] | rank 0 |
-//! | `accel_state.json` | accel version, world size, strategy, state dict kind, optimizer steps, iteration, every parameter's whole shape (`parameter_shapes`, which [`crate::merge`] needs to merge SHARDED state) | rank 0 |
+//! | `accel_state.json` | accel version, world size, strategy, state dict kind, number of models, optimizer steps, iteration, every parameter's whole shape (`parameter_shapes`, `parameter_shapes_1`, … per model; [`crate::merge`] needs model 0's to merge SHARDED state) | rank 0 |
 //!
 //! **Safe by construction**: everything is written into a hidden sibling
 //! directory (`.<name>.partial`), then renamed into place by rank 0 once
@@ -37,7 +37,10 @@
 //! size, and anything else is refused with both sides named.
 
 use super::checkpoint_safety::{self, DirLock};
-use super::{units::lock, AccelError, AcceleratedScheduler, Accelerator};
+use super::{
+    units::{lock, SharedStrategy},
+    AccelError, AcceleratedScheduler, Accelerator, ModelId,
+};
 use accel_sdk::{
     optim::Optimizer,
     tensor::{NamedTensorRef, TensorRef},
@@ -161,6 +164,17 @@ fn nth(name: &str, i: usize) -> String {
         name.to_owned()
     } else {
         format!("{name}_{i}")
+    }
+}
+
+/// The file of model `i`'s state in a checkpoint: `model.safetensors`,
+/// `model_1.safetensors`, ... (FULL, as Accelerate's `save_accelerator_state`
+/// names them), or this `rank`'s shard `model_rank<r>.safetensors`,
+/// `model_1_rank<r>.safetensors`, ... (SHARDED).
+fn model_file(kind: StateDictKind, i: usize, rank: u32) -> String {
+    match kind {
+        StateDictKind::Full => format!("{}.safetensors", nth("model", i)),
+        StateDictKind::Sharded => format!("{}_rank{rank}.safetensors", nth("model", i)),
     }
 }
 
@@ -304,19 +318,30 @@ impl Accelerator {
     }
 
     /// The state dict kind the strategy saves (FSDP: from
-    /// `fsdp_state_dict_type`; ZeRO-1 and up: SHARDED).
+    /// `fsdp_state_dict_type`; ZeRO-1 and up: SHARDED); every model's
+    /// strategy has the same settings.
     fn state_kind(&self) -> StateDictKind {
-        lock(&self.strategy).state_dict_kind()
+        lock(self.strategies()[0]).state_dict_kind()
+    }
+
+    /// The strategy of the model `opt` was prepared for.
+    fn optimizer_strategy(&self, opt: &Optimizer) -> Result<&SharedStrategy, AccelError> {
+        if self.models.is_empty() {
+            return Ok(&self.strategy);
+        }
+        Ok(&self.models[self.model_of(opt)?].strategy)
     }
 
     /// Optimizer state tensors (`<param>.<slot>`) to their whole-parameter
-    /// form (`whole`) or to this rank's part, through the strategy.
+    /// form (`whole`) or to this rank's part, through the strategy of the
+    /// model `opt` was prepared for.
     fn convert_optimizer_state(
         &self,
+        opt: &Optimizer,
         tensors: Vec<(String, Tensor)>,
         whole: bool,
     ) -> Result<Vec<(String, Tensor)>, AccelError> {
-        let mut strategy = lock(&self.strategy);
+        let mut strategy = lock(self.optimizer_strategy(opt)?);
         tensors
             .into_iter()
             .map(|(name, t)| {
@@ -462,32 +487,38 @@ impl Accelerator {
         let rank = self.process_index();
         let main = self.is_main_process();
         let kind = self.state_kind();
-        let model = lock(&self.strategy).state_dict(kind).into_result()?;
-        let model: Vec<(String, Tensor)> = model
-            .into_iter()
-            .map(|t| (t.name.to_string(), t.tensor.into_tensor()))
-            .collect();
+        // Every model's state, as Accelerate names them: `model`,
+        // `model_1`, ...
+        let mut models = Vec::new();
+        for strategy in self.strategies() {
+            let state = lock(strategy).state_dict(kind).into_result()?;
+            models.push(
+                state
+                    .into_iter()
+                    .map(|t| (t.name.to_string(), t.tensor.into_tensor()))
+                    .collect::<Vec<(String, Tensor)>>(),
+            );
+        }
         // A bar over the bytes written, for large models (local main
         // process, on a terminal: crate::progress).
-        let model_bytes = crate::progress::tensor_bytes(model.iter().map(|(_, t)| t));
+        let model_bytes = crate::progress::tensor_bytes(models.iter().flatten().map(|(_, t)| t));
         let bar = crate::progress::ProgressBar::bytes(
             model_bytes,
             "saving checkpoint",
             self.is_local_main_process() && model_bytes >= crate::progress::LARGE_CHECKPOINT_BYTES,
         );
-        match kind {
-            StateDictKind::Full if main => write_tensors(&out.join("model.safetensors"), &model)?,
-            StateDictKind::Full => {}
-            StateDictKind::Sharded => {
-                write_tensors(&out.join(format!("model_rank{rank}.safetensors")), &model)?
+        for (i, model) in models.iter().enumerate() {
+            if kind == StateDictKind::Sharded || main {
+                write_tensors(&out.join(model_file(kind, i, rank)), model)?;
             }
         }
+        drop(models);
         bar.inc(model_bytes);
         for (i, opt) in objects.optimizers.iter().enumerate() {
             let (mut tensors, meta) = opt.state_dict();
             if kind == StateDictKind::Full {
                 // Sharded optimizer state becomes whole (a collective: every rank).
-                tensors = self.convert_optimizer_state(tensors, true)?;
+                tensors = self.convert_optimizer_state(opt, tensors, true)?;
             }
             let stem = match kind {
                 StateDictKind::Full if !main => continue,
@@ -527,7 +558,7 @@ impl Accelerator {
             let state = obj.lock().unwrap_or_else(|p| p.into_inner()).state_dict();
             write_json(&out.join(format!("custom_checkpoint_{i}.json")), &state)?;
         }
-        let meta = json!({
+        let mut meta = json!({
             "accel_version": env!("CARGO_PKG_VERSION"),
             "world_size": self.num_processes(),
             "strategy": self.strategy_name(),
@@ -536,21 +567,26 @@ impl Accelerator {
             "state_dict_kind": if kind == StateDictKind::Full { "FULL" } else { "SHARDED" },
             "optimizer_steps": self.optimizer_steps,
             "iteration": self.checkpoints.iteration,
+            "models": self.strategies().len(),
             "optimizers": objects.optimizers.len(),
             "schedulers": objects.schedulers.len(),
-            // The whole shapes, which a SHARDED checkpoint's flat shards do
-            // not carry: `accel merge-weights` (crate::merge) needs them.
-            "parameter_shapes": self.parameter_shapes(),
         });
+        // The whole shapes, which a SHARDED checkpoint's flat shards do not
+        // carry: `accel merge-weights` (crate::merge) needs them
+        // (`parameter_shapes`, `parameter_shapes_1`, ... per model).
+        for i in 0..self.models.len().max(1) {
+            meta[nth("parameter_shapes", i)] = Value::Object(self.parameter_shapes(i));
+        }
         write_json(&out.join("accel_state.json"), &meta)
     }
 
-    /// Every model parameter's whole shape, by name (none before
+    /// Every parameter's whole shape of model `model`, by name (none before
     /// `prepare_model`). Sharding strategies free the parameters' storage,
     /// not their sizes.
-    fn parameter_shapes(&self) -> serde_json::Map<String, Value> {
-        self.prepared
-            .iter()
+    fn parameter_shapes(&self, model: usize) -> serde_json::Map<String, Value> {
+        self.models
+            .get(model)
+            .into_iter()
             .flat_map(|p| &p.params)
             .map(|(name, t)| (name.clone(), json!(t.size())))
             .collect()
@@ -631,34 +667,45 @@ impl Accelerator {
                 objects.optimizers.len()
             )));
         }
+        let saved_models = meta["models"].as_u64().unwrap_or(1) as usize;
+        let strategies = self.strategies();
+        if saved_models != strategies.len() {
+            return Err(AccelError::Usage(format!(
+                "checkpoint {} holds {saved_models} model(s), this run prepared {}: prepare the \
+                 same models, in the same order, before load_state",
+                source.display(),
+                self.models.len()
+            )));
+        }
         let rank = self.process_index();
-        let model_file = match kind {
-            StateDictKind::Full => source.join("model.safetensors"),
-            StateDictKind::Sharded => source.join(format!("model_rank{rank}.safetensors")),
-        };
+        let model_files: Vec<PathBuf> = (0..saved_models)
+            .map(|i| source.join(model_file(kind, i, rank)))
+            .collect();
         // A bar over the bytes read, for large models (as saving shows one).
         let file_bytes = |f: &Path| fs::metadata(f).map_or(0, |m| m.len());
-        let model_bytes = file_bytes(&model_file);
+        let model_bytes: u64 = model_files.iter().map(|f| file_bytes(f)).sum();
         let bar = crate::progress::ProgressBar::bytes(
             model_bytes,
             "loading checkpoint",
             self.is_local_main_process() && model_bytes >= crate::progress::LARGE_CHECKPOINT_BYTES,
         );
-        let model = read_tensors(&model_file)?;
-        let refs: Vec<NamedTensorRef<'_>> = model
-            .iter()
-            .map(|(n, t)| NamedTensorRef {
-                name: n.as_str().into(),
-                tensor: TensorRef::new(t),
-            })
-            .collect();
-        lock(&self.strategy)
-            .load_state_dict(kind, refs.as_slice().into())
-            .into_result()?;
-        drop(refs);
-        drop(model);
-        super::release_freed_memory();
-        bar.inc(model_bytes);
+        for (file, strategy) in model_files.iter().zip(strategies) {
+            let model = read_tensors(file)?;
+            let refs: Vec<NamedTensorRef<'_>> = model
+                .iter()
+                .map(|(n, t)| NamedTensorRef {
+                    name: n.as_str().into(),
+                    tensor: TensorRef::new(t),
+                })
+                .collect();
+            lock(strategy)
+                .load_state_dict(kind, refs.as_slice().into())
+                .into_result()?;
+            drop(refs);
+            drop(model);
+            super::release_freed_memory();
+            bar.inc(file_bytes(file));
+        }
         for (i, opt) in objects.optimizers.into_iter().enumerate() {
             let stem = match kind {
                 StateDictKind::Full => nth("optimizer", i),
@@ -669,7 +716,7 @@ impl Accelerator {
             bar.inc_length(bytes);
             let mut tensors = read_tensors(&file)?;
             if kind == StateDictKind::Full {
-                tensors = self.convert_optimizer_state(tensors, false)?;
+                tensors = self.convert_optimizer_state(opt, tensors, false)?;
             }
             let meta = read_json(&source.join(format!("{stem}.json")))?;
             opt.load_state_dict(&tensors, &meta)
@@ -746,8 +793,25 @@ impl Accelerator {
     /// — Accelerate's `get_state_dict`. Every rank must call it. Under
     /// strategies that shard parameters the VarStore's own tensors hold no
     /// memory outside a forward, so save this instead of `VarStore::save`.
+    /// With several models prepared, name one with
+    /// [`Accelerator::get_state_dict_of`].
     pub fn get_state_dict(&self) -> Result<Vec<(String, Tensor)>, AccelError> {
-        let state = lock(&self.strategy)
+        let model = self.only_model("get_state_dict_of")?;
+        self.full_state(model)
+    }
+
+    /// [`Accelerator::get_state_dict`] of `model` (Accelerate's
+    /// `get_state_dict(model)`), one of several prepared models.
+    pub fn get_state_dict_of(&self, model: ModelId) -> Result<Vec<(String, Tensor)>, AccelError> {
+        let model = self.index(model)?;
+        self.full_state(Some(model))
+    }
+
+    /// The FULL state dict of prepared model `model` (`None`: the strategy
+    /// made at setup, before any model).
+    fn full_state(&self, model: Option<usize>) -> Result<Vec<(String, Tensor)>, AccelError> {
+        let strategy = model.map_or(&self.strategy, |i| &self.models[i].strategy);
+        let state = lock(strategy)
             .state_dict(StateDictKind::Full)
             .into_result()?;
         Ok(state
@@ -764,14 +828,38 @@ impl Accelerator {
     /// "pt"}` metadata. Files of an earlier `save_model` in `dir` are
     /// replaced; each file is written under a temporary name and renamed.
     /// Returns the files written (on the main process; other ranks return
-    /// none).
+    /// none). With several models prepared, name one with
+    /// [`Accelerator::save_model_of`].
     pub fn save_model(
         &mut self,
         dir: &Path,
         max_shard_size: &str,
     ) -> Result<Vec<PathBuf>, AccelError> {
+        let model = self.only_model("save_model_of")?;
+        self.save_full(model, dir, max_shard_size)
+    }
+
+    /// [`Accelerator::save_model`] of `model` (Accelerate's
+    /// `save_model(model, save_directory, max_shard_size)`), one of several
+    /// prepared models: give each model a directory of its own.
+    pub fn save_model_of(
+        &mut self,
+        model: ModelId,
+        dir: &Path,
+        max_shard_size: &str,
+    ) -> Result<Vec<PathBuf>, AccelError> {
+        let model = self.index(model)?;
+        self.save_full(Some(model), dir, max_shard_size)
+    }
+
+    fn save_full(
+        &mut self,
+        model: Option<usize>,
+        dir: &Path,
+        max_shard_size: &str,
+    ) -> Result<Vec<PathBuf>, AccelError> {
         let max = parse_size(max_shard_size)?;
-        let tensors = self.get_state_dict()?;
+        let tensors = self.full_state(model)?;
         if !self.is_main_process() {
             self.wait_for_everyone()?;
             return Ok(Vec::new());

@@ -189,6 +189,11 @@ impl Accelerator {
     /// file's `optimizer` section), over what the strategy hands out for
     /// this rank — Accelerate's `DummyOptim`. `dummy` fills the file's
     /// `"auto"` values. Refused when the file defines no optimizer.
+    ///
+    /// With several models it is the optimizer of the only one with
+    /// trainable parameters (a distillation's student beside a frozen
+    /// teacher); with several trainable models it is refused: the file
+    /// defines one optimizer, as DeepSpeed's engine drives one model.
     pub fn prepare_dummy_optimizer(&mut self, dummy: DummyOptim) -> Result<Optimizer, AccelError> {
         let Some(section) = &self.config_optim.optimizer else {
             return Err(AccelError::Usage(
@@ -199,9 +204,26 @@ impl Accelerator {
             ));
         };
         let config = section.config(dummy.lr, dummy.weight_decay);
-        let opt = self.build_optimizer(config, |_, h| h)?;
+        let model = self.dummy_optimizer_model()?;
+        let opt = self.build_optimizer(model, config, |_, h| h)?;
         self.config_optim.dummy_optimizer = true;
         Ok(opt)
+    }
+
+    /// The model the config file's one optimizer is for: the only one, or
+    /// the only one with trainable parameters.
+    fn dummy_optimizer_model(&self) -> Result<usize, AccelError> {
+        self.trained_model("prepare_optimizer_for")
+            .map_err(|e| match self.models.len() {
+                0 | 1 => e,
+                n => AccelError::Usage(format!(
+                    "prepare_dummy_optimizer: {} defines one optimizer (its `optimizer` section), \
+                 for one model as DeepSpeed's engine trains one, and {n} models with trainable \
+                 parameters are prepared: remove the section and give each model its own \
+                 optimizer with Accelerator::prepare_optimizer_for",
+                    self.config_optim.file()
+                )),
+            })
     }
 
     /// The schedule the strategy's config file defines (a DeepSpeed file's

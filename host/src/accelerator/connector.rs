@@ -131,7 +131,7 @@ impl Accelerator {
             strategy: Arc::new(Mutex::new(strategy)),
             strategy_name,
             precision,
-            prepared: None,
+            models: Vec::new(),
             config_optim,
             state: Arc::new(Mutex::new(GradientState {
                 sync_gradients: true,

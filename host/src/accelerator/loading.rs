@@ -126,7 +126,9 @@ impl Accelerator {
     /// strategy keeps; otherwise the checkpoint is copied in
     /// ([`Checkpoint::load_into`]). Parameters the checkpoint does not fill
     /// keep the program's values (rank 0's, on every rank); a
-    /// [`deferred_var`] it does not fill is an error naming it.
+    /// [`deferred_var`] it does not fill is an error naming it. With several
+    /// models, this one's [`ModelId`](super::ModelId) is the last of
+    /// [`Accelerator::prepared_models`].
     pub fn prepare_model_from(
         &mut self,
         vs: &mut nn::VarStore,

@@ -56,7 +56,7 @@ pub use data::{
 pub use loading::deferred_var;
 pub use processes::Reduction;
 pub use tracking::{IntoLogEntry, LOG_WITH_ENV};
-pub use training::{AcceleratedScheduler, TrainOptimizer};
+pub use training::{AcceleratedScheduler, ModelId, TrainOptimizer};
 pub use units::ForwardScope;
 use units::{lock, SharedStrategy};
 
@@ -177,11 +177,15 @@ pub struct Accelerator {
     device: Device,
     config: ResolvedConfig,
     comm: Arc<dyn Communicator>,
+    /// The strategy made at setup: the first prepared model's (made again
+    /// with its layer classes), and the one asked before any model is.
     strategy: SharedStrategy,
     strategy_name: String,
     /// The precision policy and its state in this step.
     precision: precision::Precision,
-    prepared: Option<training::Prepared>,
+    /// The prepared models, each with its own strategy instance, in
+    /// preparation order ([`ModelId`]).
+    models: Vec<training::Prepared>,
     /// The optimizer and schedule the strategy's config defines (a
     /// DeepSpeed file's sections).
     config_optim: config_optim::ConfigOptim,
@@ -203,7 +207,7 @@ pub struct Accelerator {
     /// The layer classes the model declared (`declare_layer_class`).
     layer_classes: units::LayerClasses,
     /// How the strategy was made, to make it again with the model's layer
-    /// classes at `prepare_model`.
+    /// classes at `prepare_model`, and once more for every further model.
     strategy_maker: connector::StrategyMaker,
 }
 
@@ -271,8 +275,28 @@ impl Accelerator {
     /// What the strategy says this rank holds now: bytes of parameters,
     /// gradients and optimizer state, and the peak during a step (for
     /// tests and benchmarks; how exact each figure is depends on the plugin).
+    /// With several models, the sum over their strategies (the peaks too:
+    /// an upper bound).
     pub fn memory_stats(&self) -> Result<accel_sdk::MemoryStats, AccelError> {
-        Ok(lock(&self.strategy).memory_stats().into_result()?)
+        let mut total = accel_sdk::MemoryStats::default();
+        for s in self.strategies() {
+            let m = lock(s).memory_stats().into_result()?;
+            total.param_bytes += m.param_bytes;
+            total.grad_bytes += m.grad_bytes;
+            total.optimizer_bytes += m.optimizer_bytes;
+            total.peak_bytes += m.peak_bytes;
+        }
+        Ok(total)
+    }
+
+    /// Every prepared model's strategy, in preparation order; before any
+    /// model is prepared, the strategy made at setup.
+    fn strategies(&self) -> Vec<&SharedStrategy> {
+        if self.models.is_empty() {
+            vec![&self.strategy]
+        } else {
+            self.models.iter().map(|m| &m.strategy).collect()
+        }
     }
 
     /// The precision policy in use, `component (plugin)`.

@@ -31,9 +31,9 @@ pub(super) struct Precision {
     policy: PrecisionBox,
     /// `component (plugin)`.
     name: String,
-    /// This step's gradients were unscaled already (clipping does it first);
-    /// holds whether inf/NaN was found.
-    unscaled: Option<bool>,
+    /// Per prepared model: this step's gradients were unscaled already
+    /// (clipping does it first); holds whether inf/NaN was found.
+    unscaled: Vec<Option<bool>>,
 }
 
 impl Precision {
@@ -63,7 +63,7 @@ impl Precision {
         Ok(Precision {
             policy,
             name,
-            unscaled: None,
+            unscaled: Vec::new(),
         })
     }
 
@@ -89,14 +89,18 @@ impl Precision {
             .into_tensor())
     }
 
-    /// Unscales this step's gradients (`grads` gives them) once, however
-    /// often it is asked (clipping asks first, then the step); returns
-    /// whether any rank found inf/NaN.
+    /// Unscales this step's gradients of prepared model `model` (`grads`
+    /// gives them) once, however often it is asked (clipping asks first,
+    /// then the step); returns whether any rank found inf/NaN.
     pub(super) fn unscale(
         &mut self,
+        model: usize,
         grads: impl FnOnce() -> Result<Vec<Tensor>, AccelError>,
     ) -> Result<bool, AccelError> {
-        if let Some(found) = self.unscaled {
+        if self.unscaled.len() <= model {
+            self.unscaled.resize(model + 1, None);
+        }
+        if let Some(found) = self.unscaled[model] {
             return Ok(found);
         }
         let mut grads = grads()?;
@@ -105,7 +109,7 @@ impl Precision {
             .policy
             .unscale_grads(handles.as_mut_slice().into())
             .into_result()?;
-        self.unscaled = Some(found_inf);
+        self.unscaled[model] = Some(found_inf);
         Ok(found_inf)
     }
 
@@ -113,10 +117,11 @@ impl Precision {
     /// the next step unscales its own gradients.
     pub(super) fn unscale_for_step(
         &mut self,
+        model: usize,
         grads: impl FnOnce() -> Result<Vec<Tensor>, AccelError>,
     ) -> Result<bool, AccelError> {
-        let found_inf = self.unscale(grads)?;
-        self.unscaled = None;
+        let found_inf = self.unscale(model, grads)?;
+        self.unscaled[model] = None;
         Ok(found_inf)
     }
 

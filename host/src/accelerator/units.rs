@@ -149,6 +149,18 @@ impl Units {
         lock_vec(&self.pending).clone_from(&self.sizes);
     }
 
+    /// Whether a gradient of this model arrived since
+    /// [`Units::begin_backward`] (the loss reached the model).
+    pub(crate) fn reached(&self) -> bool {
+        *lock_vec(&self.pending) != self.sizes
+    }
+
+    /// Whether any parameter has a gradient hook (one that requires grad
+    /// and belongs to a unit).
+    pub(crate) fn hooked(&self) -> bool {
+        self.sizes.iter().any(|&n| n > 0)
+    }
+
     /// The units a scope at `path` covers.
     fn covering(&self, path: &str) -> Vec<u32> {
         let below = format!("{path}.");
@@ -494,27 +506,47 @@ impl LayerClasses {
         &self.0
     }
 
-    /// Every declared path must be a module of the model: the prefix of at
-    /// least one parameter name.
-    pub(crate) fn check(&self, params: &[(String, Tensor)]) -> Result<(), AccelError> {
+    /// Every declared path must be a module of one of the `models`: the
+    /// prefix of at least one parameter name.
+    pub(crate) fn check(&self, models: &[&[(String, Tensor)]]) -> Result<(), AccelError> {
         let unknown: Vec<String> = self
             .0
             .iter()
-            .filter(|(path, _)| {
-                let below = format!("{path}.");
-                !params.iter().any(|(n, _)| n.starts_with(&below))
-            })
+            .filter(|(path, _)| !models.iter().any(|params| holds(path, params)))
             .map(|(path, class)| format!("`{path}` ({class})"))
             .collect();
         if unknown.is_empty() {
             return Ok(());
         }
-        let example = params.first().map_or("", |(n, _)| n.as_str());
+        let example = models
+            .iter()
+            .find_map(|params| params.first())
+            .map_or("", |(n, _)| n.as_str());
+        let several = if models.len() > 1 { "s" } else { "" };
         Err(AccelError::Usage(format!(
-            "declare_layer_class: {} holds no parameter of the model (parameters look like `{example}`)",
+            "declare_layer_class: {} holds no parameter of the model{several} (parameters look \
+             like `{example}`; preparing several models of different layers, give them together \
+             to prepare_models)",
             unknown.join(", ")
         )))
     }
+
+    /// The declarations whose modules are in the model `params`.
+    pub(crate) fn of_model(&self, params: &[(String, Tensor)]) -> LayerClasses {
+        LayerClasses(
+            self.0
+                .iter()
+                .filter(|(path, _)| holds(path, params))
+                .cloned()
+                .collect(),
+        )
+    }
+}
+
+/// Whether module `path` holds a parameter of `params`.
+fn holds(path: &str, params: &[(String, Tensor)]) -> bool {
+    let below = format!("{path}.");
+    params.iter().any(|(n, _)| n.starts_with(&below))
 }
 
 impl super::Accelerator {
@@ -525,7 +557,11 @@ impl super::Accelerator {
     /// speak of. Call it before
     /// [`Accelerator::prepare_model`](super::Accelerator::prepare_model),
     /// which refuses a path that holds no parameter. A path has one class;
-    /// declaring it again with another is refused.
+    /// declaring it again with another is refused. With several models,
+    /// declare the layers of all of them before the first `prepare_model`:
+    /// each model's strategy receives the declarations of its own modules
+    /// (models of different layers: prepare them together with
+    /// [`Accelerator::prepare_models`](super::Accelerator::prepare_models)).
     ///
     /// The strategy receives the declarations at `prepare_model`: FSDP's
     /// `TRANSFORMER_BASED_WRAP` with `fsdp_transformer_layer_cls_to_wrap:
@@ -537,7 +573,7 @@ impl super::Accelerator {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        if self.prepared.is_some() {
+        if !self.models.is_empty() {
             return Err(AccelError::Usage(format!(
                 "declare_layer_class(`{class}`): declare layer classes before prepare_model"
             )));
@@ -580,10 +616,22 @@ impl super::Accelerator {
     /// `path`: `fsdp_activation_checkpointing` is on and `path` is a unit
     /// the strategy wrapped (known after
     /// [`Accelerator::prepare_model`](super::Accelerator::prepare_model)).
+    /// With several models: whether it does in any of them.
     pub fn activation_checkpointing(&self, path: &str) -> bool {
-        self.prepared
-            .as_ref()
-            .is_some_and(|p| p.units.checkpoints(path))
+        self.models.iter().any(|p| p.units.checkpoints(path))
+    }
+
+    /// Checks the declared layer classes against the models about to be
+    /// prepared (`given`) and those prepared before: every declared path
+    /// must hold a parameter of one of them.
+    pub(super) fn check_layer_classes(
+        &self,
+        given: &[&[(String, Tensor)]],
+    ) -> Result<(), AccelError> {
+        let mut all: Vec<&[(String, Tensor)]> =
+            self.models.iter().map(|m| m.params.as_slice()).collect();
+        all.extend_from_slice(given);
+        self.layer_classes.check(&all)
     }
 
     /// The modules declared of class `class`, in declaration order.
