@@ -5,6 +5,7 @@
 //! mlp --steps 100                                   # one process
 //! accel launch --cpu --num_processes 2 mlp --steps 100 --loss-log loss.jsonl --save w.safetensors
 //! accel launch --cpu --num_processes 2 mlp --log-with tensorboard --log-with wandb --project-dir runs
+//! accel launch --cpu --num_processes 2 mlp --log-with tensorboard --log-media  # + images, a histogram, a table
 //! ```
 //!
 //! The model is `Linear(D,H)-ReLU-Linear(H,H)-ReLU-Linear(H,O)` with
@@ -19,7 +20,7 @@ mod training;
 use accel::accelerator::{
     AccelError, Accelerator, Checkpointable, DataLoader, ForwardScope, SaveOptions, TrainingObjects,
 };
-use accel_sdk::{optim::OptimizerConfig, schedule::LrScheduler};
+use accel_sdk::{optim::OptimizerConfig, schedule::LrScheduler, TableCell};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use std::sync::{Arc, Mutex};
@@ -161,6 +162,35 @@ struct Args {
     /// `optimizer_state_bytes`, the optimizer's state as it holds it.
     #[arg(long = "print-memory")]
     print_memory: bool,
+    /// At the end, log to the trackers a histogram of `l1.weight` (as this
+    /// rank holds it) as `weights/l1`, two images (`samples/rgb`: 5x6 RGB
+    /// uint8, pixel (y, x) = (10y + x, 100 + 10y + x, 200 + x); `samples/gray`:
+    /// 2x2 float, 0 0.5 / 1 0.25) and a table `final` (`name`, `value`:
+    /// `loss`, `lr`, `steps`), all at the last step.
+    #[arg(long = "log-media")]
+    log_media: bool,
+}
+
+/// `--log-media`: a weight histogram, two images and a table at `step`.
+fn log_media(acc: &Accelerator, model: &Mlp, step: u64, loss: f64, lr: f64) -> Result<()> {
+    acc.log_histogram("weights/l1", &model.l1.ws, Some(step))?;
+    // HWC: 5 x 6 x 3 (a shape of 3 or 4 first would read as CHW).
+    let rgb: Vec<u8> = (0..5u8)
+        .flat_map(|y| (0..6u8).flat_map(move |x| [10 * y + x, 100 + 10 * y + x, 200 + x]))
+        .collect();
+    let rgb = Tensor::from_slice(&rgb).reshape([5, 6, 3]);
+    let gray = Tensor::from_slice(&[0.0f32, 0.5, 1.0, 0.25]).reshape([1, 2, 2]);
+    acc.log_images(
+        &[("samples/rgb", &rgb), ("samples/gray", &gray)],
+        Some(step),
+    )?;
+    let rows = [
+        vec![TableCell::from("loss"), TableCell::from(loss)],
+        vec![TableCell::from("lr"), TableCell::from(lr)],
+        vec![TableCell::from("steps"), TableCell::from(step)],
+    ];
+    acc.log_table("final", &["name", "value"], rows, Some(step))?;
+    Ok(())
 }
 
 /// The training loop's own progress, saved with every checkpoint
@@ -580,6 +610,9 @@ fn main() -> Result<()> {
         }
     }
     bar.finish();
+    if args.log_media {
+        log_media(&acc, &model, step, report.last, opt.lr())?;
+    }
     let secs = started.elapsed().as_secs_f64();
     let step = step - resumed_at;
     if let Some(mut log) = report.log.take() {

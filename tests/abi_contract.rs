@@ -1,6 +1,7 @@
 //! The plugin contract (`accel-abi`) and the toolkit (`accel-sdk`): a
 //! tracker built on the contract alone needs no libtorch; a plugin built
-//! for an older ABI minor still loads; the README's strategy skeleton
+//! for an older ABI minor still loads (and a tracker built before a kind of
+//! log value was added skips it); the README's strategy skeleton
 //! builds out of tree and trains 2 ranks.
 
 use accel_integration_tests::{
@@ -167,6 +168,51 @@ fn a_plugin_built_for_abi_minor_0_still_loads_and_runs() {
         !env.contains("plain tracker:") && !env.contains("plugin report:"),
         "{env}"
     );
+}
+
+#[test]
+fn a_tracker_built_for_abi_minor_1_gets_scalars_and_skips_the_values_it_does_not_know() {
+    // The contract as ABI 4.1 was: `LogValue` without Image, Histogram and
+    // Table. abi_stable alone would refuse it (a host enum with more
+    // variants than the library's); the host checks it against 4.1's layout.
+    let dir = plain_tracker_dir(&[("ACCEL_ABI_TEST_MINOR", "1")]);
+    let plain = plugins_list(dir.path());
+    assert_eq!(plain["abi_version"], accel_sdk::ABI_VERSION);
+    assert_eq!(plain["abi_minor"], 1, "{plain:#}");
+    const { assert!(accel_sdk::ABI_MINOR > 1) };
+    // mlp logs loss and lr every step, then images, a histogram and a table
+    // (`--log-media`): the tracker writes the scalars, skips the rest, and
+    // the run ends without an error.
+    let project = tempfile::tempdir().unwrap();
+    let out = run(
+        &mlp(),
+        &[
+            "--plugin-dir",
+            dir.path().to_str().unwrap(),
+            "--log-with",
+            "plain",
+            "--project-dir",
+            project.path().to_str().unwrap(),
+            "--steps",
+            "3",
+            "--log-media",
+        ],
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+    let log = std::fs::read_to_string(project.path().join("mlp/plain.log")).unwrap();
+    for step in 1..=3 {
+        for key in ["loss", "lr"] {
+            assert!(
+                log.lines()
+                    .any(|l| l.starts_with(&format!("{step} {key} "))),
+                "no {key} at step {step}: {log}"
+            );
+        }
+    }
+    assert_eq!(log.lines().count(), 6, "{log}");
+    // What 4.1 added still works: its `EnvReport`.
+    let env = accel_env(dir.path());
+    assert!(env.contains("plain tracker:"), "{env}");
 }
 
 /// The code block after `<!-- skeleton: NAME -->` in the README.

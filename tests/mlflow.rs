@@ -1,13 +1,16 @@
 //! The MLflow tracker end to end: `mlp --log-with mlflow` on 2 ranks under
 //! `accel launch`, logging to a real `mlflow server` that is killed mid-run
 //! and started again, and to MLflow's file store when no tracking URI is
-//! set; both read back with MLflow's own Python client. Needs mlflow in the
-//! workspace's `.venv` (`scripts/requirements.txt`).
+//! set; both read back with MLflow's own Python client (metrics, params,
+//! tags, and the images, histogram and table of `mlp --log-media` as
+//! artifacts). Needs mlflow and Pillow in the workspace's `.venv`
+//! (`scripts/requirements.txt`).
 
 use accel_integration_tests::{
-    accel_bin, describe, free_port, loss_records, mlp, run_ok, venv_bin,
+    accel_bin, describe, free_port, loss_records, mlp, mlp_l1_histogram, mlp_media_images, run_ok,
+    venv_bin,
 };
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::{
     io::{Read, Write},
     net::TcpStream,
@@ -49,6 +52,91 @@ fn read_runs(uri: &str, experiment: &str) -> Vec<Value> {
         .as_array()
         .unwrap()
         .clone()
+}
+
+/// Reads the artifacts of the only run of experiment `argv[2]` at tracking
+/// URI `argv[1]` with `MlflowClient` (`list_artifacts`, recursively, and
+/// `download_artifacts`): every path, each PNG decoded by PIL, each JSON
+/// parsed, and the run's tags.
+const READ_ARTIFACTS: &str = r#"
+import json, sys, tempfile
+from mlflow.tracking import MlflowClient
+from PIL import Image
+c = MlflowClient(tracking_uri=sys.argv[1])
+exp = c.get_experiment_by_name(sys.argv[2])
+run = c.search_runs([exp.experiment_id])[0]
+rid = run.info.run_id
+def walk(path):
+    out = []
+    for f in c.list_artifacts(rid, path):
+        out += walk(f.path) if f.is_dir else [f.path]
+    return out
+files = walk(None)
+out = {"files": files, "tags": run.data.tags, "images": {}, "json": {}}
+dst = tempfile.mkdtemp()
+for f in files:
+    local = c.download_artifacts(rid, f, dst)
+    if f.endswith(".png"):
+        img = Image.open(local)
+        px = [ch for p in img.getdata() for ch in (p if isinstance(p, tuple) else (p,))]
+        out["images"][f] = {"size": list(img.size), "mode": img.mode, "pixels": px}
+    elif f.endswith(".json"):
+        out["json"][f] = json.load(open(local))
+print(json.dumps(out))
+"#;
+
+/// Checks what `mlp --log-media` logged (run with `--save saved`), as
+/// MLflow's client reads the run's artifacts back: both images decode to
+/// their pixels, the histogram of `l1.weight` has the host's counts and
+/// total, the table is `log_table`'s JSON with the last loss, and the run
+/// carries `mlflow.loggedImages`.
+fn check_media(uri: &str, experiment: &str, saved: &Path, loss_log: &Path, steps: u64) {
+    let out = run_ok(
+        Command::new(venv_bin("python"))
+            .args(["-c", READ_ARTIFACTS, uri, experiment])
+            .env("MLFLOW_ALLOW_FILE_STORE", "true"),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let seen: Value = serde_json::from_str(text.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}: {text}"));
+    for (key, width, height, channels, pixels) in mlp_media_images() {
+        let prefix = format!("images/{}+step+{steps}+timestamp+", key.replace('/', "~"));
+        let found: Vec<(&String, &Value)> = seen["images"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(path, _)| path.starts_with(&prefix))
+            .collect();
+        assert_eq!(found.len(), 1, "{prefix}: {seen}");
+        let img = found[0].1;
+        assert_eq!(img["size"], json!([width, height]));
+        assert_eq!(img["mode"], if channels == 3 { "RGB" } else { "L" });
+        assert_eq!(img["pixels"], json!(pixels), "{key}");
+    }
+    assert_eq!(seen["tags"]["mlflow.loggedImages"], "True");
+    let hist = mlp_l1_histogram(saved);
+    let h = &seen["json"][format!("histograms/weights/l1/step_{steps}.json")];
+    assert_eq!(h["_type"], "histogram", "{seen}");
+    assert_eq!(h["values"], json!(hist.counts.as_slice()));
+    assert_eq!(h["num"], 256);
+    assert_eq!(
+        h["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_u64().unwrap())
+            .sum::<u64>(),
+        256
+    );
+    let bins: Vec<f64> = serde_json::from_value(h["bins"].clone()).unwrap();
+    assert_eq!(bins, hist.edges.as_slice());
+    let loss = loss_records(loss_log)[steps as usize - 1]["loss"]
+        .as_f64()
+        .unwrap();
+    let table = &seen["json"][format!("tables/final/step_{steps}.json")];
+    assert_eq!(table["columns"], json!(["name", "value"]), "{seen}");
+    assert_eq!(table["data"][0], json!(["loss", loss]));
+    assert_eq!(table["data"][2], json!(["steps", steps as f64]));
 }
 
 /// A `mlflow server` on a sqlite store, in its own process group (uvicorn
@@ -204,6 +292,7 @@ fn mlp_on_2_ranks_logs_every_step_once_to_a_server_killed_and_restarted_mid_run(
     let uri = format!("http://127.0.0.1:{port}");
     let steps = 2500u64;
     let stderr_path = dir.path().join("mlp.stderr");
+    let saved = dir.path().join("w.safetensors");
     let mut child = mlp_command(
         dir.path(),
         steps,
@@ -213,6 +302,10 @@ fn mlp_on_2_ranks_logs_every_step_once_to_a_server_killed_and_restarted_mid_run(
             ("MLFLOW_TAGS", r#"{"team": "accel", "try": 1}"#),
         ],
     )
+    // Images, a histogram and a table at the end, through the artifact proxy.
+    .arg("--log-media")
+    .arg("--save")
+    .arg(&saved)
     .stdout(Stdio::null())
     .stderr(std::fs::File::create(&stderr_path).unwrap())
     .spawn()
@@ -258,6 +351,7 @@ fn mlp_on_2_ranks_logs_every_step_once_to_a_server_killed_and_restarted_mid_run(
     check_run(&runs[0], &loss_log, steps);
     assert_eq!(runs[0]["tags"]["team"], "accel");
     assert_eq!(runs[0]["tags"]["try"], "1");
+    check_media(&uri, "accel-mlflow-e2e", &saved, &loss_log, steps);
     // Everything was sent: the spool is gone.
     let spool = dir.path().join("proj/mlflow-spool");
     let left: Vec<_> = std::fs::read_dir(&spool)
@@ -271,7 +365,11 @@ fn mlp_on_2_ranks_logs_every_step_once_to_a_server_killed_and_restarted_mid_run(
 fn without_a_tracking_uri_mlp_writes_a_file_store_that_mlflow_reads() {
     let dir = tempfile::tempdir().unwrap();
     let steps = 30u64;
+    let saved = dir.path().join("w.safetensors");
     let out = mlp_command(dir.path(), steps, &[("MLFLOW_TAGS", r#"{"kind": "file"}"#)])
+        .arg("--log-media")
+        .arg("--save")
+        .arg(&saved)
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", describe(&out));
@@ -282,4 +380,6 @@ fn without_a_tracking_uri_mlp_writes_a_file_store_that_mlflow_reads() {
     check_run(&runs[0], &dir.path().join("loss.jsonl"), steps);
     assert_eq!(runs[0]["tags"]["kind"], "file");
     assert!(runs[0]["name"].as_str().unwrap().starts_with("accel-"));
+    let uri = format!("file://{}", root.display());
+    check_media(&uri, "mlp", &saved, &dir.path().join("loss.jsonl"), steps);
 }

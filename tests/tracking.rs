@@ -4,7 +4,8 @@
 
 use accel::accelerator::{AccelError, Accelerator};
 use accel_integration_tests::{
-    accel_bin, loss_records, mlp, plugin_dir, run_ok, venv_bin, workspace_root,
+    accel_bin, decode_png, loss_records, mlp, mlp_l1_histogram, mlp_media_images, plugin_dir,
+    run_ok, venv_bin, workspace_root,
 };
 use accel_sdk::{ErrorKind, LogEntry};
 use serde_json::{json, Value};
@@ -65,23 +66,21 @@ fn close(got: f64, want: f64, rel: f64, what: &str) {
     );
 }
 
-#[test]
-fn mlp_logs_every_step_to_tensorboard_wandb_and_jsonl_from_rank_0_only() {
-    let dir = tempfile::tempdir().unwrap();
-    let project = dir.path().join("runs");
-    let loss_log = dir.path().join("loss.jsonl");
-    let steps = 20u64;
+/// `accel launch -q --cpu --num_processes 2 mlp --steps <steps> --log-with
+/// tensorboard --log-with wandb --log-with jsonl --project-dir <dir>/runs
+/// --loss-log <dir>/loss.jsonl`, W&B offline and none of the user's W&B or
+/// `ACCELERATE_LOG_WITH` settings.
+fn mlp_with_three_trackers(dir: &Path, steps: u64) -> Command {
     let mut cmd = Command::new(accel_bin());
     cmd.args(["launch", "-q", "--cpu", "--num_processes", "2"])
         .arg(mlp())
         .args(["--steps", &steps.to_string()])
-        .args(["--scheduler", "cosine", "--warmup", "3"])
         .args(["--log-with", "tensorboard", "--log-with", "wandb"])
         .args(["--log-with", "jsonl", "--project-dir"])
-        .arg(&project)
+        .arg(dir.join("runs"))
         .arg("--loss-log")
-        .arg(&loss_log)
-        .current_dir(dir.path())
+        .arg(dir.join("loss.jsonl"))
+        .current_dir(dir)
         .env("WANDB_MODE", "offline");
     for k in [
         "WANDB_API_KEY",
@@ -97,7 +96,29 @@ fn mlp_logs_every_step_to_tensorboard_wandb_and_jsonl_from_rank_0_only() {
     ] {
         cmd.env_remove(k);
     }
-    run_ok(&mut cmd);
+    cmd
+}
+
+/// The `.wandb` files under `project/wandb`.
+fn wandb_files(project: &Path) -> Vec<PathBuf> {
+    files_named(&project.join("wandb"), ".wandb")
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "wandb"))
+        .collect()
+}
+
+#[test]
+fn mlp_logs_every_step_to_tensorboard_wandb_and_jsonl_from_rank_0_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let project = dir.path().join("runs");
+    let loss_log = dir.path().join("loss.jsonl");
+    let steps = 20u64;
+    run_ok(mlp_with_three_trackers(dir.path(), steps).args([
+        "--scheduler",
+        "cosine",
+        "--warmup",
+        "3",
+    ]));
 
     // The reference: mlp's own loss log (rank 0's view of the mean loss).
     let records = loss_records(&loss_log);
@@ -130,10 +151,7 @@ fn mlp_logs_every_step_to_tensorboard_wandb_and_jsonl_from_rank_0_only() {
     let events = files_named(&project, "tfevents");
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0].parent().unwrap(), project.join("mlp"));
-    let wandb_files: Vec<PathBuf> = files_named(&project.join("wandb"), ".wandb")
-        .into_iter()
-        .filter(|p| p.extension().is_some_and(|e| e == "wandb"))
-        .collect();
+    let wandb_files = wandb_files(&project);
     assert_eq!(wandb_files.len(), 1, "{wandb_files:?}");
     let runs: Vec<_> = std::fs::read_dir(project.join("wandb"))
         .unwrap()
@@ -201,6 +219,163 @@ fn mlp_logs_every_step_to_tensorboard_wandb_and_jsonl_from_rank_0_only() {
         serde_json::from_str(&std::fs::read_to_string(project.join("mlp/config.json")).unwrap())
             .unwrap();
     assert_eq!(config, hyper);
+}
+
+/// The rows of `rows` (W&B history items or jsonl lines) that hold `key`.
+fn rows_with<'a>(rows: &'a [Value], key: &str) -> Vec<&'a Value> {
+    rows.iter().filter(|r| r.get(key).is_some()).collect()
+}
+
+#[test]
+fn mlp_logs_images_a_histogram_and_a_table_that_tensorboard_wandb_and_jsonl_read_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let project = dir.path().join("runs");
+    let saved = dir.path().join("w.safetensors");
+    let steps = 6u64;
+    run_ok(
+        mlp_with_three_trackers(dir.path(), steps)
+            .arg("--log-media")
+            .arg("--save")
+            .arg(&saved),
+    );
+    let images = mlp_media_images();
+    let hist = mlp_l1_histogram(&saved);
+    // mlp's l1 is 32 x 8: 256 weights in 64 bins.
+    assert_eq!((hist.num, hist.counts.len()), (256, 64));
+    let loss = loss_records(&dir.path().join("loss.jsonl"))[steps as usize - 1]["loss"]
+        .as_f64()
+        .unwrap();
+    let table = json!({
+        "columns": ["name", "value"],
+        "data": [["loss", loss], ["lr", "<any>"], ["steps", steps as f64]],
+    });
+    let table_matches = |got: &Value| {
+        assert_eq!(got["columns"], table["columns"], "{got}");
+        let data = got["data"].as_array().unwrap();
+        assert_eq!(data.len(), 3, "{got}");
+        assert_eq!(
+            (&data[0][0], data[0][1].as_f64()),
+            (&json!("loss"), Some(loss))
+        );
+        assert_eq!(data[1][0], "lr");
+        assert!(data[1][1].as_f64().unwrap() > 0.0, "{got}");
+        assert_eq!(
+            (&data[2][0], data[2][1].as_f64()),
+            (&json!("steps"), Some(steps as f64))
+        );
+    };
+
+    // TensorBoard: EventAccumulator's images (PIL-decoded), histograms, text.
+    let tb = read_tensorboard(&project.join("mlp"));
+    for (key, width, height, channels, pixels) in &images {
+        let seen = &tb["images"][key];
+        assert_eq!(seen.as_array().map(Vec::len), Some(1), "{key}: {tb}");
+        let e = &seen[0];
+        assert_eq!(e["step"], steps, "{e}");
+        assert_eq!((&e["width"], &e["height"]), (&json!(width), &json!(height)));
+        assert_eq!(e["mode"], if *channels == 3 { "RGB" } else { "L" });
+        assert_eq!(e["pixels"], json!(pixels), "{key}");
+    }
+    let h = &tb["histograms"]["weights/l1"][0];
+    assert_eq!(h["step"], steps);
+    assert_eq!(h["num"].as_f64(), Some(256.0));
+    assert_eq!(
+        (h["min"].as_f64(), h["max"].as_f64()),
+        (Some(hist.min), Some(hist.max))
+    );
+    let mut buckets = vec![0.0];
+    buckets.extend(hist.counts.iter().map(|&c| c as f64));
+    assert_eq!(h["bucket"], json!(buckets));
+    assert_eq!(h["bucket_limit"], json!(hist.edges.as_slice()));
+    close(
+        h["sum"].as_f64().unwrap(),
+        hist.sum,
+        1e-9,
+        "tensorboard sum",
+    );
+    let text = tb["text"]["final"][0][1].as_str().unwrap();
+    assert!(
+        text.starts_with("| name | value |\n| --- | --- |\n"),
+        "{text}"
+    );
+    assert!(text.contains(&format!("| loss | {loss} |")), "{text}");
+    assert!(text.contains(&format!("| steps | {steps} |")), "{text}");
+
+    // W&B, read by `wandb leet inspect`: image-file, histogram, table-file
+    // entries, and the files they name.
+    let wandb = wandb_files(&project);
+    assert_eq!(wandb.len(), 1, "{wandb:?}");
+    let files_dir = wandb[0].parent().unwrap().join("files");
+    let records = read_wandb(&wandb[0]);
+    let rows: Vec<Value> = records
+        .iter()
+        .filter(|r| r["type"] == "history")
+        .map(|r| r["history"]["item"].clone())
+        .collect();
+    for (key, width, height, channels, pixels) in &images {
+        let found = rows_with(&rows, &format!("{key}._type"));
+        assert_eq!(found.len(), 1, "{key}: {rows:?}");
+        let row = found[0];
+        assert_eq!(row[&format!("{key}._type")], "image-file");
+        assert_eq!(row[&format!("{key}.format")], "png");
+        assert_eq!(row["_step"], steps);
+        assert_eq!(
+            (
+                &row[&format!("{key}.width")],
+                &row[&format!("{key}.height")]
+            ),
+            (&json!(width), &json!(height))
+        );
+        let path = row[&format!("{key}.path")].as_str().unwrap();
+        assert!(
+            path.starts_with("media/images/") && path.ends_with(".png"),
+            "{path}"
+        );
+        let bytes = std::fs::read(files_dir.join(path)).unwrap();
+        assert_eq!(row[&format!("{key}.size")], bytes.len());
+        assert_eq!(
+            decode_png(&bytes),
+            (*width, *height, *channels, pixels.clone())
+        );
+        assert!(
+            records
+                .iter()
+                .any(|r| r["type"] == "files" && r["files"]["files"][0]["path"] == path),
+            "{path} is not recorded for upload"
+        );
+    }
+    let found = rows_with(&rows, "weights/l1._type");
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0]["weights/l1._type"], "histogram");
+    assert_eq!(found[0]["weights/l1.values"], json!(hist.counts.as_slice()));
+    let bins: Vec<f64> = serde_json::from_value(found[0]["weights/l1.bins"].clone()).unwrap();
+    assert_eq!(bins, hist.edges.as_slice());
+    let found = rows_with(&rows, "final._type");
+    assert_eq!(found[0]["final._type"], "table-file");
+    let path = found[0]["final.path"].as_str().unwrap();
+    table_matches(&serde_json::from_slice(&std::fs::read(files_dir.join(path)).unwrap()).unwrap());
+
+    // jsonl: the same values, the PNGs beside.
+    let run = project.join("mlp");
+    let lines = loss_records(&run.join("metrics.jsonl"));
+    for (key, width, height, channels, pixels) in &images {
+        let found = rows_with(&lines, key);
+        assert_eq!(found.len(), 1, "{key}");
+        let v = &found[0][key];
+        assert_eq!(
+            (v["_type"].as_str(), &v["width"]),
+            (Some("image"), &json!(width))
+        );
+        let bytes = std::fs::read(run.join(v["path"].as_str().unwrap())).unwrap();
+        assert_eq!(
+            decode_png(&bytes),
+            (*width, *height, *channels, pixels.clone())
+        );
+    }
+    let h = &rows_with(&lines, "weights/l1")[0]["weights/l1"];
+    assert_eq!(h["values"], json!(hist.counts.as_slice()));
+    assert_eq!(h["num"], 256);
+    table_matches(&rows_with(&lines, "final")[0]["final"]);
 }
 
 fn accelerator(plugins: Option<&Path>, log_with: &[&str], project: &Path) -> Accelerator {
@@ -277,6 +452,67 @@ fn log_returns_at_once_and_end_training_waits_until_everything_is_written() {
     acc.log([("loss", 0.0)], None).unwrap();
     let config = std::fs::read_to_string(project.path().join("run/config.json")).unwrap();
     assert_eq!(config, r#"{"lr":0.1}"#);
+}
+
+#[test]
+fn bad_images_histograms_and_tables_are_errors_naming_the_key_and_log_nothing() {
+    let project = tempfile::tempdir().unwrap();
+    let mut acc = accelerator(None, &["jsonl"], project.path());
+    // Before init_trackers (and on other processes) nothing is checked.
+    let bad = tch::Tensor::zeros([2, 5, 5], (tch::Kind::Uint8, tch::Device::Cpu));
+    acc.log_images(&[("early", &bad)], Some(0)).unwrap();
+    acc.init_trackers("run", json!({}), json!({})).unwrap();
+    let good = tch::Tensor::ones([3, 2, 2], (tch::Kind::Float, tch::Device::Cpu));
+    let err = acc
+        .log_images(&[("ok", &good), ("img/bad", &bad)], Some(1))
+        .unwrap_err();
+    assert!(matches!(err, AccelError::Usage(_)), "{err:?}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("image `img/bad`") && msg.contains("[2, 5, 5]"),
+        "{msg}"
+    );
+    let int = tch::Tensor::from_slice(&[1i64, 2, 3, 4]).reshape([2, 2]);
+    let msg = acc
+        .log_images(&[("int", &int)], None)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("dtype Int64"), "{msg}");
+    let msg = acc
+        .log_histogram("h", &[1.0, f64::NAN][..], Some(1))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("log_histogram(`h`)") && msg.contains("finite"),
+        "{msg}"
+    );
+    let msg = acc
+        .log_histogram(
+            "empty",
+            &tch::Tensor::zeros([0], (tch::Kind::Float, tch::Device::Cpu)),
+            None,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("at least one value"), "{msg}");
+    let msg = acc
+        .log_table("t", &["a", "b"], [vec![1.0], vec![2.0]], Some(1))
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("log_table(`t`): row 0 has 1 cell(s)"), "{msg}");
+    // The same calls with good values go through.
+    acc.log_images(&[("ok", &good)], Some(2)).unwrap();
+    acc.log_histogram("h", &good, Some(2)).unwrap();
+    acc.log_table("t", &["a"], [["x"]], Some(2)).unwrap();
+    acc.end_training().unwrap();
+    let rows = loss_records(&project.path().join("run/metrics.jsonl"));
+    let keys: Vec<Vec<&str>> = rows
+        .iter()
+        .map(|r| r.as_object().unwrap().keys().map(String::as_str).collect())
+        .collect();
+    assert_eq!(keys, [["ok", "step"], ["h", "step"], ["step", "t"]]);
+    assert_eq!(rows[1]["h"]["num"], 12);
+    assert_eq!(rows[0]["ok"]["width"], 2);
 }
 
 #[test]

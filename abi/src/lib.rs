@@ -82,7 +82,10 @@ pub use strategy::{
 };
 #[cfg(feature = "tch")]
 pub use tch;
-pub use tracker::{LogEntry, LogValue, LogValue_NE, Tracker, TrackerBox};
+pub use tracker::{
+    LogEntry, LogHistogram, LogImage, LogTable, LogValue, LogValue_NE, TableCell, Tracker,
+    TrackerBox,
+};
 
 #[doc(hidden)]
 pub use root::private as __private;
@@ -100,7 +103,14 @@ pub const ABI_VERSION: u32 = 4;
 /// loads any minor of its major.
 ///
 /// 1: the root module's `env_report` (the rows `accel env` shows).
-pub const ABI_MINOR: u32 = if cfg!(accel_abi_minor_0) { 0 } else { 1 };
+/// 2: [`LogValue`]'s `Image`, `Histogram` and `Table`.
+pub const ABI_MINOR: u32 = if cfg!(accel_abi_minor_0) {
+    0
+} else if cfg!(accel_abi_before_2) {
+    1
+} else {
+    2
+};
 
 /// The libtorch version this contract was compiled against (`2.13.0`)
 /// with feature `tch`, or empty without it. Every plugin's manifest

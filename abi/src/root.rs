@@ -85,12 +85,33 @@ root_module! {
 /// One row of `accel env`: a label and its value.
 pub type EnvRow = Tuple2<RString, RString>;
 
+/// The root module as ABI 4.1 defined it, frozen: its fields are those of
+/// today, but its tracker's [`LogValue`](crate::LogValue) has the two
+/// variants of 4.1 ([`tracker::v4_1`](crate::tracker::v4_1)). abi_stable
+/// accepts a library whose non-exhaustive enums have at least the host's
+/// variants, so a plugin built for 4.1 is checked against this layout.
+pub mod v4_1 {
+    use super::*;
+    use crate::tracker::v4_1::TrackerBox;
+
+    root_module! {
+        /// [`AccelPlugin`](super::AccelPlugin) of ABI 4.1.
+        pub struct AccelPlugin {
+            /// As in ABI 4.2.
+            #[sabi(missing_field(option))]
+            pub env_report:
+                extern "C" fn(RStr<'_>) -> PluginResult<abi_stable::std_types::RVec<EnvRow>>,
+        }
+    }
+}
+
 /// The root module as ABI 4.0 defined it (the fields before any minor
-/// addition), frozen: abi_stable accepts a library whose prefix type is at
-/// least as long as the host's, so a plugin built for 4.0 is checked
-/// against this layout, not the current one.
+/// addition, the tracker of 4.0 and 4.1), frozen: abi_stable accepts a
+/// library whose prefix type is at least as long as the host's, so a
+/// plugin built for 4.0 is checked against this layout, not the current one.
 pub mod v4_0 {
     use super::*;
+    use crate::tracker::v4_1::TrackerBox;
 
     root_module! {
         /// [`AccelPlugin`](super::AccelPlugin)'s fields of ABI 4.0.
@@ -101,21 +122,37 @@ pub mod v4_0 {
 /// The root module of the plugin library behind `header`, checked: against
 /// the current layout, or, for a plugin built for an earlier minor ABI
 /// version, against that version's (the fields it lacks then read as
-/// `None`). Otherwise the error is the check against the current layout.
+/// `None`, the log values it does not know as unknown). Otherwise the error
+/// is the check against the current layout.
 pub fn init_root_module(header: &'static LibHeader) -> Result<AccelPluginRef, LibraryError> {
     let current = match header.init_root_module::<AccelPluginRef>() {
         Ok(module) => return Ok(module),
         Err(e) => e,
     };
-    if header.init_root_module::<v4_0::AccelPluginRef>().is_err() {
+    // The newest earlier layout the library matches, and whether that minor
+    // has `env_report`.
+    let has_env_report = if header.init_root_module::<v4_1::AccelPluginRef>().is_ok() {
+        true
+    } else if header.init_root_module::<v4_0::AccelPluginRef>().is_ok() {
+        false
+    } else {
         return Err(current);
-    }
-    // SAFETY: the fields of 4.0 were just checked; every later field is read
-    // through an accessor that sees whether the library has it, and a
-    // library that has one failed the check above, so it is refused.
+    };
+    // SAFETY: the fields of that minor were just checked, and its types
+    // have the layout of today's but for the variants `LogValue` gained
+    // since (a non-exhaustive enum of the same size: the plugin sees them
+    // as unknown values). Every later field is read through an accessor
+    // that sees whether the library has it: one with a field its minor
+    // lacks, or one that says it is of the current minor (it would have
+    // passed the current check), is refused.
     let module = unsafe { header.init_root_module_with_unchecked_layout::<AccelPluginRef>() }?;
     #[cfg(not(accel_abi_minor_0))]
-    if module.env_report().is_some() {
+    if module.env_report().is_some() != has_env_report {
+        return Err(current);
+    }
+    #[cfg(accel_abi_minor_0)]
+    let _ = has_env_report;
+    if (module.manifest())().abi_minor >= ABI_MINOR {
         return Err(current);
     }
     Ok(module)

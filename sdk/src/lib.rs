@@ -78,10 +78,11 @@ pub use accel_abi::{
     components, env_report, find_component, into_launcher, into_precision, into_strategy,
     into_tracker, AccelPlugin, AccelPluginRef, Component, DeviceKind, DeviceSpec,
     DistributedStrategy, EnvReport, EnvRow, ErrorKind, ErrorKind_NE, Factory, HostContext,
-    HostContextBox, LaunchOutcome, LaunchSpec, Launcher, LauncherBox, LogEntry, LogLevel, LogValue,
-    LogValue_NE, MemoryStats, PluginError, PluginKind, PluginKind_NE, PluginManifest, PluginResult,
-    PrecisionBox, PrecisionPolicy, ProcessPlan, Provided, ReduceOp, RunOverrides, StateDictKind,
-    StrategyBox, Tracker, TrackerBox, WrapUnit,
+    HostContextBox, LaunchOutcome, LaunchSpec, Launcher, LauncherBox, LogEntry, LogHistogram,
+    LogImage, LogLevel, LogTable, LogValue, LogValue_NE, MemoryStats, PluginError, PluginKind,
+    PluginKind_NE, PluginManifest, PluginResult, PrecisionBox, PrecisionPolicy, ProcessPlan,
+    Provided, ReduceOp, RunOverrides, StateDictKind, StrategyBox, TableCell, Tracker, TrackerBox,
+    WrapUnit,
 };
 
 #[doc(hidden)]

@@ -345,6 +345,44 @@ pub fn tensor_named(
         .ok_or(format!("{file} holds no `{name}`"))
 }
 
+/// A PNG file decoded: width, height, channels, and every channel of every
+/// pixel, row by row.
+pub fn decode_png(bytes: &[u8]) -> (u32, u32, usize, Vec<u8>) {
+    let mut reader = png::Decoder::new(std::io::Cursor::new(bytes))
+        .read_info()
+        .unwrap_or_else(|e| panic!("not a PNG ({} bytes): {e}", bytes.len()));
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    buf.truncate(info.buffer_size());
+    (info.width, info.height, info.color_type.samples(), buf)
+}
+
+/// The images `mlp --log-media` logs, as `(key, width, height, channels,
+/// pixels)`: `samples/rgb` (5 x 6 RGB, pixel (y, x) = (10y + x,
+/// 100 + 10y + x, 200 + x)) and `samples/gray` (2 x 2 grayscale from the
+/// floats 0, 0.5, 1, 0.25).
+pub fn mlp_media_images() -> Vec<(&'static str, u32, u32, usize, Vec<u8>)> {
+    let rgb: Vec<u8> = (0..5u8)
+        .flat_map(|y| (0..6u8).flat_map(move |x| [10 * y + x, 100 + 10 * y + x, 200 + x]))
+        .collect();
+    vec![
+        ("samples/rgb", 6, 5, 3, rgb),
+        ("samples/gray", 2, 2, 1, vec![0, 127, 255, 63]),
+    ]
+}
+
+/// The histogram `mlp --log-media` logs as `weights/l1`, made from the
+/// `l1.weight` of the weights it saved (`--save`), binned as the host bins
+/// it (64 bins).
+pub fn mlp_l1_histogram(saved: &Path) -> accel_sdk::LogHistogram {
+    let (_, w) = read_weights(saved)
+        .into_iter()
+        .find(|(n, _)| n == "l1.weight")
+        .expect("l1.weight saved");
+    let values = Vec::<f64>::try_from(&w.flatten(0, -1)).unwrap();
+    accel_sdk::LogHistogram::from_values(&values, 64).unwrap()
+}
+
 /// The largest absolute difference between two sets of weights with the
 /// same names and shapes (NaN when either holds NaN).
 pub fn max_abs_diff(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)]) -> f64 {

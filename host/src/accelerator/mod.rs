@@ -39,6 +39,7 @@ mod config_optim;
 pub(crate) mod connector;
 mod data;
 mod loading;
+mod media;
 mod precision;
 mod processes;
 mod tracking;
@@ -54,8 +55,9 @@ pub use data::{
     Sharding,
 };
 pub use loading::deferred_var;
+pub use media::HistogramValues;
 pub use processes::Reduction;
-pub use tracking::{IntoLogEntry, LOG_WITH_ENV};
+pub use tracking::{image_entry, IntoLogEntry, LOG_WITH_ENV};
 pub use training::{AcceleratedScheduler, ModelId, TrainOptimizer};
 pub use units::ForwardScope;
 use units::{lock, SharedStrategy};

@@ -1,7 +1,8 @@
 //! Experiment tracking on the [`Accelerator`], as in Accelerate:
 //! `log_with`, `project_dir` / `logging_dir`, [`Accelerator::init_trackers`],
-//! [`Accelerator::log`], `get_tracker` (here [`Accelerator::with_tracker`])
-//! and [`Accelerator::end_training`].
+//! [`Accelerator::log`], [`Accelerator::log_images`] (and accel's
+//! [`Accelerator::log_histogram`], [`Accelerator::log_table`]), `get_tracker`
+//! (here [`Accelerator::with_tracker`]) and [`Accelerator::end_training`].
 //!
 //! ```no_run
 //! use accel::accelerator::Accelerator;
@@ -62,10 +63,13 @@
 //! the thread is panicking, it only flushes them, so the runs do not claim
 //! a clean end.
 
-use super::{AccelError, Accelerator, AcceleratorBuilder};
+use super::{
+    media::{self, HistogramValues},
+    AccelError, Accelerator, AcceleratorBuilder,
+};
 use crate::plugins::{Choice, PluginSet};
 use accel_config::ResolvedConfig;
-use accel_sdk::{ErrorKind, LogEntry, LogValue, PluginError, PluginKind, TrackerBox};
+use accel_sdk::{ErrorKind, LogEntry, LogValue, PluginError, PluginKind, TableCell, TrackerBox};
 use serde_json::{json, Map, Value};
 use std::{
     any::Any,
@@ -74,6 +78,7 @@ use std::{
     sync::mpsc,
     thread,
 };
+use tch::Tensor;
 
 /// The environment variable naming the trackers (comma-separated): the
 /// config resolver reads it into `accel.trackers` (the builder's `log_with`
@@ -219,6 +224,20 @@ macro_rules! scalar_entries {
     )*};
 }
 scalar_entries!(f64, f32, i32, i64, u32, u64, usize);
+
+/// An image entry for [`Accelerator::log`]: `image` (as
+/// [`Accelerator::log_images`] takes it) encoded as PNG, with a caption
+/// (W&B shows it under the image). An error naming `key` for a shape or
+/// dtype that is not an image.
+pub fn image_entry(
+    key: &str,
+    image: &Tensor,
+    caption: Option<&str>,
+) -> Result<LogEntry, AccelError> {
+    media::image(image, caption)
+        .map(|img| LogEntry::image(key, img))
+        .map_err(|e| AccelError::Usage(format!("image `{key}`: {e}")))
+}
 
 /// A started tracker, owned by the worker.
 struct Active {
@@ -679,6 +698,107 @@ impl Accelerator {
             .map(IntoLogEntry::into_log_entry)
             .collect();
         self.tracking.send(Msg::Log(entries, step))
+    }
+
+    /// Logs images at `step`, as Accelerate's `log_images`: each `(key,
+    /// tensor)` becomes a PNG (encoded here, on the calling thread) that
+    /// TensorBoard shows under Images, W&B as an image and MLflow as an
+    /// artifact. A tensor is `HW` (grayscale), `CHW` or `HWC` with 1, 3 or 4
+    /// channels (`CHW` when both fit, as TensorBoard and W&B read a torch
+    /// tensor), optionally with a batch dimension of 1 in front; uint8
+    /// (0-255) or floating point in `[0, 1]` (times 255, truncated), on any
+    /// device. Another shape or dtype is an error naming the key, and
+    /// nothing of the call is logged. Main process only, queued like
+    /// [`Accelerator::log`]; other processes do nothing (and check nothing).
+    ///
+    /// ```no_run
+    /// # fn f(acc: &accel::accelerator::Accelerator) -> Result<(), accel::accelerator::AccelError> {
+    /// let sample = tch::Tensor::rand([3, 32, 32], (tch::Kind::Float, tch::Device::Cpu));
+    /// acc.log_images(&[("samples/0", &sample)], Some(100))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn log_images(
+        &self,
+        images: &[(&str, &Tensor)],
+        step: Option<u64>,
+    ) -> Result<(), AccelError> {
+        if self.tracking.worker.is_none() {
+            return Ok(());
+        }
+        let entries = images
+            .iter()
+            .map(|(key, t)| image_entry(key, t, None))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.tracking.send(Msg::Log(entries, step))
+    }
+
+    /// Logs a histogram of `values` (a tensor of any shape, device and real
+    /// dtype, or a slice of numbers) at `step`: 64 equal-width bins from the
+    /// smallest value to the largest, as W&B's `Histogram` (for other bins,
+    /// log [`LogEntry::histogram`] with
+    /// [`LogHistogram::from_values`](accel_sdk::LogHistogram::from_values)).
+    /// TensorBoard shows it under Histograms and Distributions, W&B as a
+    /// histogram, MLflow as a JSON artifact. No values, or a NaN or
+    /// infinite one, is an error naming the key. Main process only.
+    ///
+    /// ```no_run
+    /// # fn f(acc: &accel::accelerator::Accelerator, w: &tch::Tensor) -> Result<(), accel::accelerator::AccelError> {
+    /// acc.log_histogram("weights/fc1", w, Some(100))?;
+    /// acc.log_histogram("grad_norms", &[0.5, 0.7, 0.6][..], Some(100))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn log_histogram<V: HistogramValues + ?Sized>(
+        &self,
+        key: &str,
+        values: &V,
+        step: Option<u64>,
+    ) -> Result<(), AccelError> {
+        if self.tracking.worker.is_none() {
+            return Ok(());
+        }
+        let h = media::histogram(values, media::DEFAULT_BINS)
+            .map_err(|e| AccelError::Usage(format!("log_histogram(`{key}`): {e}")))?;
+        self.tracking
+            .send(Msg::Log(vec![LogEntry::histogram(key, h)], step))
+    }
+
+    /// Logs a table at `step`: `columns` names, and `rows` of as many cells
+    /// each (numbers or strings: anything `Into<TableCell>`). W&B shows it
+    /// as a table, MLflow stores it as `log_table` does (`{"columns",
+    /// "data"}` JSON), TensorBoard as a Markdown table under Text. A row of
+    /// another length, or no columns, is an error naming the key. Main
+    /// process only.
+    ///
+    /// ```no_run
+    /// # fn f(acc: &accel::accelerator::Accelerator) -> Result<(), accel::accelerator::AccelError> {
+    /// use accel_sdk::TableCell;
+    /// let rows = vec![
+    ///     vec![TableCell::from("a cat"), TableCell::from(0.93)],
+    ///     vec![TableCell::from("a dog"), TableCell::from(0.41)],
+    /// ];
+    /// acc.log_table("predictions", &["text", "score"], rows, Some(100))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn log_table<S, R, C>(
+        &self,
+        key: &str,
+        columns: &[S],
+        rows: R,
+        step: Option<u64>,
+    ) -> Result<(), AccelError>
+    where
+        S: AsRef<str>,
+        R: IntoIterator,
+        R::Item: IntoIterator<Item = C>,
+        C: Into<TableCell>,
+    {
+        if self.tracking.worker.is_none() {
+            return Ok(());
+        }
+        let t = media::table(columns, rows)
+            .map_err(|e| AccelError::Usage(format!("log_table(`{key}`): {e}")))?;
+        self.tracking
+            .send(Msg::Log(vec![LogEntry::table(key, t)], step))
     }
 
     /// Waits until every queued `log` reached the trackers, flushes them,

@@ -13,13 +13,15 @@
 //!   <experiment id>/<run id>/params/<key>    the value, no newline
 //!   <experiment id>/<run id>/tags/<key>      the value, no newline
 //!   <experiment id>/<run id>/artifacts/text/<key>/step_<step>.txt   logged text
+//!   <experiment id>/<run id>/artifacts/images/<key>+step+<step>+...png   logged images
+//!   <experiment id>/<run id>/artifacts/{histograms,tables}/<key>/step_<step>.json
 //! ```
 //!
 //! Keys with `/` become subdirectories, as in MLflow. Strings in `meta.yaml`
 //! are written single-quoted (valid YAML that PyYAML's `safe_load` reads).
 
 use crate::{
-    record::{Metric, Record, RunEnd, TextRecord},
+    record::{ArtifactRecord, Metric, Record, RunEnd},
     settings::{ExperimentRef, Plan},
     PLUGIN,
 };
@@ -55,12 +57,12 @@ pub fn local_path(uri: &str) -> Option<PathBuf> {
     uri.starts_with('/').then(|| PathBuf::from(uri))
 }
 
-/// Writes a text artifact (creating its directories).
-pub fn write_text(path: &Path, text: &str) -> io::Result<()> {
+/// Writes an artifact (creating its directories).
+pub fn write_artifact(path: &Path, bytes: &[u8]) -> io::Result<()> {
     if let Some(dir) = path.parent() {
         fs::create_dir_all(dir)?;
     }
-    fs::write(path, text)
+    fs::write(path, bytes)
 }
 
 /// A YAML single-quoted scalar.
@@ -393,14 +395,8 @@ impl FileRun {
                     }
                 }
             }
-            Record::Text(TextRecord { key, step, text }) => {
-                write_text(
-                    &self
-                        .run_dir
-                        .join("artifacts")
-                        .join(crate::text_artifact_path(key, *step)),
-                    text,
-                )?;
+            Record::Artifact(ArtifactRecord { path, bytes }) => {
+                write_artifact(&self.run_dir.join("artifacts").join(path), bytes)?;
             }
             Record::End(RunEnd { status, end_time }) => {
                 self.meta.status = status_number(status);

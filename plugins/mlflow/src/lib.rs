@@ -19,8 +19,15 @@
 //!   which keeps the file store in maintenance mode).
 //!
 //! Text values become artifacts `text/<key>/step_<step>.txt` (MLflow has no
-//! text metric; Accelerate drops them). Settings and environment variables:
-//! [`settings`].
+//! text metric; Accelerate drops them). Images become PNG artifacts named as
+//! `mlflow.log_image(image, key=, step=)` names them
+//! (`images/<key>+step+<step>+timestamp+<ms>+<uuid>.png`, `/` in the key as
+//! `~`) and set the run's `mlflow.loggedImages` tag; histograms become
+//! `histograms/<key>/step_<step>.json` (`{"_type": "histogram", "values":
+//! counts, "bins": edges, "min", "max", "num", "sum", "sum_squares"}`) and
+//! tables `tables/<key>/step_<step>.json` in `mlflow.log_table`'s form
+//! (`{"columns": [...], "data": [[...]]}`). Settings and environment
+//! variables: [`settings`].
 //!
 //! **Decision: the plugin reads the `MLFLOW_*` environment variables itself**
 //! (the host passes only `logging_dir`, `init_kwargs` and the config's
@@ -83,6 +90,26 @@ pub fn text_artifact_path(key: &str, step: i64) -> String {
     format!("text/{key}/step_{step}.txt")
 }
 
+/// Where an image logged as `key` at `step` goes among the run's
+/// artifacts, named as `mlflow.log_image(image, key=, step=)` names it
+/// (MLflow 3.x): `images/<key, / as ~>+step+<step>+timestamp+<ms>+<uuid4>.png`.
+pub fn image_artifact_path(key: &str, step: i64, timestamp: i64) -> String {
+    let id = new_run_id();
+    format!(
+        "images/{}+step+{step}+timestamp+{timestamp}+{}-{}-{}-{}-{}.png",
+        key.replace('/', "~"),
+        &id[..8],
+        &id[8..12],
+        &id[12..16],
+        &id[16..20],
+        &id[20..]
+    )
+}
+
+/// The tag `mlflow.log_image` sets on a run with images (MLflow's UI looks
+/// for it).
+pub const LOGGED_IMAGES_TAG: &str = "mlflow.loggedImages";
+
 /// The tags `mlflow.start_run` sets on a new run (user, source, name,
 /// description, parent), then the user's `tags`. A continued run gets only
 /// the description and the user's tags, as in MLflow.
@@ -137,6 +164,8 @@ pub struct MlflowTracker {
     env: Env,
     state: State,
     next_step: u64,
+    /// Whether this run's `mlflow.loggedImages` tag was set.
+    images_tagged: bool,
 }
 
 enum State {
@@ -169,6 +198,7 @@ impl MlflowTracker {
             env,
             state: State::NotStarted,
             next_step: 0,
+            images_tagged: false,
         })
     }
 
@@ -296,7 +326,17 @@ impl RunTracker for MlflowTracker {
     fn log(&mut self, values: &[LogEntry], step: Option<u64>) -> Result<(), PluginError> {
         let step = step.unwrap_or(self.next_step);
         let step_i = accel_tracker_kit::signed_step(PLUGIN, "MLflow", step)?;
-        let (records, bad) = record::log_records(values, step_i, now_ms());
+        let (mut records, bad) = record::log_records(values, step_i, now_ms());
+        let has_image = records
+            .iter()
+            .any(|r| matches!(r, Record::Artifact(a) if a.path.starts_with("images/")));
+        if has_image && !self.images_tagged {
+            records.push(Record::Tags(vec![(
+                LOGGED_IMAGES_TAG.to_owned(),
+                "True".to_owned(),
+            )]));
+            self.images_tagged = true;
+        }
         match &mut self.state {
             State::File(run) => run.write(&records)?,
             State::Rest(r) => r

@@ -1,4 +1,5 @@
-//! What a run is made of — metrics, params, tags, text, the end — as
+//! What a run is made of — metrics, params, tags, artifacts (logged text,
+//! images, histograms, tables), the end — as
 //! records: checked against MLflow's rules when they are made, kept one per
 //! line in the spool, and grouped into `runs/log-batch` requests within
 //! MLflow's per-request limits.
@@ -8,6 +9,8 @@ use accel_sdk::{
     serde_json::{json, Map, Value},
     LogEntry, LogValue, PluginError,
 };
+use accel_tracker_kit::values;
+use base64::{engine::general_purpose::STANDARD as BASE64, Engine};
 
 /// MLflow's longest metric, param or tag key (`MAX_ENTITY_KEY_LENGTH`).
 pub const MAX_KEY_LENGTH: usize = 250;
@@ -78,21 +81,34 @@ pub enum Record {
     Params(Vec<(String, String)>),
     /// Tags, at most 100.
     Tags(Vec<(String, String)>),
-    /// A logged text.
-    Text(TextRecord),
+    /// A file among the run's artifacts.
+    Artifact(ArtifactRecord),
     /// The end of the run (`runs/update`).
     End(RunEnd),
 }
 
-/// A logged text: the artifact `text/<key>/step_<step>.txt`.
+/// A file among the run's artifacts: a logged text
+/// (`text/<key>/step_<step>.txt`), image (`images/...png`, as
+/// `mlflow.log_image(key=, step=)` names it), histogram
+/// (`histograms/<key>/step_<step>.json`) or table
+/// (`tables/<key>/step_<step>.json`, as `mlflow.log_table` writes it).
 #[derive(Debug, Clone, PartialEq)]
-pub struct TextRecord {
-    /// Its key.
-    pub key: String,
-    /// Its step.
-    pub step: i64,
-    /// The text.
-    pub text: String,
+pub struct ArtifactRecord {
+    /// Its path under the run's artifact root.
+    pub path: String,
+    /// Its content.
+    pub bytes: Vec<u8>,
+}
+
+impl ArtifactRecord {
+    /// The `Content-Type` of its upload, from the path's extension.
+    pub fn content_type(&self) -> &'static str {
+        match self.path.rsplit('.').next() {
+            Some("png") => "image/png",
+            Some("json") => "application/json",
+            _ => "text/plain; charset=utf-8",
+        }
+    }
 }
 
 /// The end of a run.
@@ -167,8 +183,8 @@ impl Record {
             Record::Metrics(m) => json!({"metrics": metrics_json(m)}),
             Record::Params(p) => json!({"params": pairs_json(p)}),
             Record::Tags(t) => json!({"tags": pairs_json(t)}),
-            Record::Text(TextRecord { key, step, text }) => {
-                json!({"text": {"key": key, "step": step, "text": text}})
+            Record::Artifact(ArtifactRecord { path, bytes }) => {
+                json!({"artifact": {"path": path, "base64": BASE64.encode(bytes)}})
             }
             Record::End(RunEnd { status, end_time }) => {
                 json!({"end": {"status": status, "end_time": end_time}})
@@ -201,11 +217,17 @@ impl Record {
         if let Some(t) = v.get("tags") {
             return Some(Record::Tags(pairs_of(t)?));
         }
+        if let Some(a) = v.get("artifact") {
+            return Some(Record::Artifact(ArtifactRecord {
+                path: a["path"].as_str()?.to_owned(),
+                bytes: BASE64.decode(a["base64"].as_str()?).ok()?,
+            }));
+        }
+        // A text line of a spool written before artifacts were general.
         if let Some(t) = v.get("text") {
-            return Some(Record::Text(TextRecord {
-                key: t["key"].as_str()?.to_owned(),
-                step: t["step"].as_i64()?,
-                text: t["text"].as_str()?.to_owned(),
+            return Some(Record::Artifact(ArtifactRecord {
+                path: crate::text_artifact_path(t["key"].as_str()?, t["step"].as_i64()?),
+                bytes: t["text"].as_str()?.as_bytes().to_vec(),
             }));
         }
         let e = v.get("end")?;
@@ -273,8 +295,9 @@ pub fn tags_records(tags: &[(String, String)]) -> Vec<Record> {
 }
 
 /// The records of one `log` call: its scalars as one metrics record (split
-/// at 1000), each text as a text record. Entries with a key MLflow refuses
-/// are left out and named in the error, after the others are returned.
+/// at 1000), each text, image, histogram and table as an artifact record.
+/// Entries with a key MLflow refuses are left out and named in the error,
+/// after the others are returned.
 pub fn log_records(
     values: &[LogEntry],
     step: i64,
@@ -296,10 +319,23 @@ pub fn log_records(
                 timestamp,
                 step,
             }),
-            Some(LogValue::Text(t)) => out.push(Record::Text(TextRecord {
-                key: key.to_owned(),
-                step,
-                text: t.to_string(),
+            Some(LogValue::Text(t)) => out.push(Record::Artifact(ArtifactRecord {
+                path: crate::text_artifact_path(key, step),
+                bytes: t.as_bytes().to_vec(),
+            })),
+            Some(LogValue::Image(img)) => out.push(Record::Artifact(ArtifactRecord {
+                path: crate::image_artifact_path(key, step, timestamp),
+                bytes: img.png.to_vec(),
+            })),
+            Some(LogValue::Histogram(h)) => out.push(Record::Artifact(ArtifactRecord {
+                path: format!("histograms/{key}/step_{step}.json"),
+                bytes: values::histogram_with_stats_json(h)
+                    .to_string()
+                    .into_bytes(),
+            })),
+            Some(LogValue::Table(t)) => out.push(Record::Artifact(ArtifactRecord {
+                path: format!("tables/{key}/step_{step}.json"),
+                bytes: values::table_json(t).to_string().into_bytes(),
             })),
             // A kind of value newer than this plugin: skipped.
             _ => {}
@@ -335,8 +371,8 @@ pub enum Work {
         /// Tags.
         tags: Vec<(String, String)>,
     },
-    /// A text artifact.
-    Text(TextRecord),
+    /// An artifact.
+    Artifact(ArtifactRecord),
     /// `runs/update` to a terminal status.
     End(RunEnd),
 }
@@ -437,8 +473,8 @@ pub fn group(records: Vec<(Record, u64)>) -> Vec<(Work, u64)> {
                 open = true;
                 bytes = size;
             }
-            Record::Text(text) => {
-                out.push((Work::Text(text), end));
+            Record::Artifact(artifact) => {
+                out.push((Work::Artifact(artifact), end));
                 open = false;
             }
             Record::End(run_end) => {
@@ -509,10 +545,13 @@ mod tests {
             ]),
             Record::Params(vec![("lr".into(), "0.1".into())]),
             Record::Tags(vec![("t".into(), "v\nw".into())]),
-            Record::Text(TextRecord {
-                key: "note".into(),
-                step: 2,
-                text: "héllo".into(),
+            Record::Artifact(ArtifactRecord {
+                path: "text/note/step_2.txt".into(),
+                bytes: "héllo".as_bytes().to_vec(),
+            }),
+            Record::Artifact(ArtifactRecord {
+                path: "images/x.png".into(),
+                bytes: vec![0x89, 0, 255],
             }),
             Record::End(RunEnd {
                 status: "FINISHED".into(),
@@ -534,6 +573,78 @@ mod tests {
         }
         assert_eq!(Record::from_line("{\"metrics\": 3}"), None);
         assert_eq!(Record::from_line("not json"), None);
+    }
+
+    #[test]
+    fn text_lines_of_older_spools_read_back_as_artifacts() {
+        let line = r#"{"text": {"key": "a/note", "step": 4, "text": "hé"}}"#;
+        assert_eq!(
+            Record::from_line(line),
+            Some(Record::Artifact(ArtifactRecord {
+                path: "text/a/note/step_4.txt".into(),
+                bytes: "hé".as_bytes().to_vec(),
+            }))
+        );
+    }
+
+    #[test]
+    fn images_histograms_and_tables_become_artifacts() {
+        let image = accel_sdk::LogImage {
+            png: vec![1, 2, 3].into(),
+            width: 1,
+            height: 1,
+            caption: accel_sdk::abi_stable::std_types::RNone,
+        };
+        let h = accel_sdk::LogHistogram::from_values(&[1.0, 3.0], 2).unwrap();
+        let t = accel_sdk::LogTable {
+            columns: vec!["a".into()].into(),
+            rows: vec![vec![accel_sdk::TableCell::from(1.5)].into()].into(),
+        };
+        let (recs, err) = log_records(
+            &[
+                LogEntry::image("samples/x", image),
+                LogEntry::histogram("w", h),
+                LogEntry::table("t", t),
+            ],
+            3,
+            1000,
+        );
+        assert!(err.is_none());
+        let arts: Vec<&ArtifactRecord> = recs
+            .iter()
+            .map(|r| match r {
+                Record::Artifact(a) => a,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert!(
+            arts[0]
+                .path
+                .starts_with("images/samples~x+step+3+timestamp+1000+")
+                && arts[0].path.ends_with(".png"),
+            "{}",
+            arts[0].path
+        );
+        assert_eq!(
+            (arts[0].bytes.as_slice(), arts[0].content_type()),
+            (&[1u8, 2, 3][..], "image/png")
+        );
+        assert_eq!(arts[1].path, "histograms/w/step_3.json");
+        let v: Value = accel_sdk::serde_json::from_slice(&arts[1].bytes).unwrap();
+        assert_eq!(
+            (v["values"].clone(), v["num"].clone()),
+            (json!([1, 1]), json!(2))
+        );
+        assert_eq!(arts[2].path, "tables/t/step_3.json");
+        assert_eq!(
+            accel_sdk::serde_json::from_slice::<Value>(&arts[2].bytes).unwrap(),
+            json!({"columns": ["a"], "data": [[1.5]]})
+        );
+        // Through a spool line and back, bytes intact.
+        assert_eq!(
+            Record::from_line(&recs[0].to_line()).as_ref(),
+            Some(&recs[0])
+        );
     }
 
     #[test]
@@ -587,10 +698,9 @@ mod tests {
                     timestamp: 1000,
                     step: 7
                 }]),
-                Record::Text(TextRecord {
-                    key: "note".into(),
-                    step: 7,
-                    text: "hi".into()
+                Record::Artifact(ArtifactRecord {
+                    path: "text/note/step_7.txt".into(),
+                    bytes: b"hi".to_vec()
                 }),
             ]
         );
@@ -630,10 +740,9 @@ mod tests {
         // ... a text, more metrics, the end.
         off += 10;
         records.push((
-            Record::Text(TextRecord {
-                key: "t".into(),
-                step: 1,
-                text: "x".into(),
+            Record::Artifact(ArtifactRecord {
+                path: "text/t/step_1.txt".into(),
+                bytes: b"x".to_vec(),
             }),
             off,
         ));
@@ -654,7 +763,7 @@ mod tests {
                 Work::Batch {
                     metrics, params, ..
                 } => (metrics.len(), params.len(), *end),
-                Work::Text(_) => (usize::MAX, 0, *end),
+                Work::Artifact(_) => (usize::MAX, 0, *end),
                 Work::End(_) => (0, usize::MAX, *end),
             })
             .collect();

@@ -230,18 +230,21 @@ impl Client {
 
     /// Uploads `bytes` to `path` through the server's artifact proxy
     /// (`PUT /api/2.0/mlflow-artifacts/artifacts/<path>`), where `path` is
-    /// what follows `mlflow-artifacts:/` in the run's artifact URI.
-    pub fn put_artifact(&self, path: &str, bytes: &[u8]) -> Result<(), Failure> {
+    /// what follows `mlflow-artifacts:/` in the run's artifact URI, as
+    /// `content_type`.
+    pub fn put_artifact(
+        &self,
+        path: &str,
+        bytes: &[u8],
+        content_type: &str,
+    ) -> Result<(), Failure> {
         let encoded: Vec<String> = path.split('/').map(http::path_segment).collect();
         let url = format!(
             "{}/api/2.0/mlflow-artifacts/artifacts/{}",
             self.base,
             encoded.join("/")
         );
-        let mut req = self
-            .agent
-            .put(&url)
-            .header("Content-Type", "text/plain; charset=utf-8");
+        let mut req = self.agent.put(&url).header("Content-Type", content_type);
         if let Some(a) = &self.auth {
             req = req.header("Authorization", a);
         }

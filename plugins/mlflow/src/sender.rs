@@ -22,7 +22,7 @@
 //! fully sent is deleted.
 
 use crate::{
-    record::{group, Record, RunEnd, TextRecord, Work},
+    record::{group, Record, RunEnd, Work},
     rest::{Client, Failure, RunInfo},
     settings::HttpSettings,
 };
@@ -503,8 +503,8 @@ impl Worker {
             Work::End(RunEnd { status, end_time }) => {
                 self.client.update_run(&run.run_id, status, Some(*end_time))
             }
-            Work::Text(TextRecord { key, step, text }) => {
-                let rel = crate::text_artifact_path(key, *step);
+            Work::Artifact(artifact) => {
+                let rel = &artifact.path;
                 let uri = run.artifact_uri.as_str();
                 if let Some(path) = uri.strip_prefix("mlflow-artifacts:") {
                     // mlflow-artifacts:/<path> or mlflow-artifacts://<host>/<path>
@@ -513,9 +513,10 @@ impl Worker {
                         None => path,
                     };
                     let full = format!("{}/{rel}", path.trim_matches('/'));
-                    self.client.put_artifact(&full, text.as_bytes())
+                    self.client
+                        .put_artifact(&full, &artifact.bytes, artifact.content_type())
                 } else if let Some(dir) = crate::filestore::local_path(uri) {
-                    crate::filestore::write_text(&dir.join(&rel), text).map_err(|e| {
+                    crate::filestore::write_artifact(&dir.join(rel), &artifact.bytes).map_err(|e| {
                         Failure::Fatal {
                             code: "IO".into(),
                             message: e.to_string(),
@@ -525,10 +526,10 @@ impl Worker {
                     if !self.warned_artifacts {
                         self.warned_artifacts = true;
                         self.error(format!(
-                            "text values are stored as artifacts, and the run's artifact \
-                             store {uri:?} is neither the server's proxy (mlflow-artifacts:) \
-                             nor a local directory: text is not logged (start the server with \
-                             --serve-artifacts)"
+                            "text, images, histograms and tables are stored as artifacts, \
+                             and the run's artifact store {uri:?} is neither the server's proxy \
+                             (mlflow-artifacts:) nor a local directory: they are not logged \
+                             (start the server with --serve-artifacts)"
                         ));
                     }
                     Ok(())

@@ -40,7 +40,13 @@
 //! step when absent): a scalar is a `DT_FLOAT` scalar tensor for the
 //! `scalars` plugin and a text a `DT_STRING` scalar tensor for the `text`
 //! plugin, both tagged with the entry's key, as TensorBoard's own
-//! `tf.summary.scalar` / `tf.summary.text` write them. `finish` writes
+//! `tf.summary.scalar` / `tf.summary.text` write them. An image (ABI 4.2)
+//! is a legacy `image` value holding the PNG and a histogram a legacy
+//! `histo` value (`HistogramProto`: the host's equal-width bins, an empty
+//! bucket ending at the smallest value first), as `torch.utils.tensorboard`'s
+//! `add_image` / `add_histogram` write them (Images, Histograms and
+//! Distributions dashboards); a table is a text value holding a Markdown
+//! table. `finish` writes
 //! `_hparams_/session_end_info` (`STATUS_SUCCESS`) when `start` wrote the
 //! hparams, and closes the file.
 //!
@@ -187,6 +193,11 @@ impl RunTracker for TensorBoardTracker {
                 .filter_map(|entry| match entry.value()? {
                     LogValue::Scalar(x) => Some(summaries::scalar(&entry.key, *x)),
                     LogValue::Text(t) => Some(summaries::text(&entry.key, t)),
+                    LogValue::Image(img) => Some(summaries::image(&entry.key, img)),
+                    LogValue::Histogram(h) => Some(summaries::histogram(&entry.key, h)),
+                    LogValue::Table(t) => {
+                        Some(summaries::text(&entry.key, &summaries::table_markdown(t)))
+                    }
                     // A kind of value newer than this plugin: skipped.
                     _ => None,
                 })

@@ -61,12 +61,29 @@ pub mod summary {
         /// `tag = 1`: the series name.
         #[prost(string, tag = "1")]
         pub tag: String,
-        /// `simple_value = 2` or `tensor = 8`.
-        #[prost(oneof = "value::Kind", tags = "2, 8")]
+        /// `simple_value = 2`, `image = 4`, `histo = 5` or `tensor = 8`.
+        #[prost(oneof = "value::Kind", tags = "2, 4, 5, 8")]
         pub kind: Option<value::Kind>,
         /// `metadata = 9`: which plugin reads the series.
         #[prost(message, optional, tag = "9")]
         pub metadata: Option<super::SummaryMetadata>,
+    }
+
+    /// `tensorflow.Summary.Image`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Image {
+        /// `height = 1`.
+        #[prost(int32, tag = "1")]
+        pub height: i32,
+        /// `width = 2`.
+        #[prost(int32, tag = "2")]
+        pub width: i32,
+        /// `colorspace = 3`: 1 grayscale, 3 RGB, 4 RGBA.
+        #[prost(int32, tag = "3")]
+        pub colorspace: i32,
+        /// `encoded_image_string = 4`: the PNG file.
+        #[prost(bytes = "vec", tag = "4")]
+        pub encoded_image_string: Vec<u8>,
     }
 
     /// The `value` oneof of [`Value`].
@@ -77,11 +94,45 @@ pub mod summary {
             /// `simple_value = 2`: the legacy scalar form (not written).
             #[prost(float, tag = "2")]
             SimpleValue(f32),
+            /// `image = 4`: an encoded image, as `torch.utils.tensorboard`'s
+            /// `add_image` writes it.
+            #[prost(message, tag = "4")]
+            Image(super::Image),
+            /// `histo = 5`: a histogram, as `add_histogram` writes it.
+            #[prost(message, tag = "5")]
+            Histo(super::super::HistogramProto),
             /// `tensor = 8`.
             #[prost(message, tag = "8")]
             Tensor(super::super::TensorProto),
         }
     }
+}
+
+/// `tensorflow.HistogramProto`: bucket `i` holds the values in
+/// `(bucket_limit[i - 1], bucket_limit[i]]`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct HistogramProto {
+    /// `min = 1`.
+    #[prost(double, tag = "1")]
+    pub min: f64,
+    /// `max = 2`.
+    #[prost(double, tag = "2")]
+    pub max: f64,
+    /// `num = 3`.
+    #[prost(double, tag = "3")]
+    pub num: f64,
+    /// `sum = 4`.
+    #[prost(double, tag = "4")]
+    pub sum: f64,
+    /// `sum_squares = 5`.
+    #[prost(double, tag = "5")]
+    pub sum_squares: f64,
+    /// `bucket_limit = 6` (packed): each bucket's right edge.
+    #[prost(double, repeated, tag = "6")]
+    pub bucket_limit: Vec<f64>,
+    /// `bucket = 7` (packed): each bucket's count.
+    #[prost(double, repeated, tag = "7")]
+    pub bucket: Vec<f64>,
 }
 
 /// `tensorflow.SummaryMetadata`.

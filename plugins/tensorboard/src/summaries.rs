@@ -1,13 +1,19 @@
 //! The summaries this tracker writes, shaped as TensorBoard's own
-//! `summary_v2` writers shape them: scalars, text and hparams.
+//! `summary_v2` writers shape them (scalars, text and hparams), and as
+//! `torch.utils.tensorboard` writes images and histograms (the legacy
+//! `image` and `histo` values, which TensorBoard's images and histograms
+//! plugins read).
 
 use crate::proto::{
     hparams_plugin_data::Data, proto_value::Kind as PvKind, summary, summary::value::Kind,
-    Experiment, HParamInfo, HParamsPluginData, PluginData, ProtoValue, SessionEndInfo,
-    SessionStartInfo, Summary, SummaryMetadata, TensorProto, TensorShapeProto, DATA_TYPE_BOOL,
-    DATA_TYPE_FLOAT64, DATA_TYPE_STRING, DT_FLOAT, DT_STRING, STATUS_SUCCESS,
+    Experiment, HParamInfo, HParamsPluginData, HistogramProto, PluginData, ProtoValue,
+    SessionEndInfo, SessionStartInfo, Summary, SummaryMetadata, TensorProto, TensorShapeProto,
+    DATA_TYPE_BOOL, DATA_TYPE_FLOAT64, DATA_TYPE_STRING, DT_FLOAT, DT_STRING, STATUS_SUCCESS,
 };
-use accel_sdk::serde_json::{Map, Value};
+use accel_sdk::{
+    serde_json::{Map, Value},
+    LogHistogram, LogImage, LogTable, TableCell,
+};
 use prost::Message;
 use std::collections::BTreeMap;
 
@@ -63,6 +69,73 @@ pub fn text(tag: &str, text: &str) -> summary::Value {
         // TextPluginData{version: 0} serializes to nothing.
         metadata: metadata("text", Vec::new()),
     }
+}
+
+/// An image: the PNG with its size and channels (read from the PNG's
+/// header: 1 grayscale, 2 grayscale + alpha, 3 RGB, 4 RGBA), as
+/// `torch.utils.tensorboard`'s `image` writes it.
+pub fn image(tag: &str, img: &LogImage) -> summary::Value {
+    // IHDR's color type is byte 25 of a PNG: 0 gray, 2 RGB, 3 palette, 4
+    // gray + alpha, 6 RGBA.
+    let colorspace = match img.png.get(25) {
+        Some(0) => 1,
+        Some(4) => 2,
+        Some(6) => 4,
+        _ => 3,
+    };
+    summary::Value {
+        tag: tag.to_owned(),
+        kind: Some(Kind::Image(summary::Image {
+            height: img.height.min(i32::MAX as u32) as i32,
+            width: img.width.min(i32::MAX as u32) as i32,
+            colorspace,
+            encoded_image_string: img.png.to_vec(),
+        })),
+        metadata: None,
+    }
+}
+
+/// A histogram as `torch.utils.tensorboard`'s `histogram` writes one:
+/// TensorBoard keeps only right edges, so an empty bucket ending at the
+/// left edge comes first.
+pub fn histogram(tag: &str, h: &LogHistogram) -> summary::Value {
+    let mut bucket = Vec::with_capacity(h.counts.len() + 1);
+    bucket.push(0.0);
+    bucket.extend(h.counts.iter().map(|&c| c as f64));
+    summary::Value {
+        tag: tag.to_owned(),
+        kind: Some(Kind::Histo(HistogramProto {
+            min: h.min,
+            max: h.max,
+            num: h.num as f64,
+            sum: h.sum,
+            sum_squares: h.sum_squares,
+            bucket_limit: h.edges.to_vec(),
+            bucket,
+        })),
+        metadata: None,
+    }
+}
+
+/// A table as a Markdown table (the text plugin renders it): a header row,
+/// then one row per table row; `|` and line breaks in cells escaped.
+pub fn table_markdown(t: &LogTable) -> String {
+    fn cell(s: &str) -> String {
+        s.replace('|', "\\|").replace(['\r', '\n'], " ")
+    }
+    let row = |cells: Vec<String>| format!("| {} |\n", cells.join(" | "));
+    let mut out = row(t.columns.iter().map(|c| cell(c)).collect());
+    out.push_str(&row(t.columns.iter().map(|_| "---".to_owned()).collect()));
+    for r in t.rows.iter() {
+        out.push_str(&row(r
+            .iter()
+            .map(|c| match c {
+                TableCell::Scalar(x) => x.to_string(),
+                TableCell::Text(s) => cell(s),
+            })
+            .collect()));
+    }
+    out
 }
 
 /// An hparams summary: no data of its own (the empty float tensor

@@ -447,3 +447,80 @@ fn registered_as_the_tensorboard_tracker() {
     assert_eq!(c.selectors, ["tensorboard"]);
     assert_eq!(c.kind(), accel_sdk::PluginKind::Tracker);
 }
+
+/// A `width` x `height` RGB PNG whose pixel (x, y) is `(x, y, x + y)`.
+fn rgb_png(width: u32, height: u32) -> (Vec<u8>, Vec<u8>) {
+    let pixels: Vec<u8> = (0..height)
+        .flat_map(|y| (0..width).flat_map(move |x| [x as u8, y as u8, (x + y) as u8]))
+        .collect();
+    let mut out = Vec::new();
+    let mut enc = png::Encoder::new(&mut out, width, height);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    let mut w = enc.write_header().unwrap();
+    w.write_image_data(&pixels).unwrap();
+    w.finish().unwrap();
+    (out, pixels)
+}
+
+#[test]
+fn tensorboard_reads_back_images_histograms_and_tables() {
+    let dir = temp_dir("media");
+    let mut t = tracker(json!({ "logging_dir": dir }));
+    ok(t.start("media_run".into(), "{}".into()));
+    let (png_bytes, pixels) = rgb_png(5, 3);
+    let image = accel_sdk::LogImage {
+        png: png_bytes.into(),
+        width: 5,
+        height: 3,
+        caption: ROption::RNone,
+    };
+    let values: Vec<f64> = (0..100).map(|i| f64::from(i) / 10.0).collect();
+    let hist = accel_sdk::LogHistogram::from_values(&values, 8).unwrap();
+    let table = accel_sdk::LogTable {
+        columns: vec![RString::from("name"), RString::from("score")].into(),
+        rows: vec![vec![accel_sdk::TableCell::from("a|b"), 0.5.into()].into()].into(),
+    };
+    let entries = [
+        LogEntry::image("samples/rgb", image),
+        LogEntry::histogram("weights", hist.clone()),
+        LogEntry::table("preds", table),
+    ];
+    ok(t.log(entries.as_slice().into(), ROption::RSome(4)));
+    ok(t.finish());
+
+    let seen = read_with_tensorboard(&dir.join("media_run"));
+    let img = &seen["images"]["samples/rgb"];
+    assert_eq!(img.as_array().unwrap().len(), 1, "{seen}");
+    assert_eq!(
+        (
+            &img[0]["step"],
+            &img[0]["width"],
+            &img[0]["height"],
+            &img[0]["mode"]
+        ),
+        (&json!(4), &json!(5), &json!(3), &json!("RGB"))
+    );
+    let got: Vec<u8> = serde_json::from_value(img[0]["pixels"].clone()).unwrap();
+    assert_eq!(got, pixels);
+
+    let h = &seen["histograms"]["weights"][0];
+    assert_eq!(h["step"], 4);
+    assert_eq!(h["num"], 100.0);
+    assert_eq!(h["min"], 0.0);
+    assert_eq!(h["max"], 9.9);
+    let bucket: Vec<f64> = serde_json::from_value(h["bucket"].clone()).unwrap();
+    let mut want = vec![0.0];
+    want.extend(hist.counts.iter().map(|&c| c as f64));
+    assert_eq!(bucket, want);
+    assert_eq!(bucket.iter().sum::<f64>(), 100.0);
+    let limits: Vec<f64> = serde_json::from_value(h["bucket_limit"].clone()).unwrap();
+    assert_eq!(limits, hist.edges.to_vec());
+    assert!((h["sum"].as_f64().unwrap() - 495.0).abs() < 1e-9);
+
+    assert_eq!(
+        seen["text"]["preds"],
+        json!([[4, "| name | score |\n| --- | --- |\n| a\\|b | 0.5 |\n"]])
+    );
+    fs::remove_dir_all(dir).unwrap();
+}

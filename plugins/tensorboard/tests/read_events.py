@@ -10,15 +10,23 @@ Output keys:
             and `stop`: why reading stopped ("eof", or the reader's error)
   scalars   {tag: [[step, value], ...]} from EventAccumulator (scalars plugin)
   text      {tag: [[step, text], ...]} from EventAccumulator (text plugin)
+  images    {tag: [{step, width, height, mode, pixels}, ...]} from
+            EventAccumulator.Images, the PNG decoded by PIL (pixels: every
+            channel of every pixel, row by row)
+  histograms {tag: [{step, min, max, num, sum, sum_squares, bucket_limit,
+            bucket}, ...]} from EventAccumulator.Histograms
   provider  {tag: [[step, value], ...]} from the data provider the TensorBoard
             server uses (MultiplexerDataProvider.read_scalars)
   hparams   experiment / session_start / session_end, parsed by the hparams
             plugin's own metadata module (null when absent)
 """
 
+import io
 import json
 import os
 import sys
+
+from PIL import Image
 
 from tensorboard import context
 from tensorboard.backend.event_processing import data_provider
@@ -65,7 +73,9 @@ def main():
         recs, stop = raw_records(os.path.join(run_dir, f))
         records[f] = {"records": recs, "stop": stop}
 
-    acc = ea.EventAccumulator(run_dir, size_guidance={ea.TENSORS: 0})
+    acc = ea.EventAccumulator(
+        run_dir, size_guidance={ea.TENSORS: 0, ea.IMAGES: 0, ea.HISTOGRAMS: 0}
+    )
     acc.Reload()
     scalars = {}
     text = {}
@@ -79,6 +89,37 @@ def main():
                 [e.step, tensor_util.make_ndarray(e.tensor_proto).item().decode("utf-8")]
                 for e in events
             ]
+
+    images = {}
+    for tag in acc.Tags()[ea.IMAGES]:
+        images[tag] = []
+        for e in acc.Images(tag):
+            img = Image.open(io.BytesIO(e.encoded_image_string))
+            images[tag].append(
+                {
+                    "step": e.step,
+                    "width": e.width,
+                    "height": e.height,
+                    "mode": img.mode,
+                    "size": list(img.size),
+                    "pixels": [c for p in img.getdata() for c in (p if isinstance(p, tuple) else (p,))],
+                }
+            )
+    histograms = {}
+    for tag in acc.Tags()[ea.HISTOGRAMS]:
+        histograms[tag] = [
+            {
+                "step": e.step,
+                "min": e.histogram_value.min,
+                "max": e.histogram_value.max,
+                "num": e.histogram_value.num,
+                "sum": e.histogram_value.sum,
+                "sum_squares": e.histogram_value.sum_squares,
+                "bucket_limit": list(e.histogram_value.bucket_limit),
+                "bucket": list(e.histogram_value.bucket),
+            }
+            for e in acc.Histograms(tag)
+        ]
 
     hparams = {"experiment": None, "session_start": None, "session_end": None}
     try:
@@ -128,6 +169,8 @@ def main():
             "records": records,
             "scalars": scalars,
             "text": text,
+            "images": images,
+            "histograms": histograms,
             "provider": provider_scalars,
             "hparams": hparams,
         },

@@ -11,7 +11,7 @@ pub struct Record {
     #[prost(int64, tag = "1")]
     pub num: i64,
     /// `oneof record_type`.
-    #[prost(oneof = "RecordType", tags = "2, 3, 5, 17, 18, 21")]
+    #[prost(oneof = "RecordType", tags = "2, 3, 5, 6, 17, 18, 21")]
     pub record_type: Option<RecordType>,
 }
 
@@ -29,6 +29,9 @@ pub enum RecordType {
     /// Config updates.
     #[prost(message, tag = "5")]
     Config(ConfigRecord),
+    /// Files of the run directory to upload (media).
+    #[prost(message, tag = "6")]
+    Files(FilesRecord),
     /// The run itself.
     #[prost(message, tag = "17")]
     Run(RunRecord),
@@ -187,4 +190,22 @@ pub struct RunExitRecord {
     /// Whole seconds the run lasted.
     #[prost(int32, tag = "2")]
     pub runtime: i32,
+}
+
+/// `wandb_internal.FilesRecord`: files under the run's `files/` directory
+/// that `wandb sync` uploads.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct FilesRecord {
+    /// The files.
+    #[prost(message, repeated, tag = "1")]
+    pub files: Vec<FilesItem>,
+}
+
+/// `wandb_internal.FilesItem` (the SDK leaves `policy` at `NOW` and
+/// `type` at `OTHER` for media; so does this plugin).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct FilesItem {
+    /// The path relative to `files/`, e.g. `media/images/x_3_<hash>.png`.
+    #[prost(string, tag = "1")]
+    pub path: String,
 }

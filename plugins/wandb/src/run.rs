@@ -8,10 +8,12 @@ use crate::{
     PLUGIN,
 };
 use accel_sdk::{
-    serde_json::{self, Map, Value},
+    serde_json::{self, json, Map, Value},
     LogEntry, LogValue, PluginError,
 };
+use accel_tracker_kit::values;
 use prost::Message;
+use sha2::{Digest, Sha256};
 use std::{
     collections::hash_map::RandomState,
     fs::{self, File},
@@ -88,13 +90,65 @@ pub fn number_json(x: f64) -> String {
     }
 }
 
-/// A value as W&B's JSON (`None` for a kind of value newer than this plugin).
+/// A value as W&B's JSON (`None` for a kind of value newer than this
+/// plugin, and for images and tables, which need the run's files:
+/// [`LocalRun::log`] writes those).
 pub fn value_json(v: &LogValue) -> Option<String> {
     match v {
         LogValue::Scalar(x) => Some(number_json(*x)),
         LogValue::Text(t) => Some(Value::String(t.to_string()).to_string()),
+        LogValue::Histogram(h) => Some(values::histogram_json(h).to_string()),
         _ => None,
     }
+}
+
+/// `key` as a relative path under `media/<kind>/`: characters other than
+/// letters, digits, `-`, `_` and `.` become `_`, `/` separates directories
+/// (as W&B nests a key's media), and empty, `.` and `..` parts are dropped.
+pub fn media_stem(key: &str) -> String {
+    let parts: Vec<String> = key
+        .split('/')
+        .filter(|p| !p.is_empty() && *p != "." && *p != "..")
+        .map(|p| {
+            p.chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    if parts.is_empty() {
+        "_".into()
+    } else {
+        parts.join("/")
+    }
+}
+
+/// The lowercase hex SHA-256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A history or summary item: an object value becomes one item per field
+/// (`nested_key = [key, field]`), as wandb-core writes `wandb.Image` and
+/// friends; anything else one item.
+fn nested_items(key: &str, value_json: &str) -> Vec<(Vec<String>, String)> {
+    if value_json.starts_with('{') {
+        if let Ok(Value::Object(fields)) = serde_json::from_str::<Value>(value_json) {
+            return fields
+                .into_iter()
+                .map(|(f, v)| (vec![key.to_owned(), f], v.to_string()))
+                .collect();
+        }
+    }
+    vec![(vec![key.to_owned()], value_json.to_owned())]
 }
 
 fn quote(key: &str) -> String {
@@ -292,8 +346,34 @@ impl LocalRun {
             if RESERVED.contains(&key) {
                 continue;
             }
-            let Some(value) = entry.value().and_then(value_json) else {
-                continue;
+            let value = match entry.value() {
+                Some(LogValue::Image(img)) => {
+                    let (path, sha, size) =
+                        self.media_file(key, step, "images", "png", &img.png)?;
+                    let mut v = json!({
+                        "_type": "image-file", "sha256": sha, "size": size, "path": path,
+                        "format": "png", "width": img.width, "height": img.height,
+                    });
+                    if let accel_sdk::abi_stable::std_types::RSome(c) = &img.caption {
+                        v["caption"] = c.as_str().into();
+                    }
+                    v.to_string()
+                }
+                Some(LogValue::Table(t)) => {
+                    let body = values::table_json(t).to_string();
+                    let (path, sha, size) =
+                        self.media_file(key, step, "table", "table.json", body.as_bytes())?;
+                    json!({
+                        "_type": "table-file", "sha256": sha, "size": size, "path": path,
+                        "ncols": t.columns.len(), "nrows": t.rows.len(), "log_mode": "IMMUTABLE",
+                    })
+                    .to_string()
+                }
+                Some(v) => match value_json(v) {
+                    Some(j) => j,
+                    None => continue,
+                },
+                None => continue,
             };
             match items.iter_mut().find(|(k, _)| k == key) {
                 Some(slot) => slot.1 = value,
@@ -311,9 +391,10 @@ impl LocalRun {
             item: row
                 .items
                 .iter()
-                .map(|(k, v)| proto::HistoryItem {
-                    nested_key: vec![k.clone()],
-                    value_json: v.clone(),
+                .flat_map(|(k, v)| nested_items(k, v))
+                .map(|(nested_key, value_json)| proto::HistoryItem {
+                    nested_key,
+                    value_json,
                 })
                 .collect(),
             step: Some(proto::HistoryStep { num: step as i64 }),
@@ -326,6 +407,34 @@ impl LocalRun {
             }
         }
         Ok(row)
+    }
+
+    /// Writes `bytes` to `files/media/<kind>/<key>_<step>_<sha256[..20]>.<ext>`
+    /// (as the SDK names media) and records it for upload; its path
+    /// relative to `files/`, SHA-256 and size.
+    fn media_file(
+        &mut self,
+        key: &str,
+        step: u64,
+        kind: &str,
+        ext: &str,
+        bytes: &[u8],
+    ) -> Result<(String, String, usize), PluginError> {
+        let sha = sha256_hex(bytes);
+        let rel = format!(
+            "media/{kind}/{}_{step}_{}.{ext}",
+            media_stem(key),
+            &sha[..20]
+        );
+        let path = self.dir.join("files").join(&rel);
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent).map_err(|e| io("cannot create", parent, e))?;
+        }
+        fs::write(&path, bytes).map_err(|e| io("cannot write", &path, e))?;
+        self.write(RecordType::Files(proto::FilesRecord {
+            files: vec![proto::FilesItem { path: rel.clone() }],
+        }))?;
+        Ok((rel, sha, bytes.len()))
     }
 
     /// The summary (last value of every key) as one JSON object.
@@ -369,9 +478,10 @@ fn summary_record(items: &[(String, String)]) -> proto::SummaryRecord {
     proto::SummaryRecord {
         update: items
             .iter()
-            .map(|(k, v)| proto::SummaryItem {
-                nested_key: vec![k.clone()],
-                value_json: v.clone(),
+            .flat_map(|(k, v)| nested_items(k, v))
+            .map(|(nested_key, value_json)| proto::SummaryItem {
+                nested_key,
+                value_json,
             })
             .collect(),
     }

@@ -811,3 +811,102 @@ fn wandb_sync_uploads_an_offline_run() {
     assert_eq!(last.body["exitcode"], 0);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn images_histograms_and_tables_read_back_with_wandb() {
+    let dir = temp_dir("media");
+    let settings = json!({"init_kwargs": {"dir": dir, "mode": "offline"}}).to_string();
+    let mut t = WandbTracker::new(&settings, Env::default()).unwrap();
+    t.start("proj", "{}").unwrap();
+    // A 4 x 2 grayscale PNG, pixel (x, y) = 10x + y.
+    let pixels: Vec<u8> = (0..2u8)
+        .flat_map(|y| (0..4u8).map(move |x| 10 * x + y))
+        .collect();
+    let mut png_bytes = Vec::new();
+    {
+        let mut enc = png::Encoder::new(&mut png_bytes, 4, 2);
+        enc.set_color(png::ColorType::Grayscale);
+        enc.set_depth(png::BitDepth::Eight);
+        let mut w = enc.write_header().unwrap();
+        w.write_image_data(&pixels).unwrap();
+        w.finish().unwrap();
+    }
+    let image = accel_sdk::LogImage {
+        png: png_bytes.clone().into(),
+        width: 4,
+        height: 2,
+        caption: accel_sdk::abi_stable::std_types::RSome("four by two".into()),
+    };
+    let hist = accel_sdk::LogHistogram::from_values(&[1.0, 2.0, 2.0, 3.0, 3.0, 3.0], 4).unwrap();
+    let table = accel_sdk::LogTable {
+        columns: vec!["a".into(), "b".into()].into(),
+        rows: vec![
+            vec![accel_sdk::TableCell::from(1.0), "x".into()].into(),
+            vec![accel_sdk::TableCell::from(2.5), "y".into()].into(),
+        ]
+        .into(),
+    };
+    let entries = [
+        LogEntry::image("samples/img", image),
+        LogEntry::histogram("h", hist),
+        LogEntry::table("t", table),
+        LogEntry::scalar("loss", 0.5),
+    ];
+    t.log(&entries, Some(3)).unwrap();
+    t.finish().unwrap();
+
+    let file = find_run_file(&dir, "offline-run");
+    let files_dir = file.parent().unwrap().join("files");
+    let records = inspect_records(&file);
+    let uploads: Vec<&Value> = records
+        .iter()
+        .filter(|r| r["type"] == "files")
+        .map(|r| &r["files"]["files"][0]["path"])
+        .collect();
+    let rows = history_rows(&records);
+    assert_eq!(rows.len(), 1);
+    let row = &rows[0];
+    // wandb-core's flattened view, as it prints the SDK's own `wandb.Image`.
+    assert_eq!(row["samples/img._type"], "image-file", "{row}");
+    assert_eq!(row["samples/img.format"], "png");
+    assert_eq!(row["samples/img.width"], 4);
+    assert_eq!(row["samples/img.height"], 2);
+    assert_eq!(row["samples/img.caption"], "four by two");
+    assert_eq!(row["samples/img.size"], png_bytes.len());
+    let sha = crate::run::sha256_hex(&png_bytes);
+    assert_eq!(row["samples/img.sha256"], sha.as_str());
+    let path = row["samples/img.path"].as_str().unwrap();
+    assert_eq!(
+        path,
+        format!("media/images/samples/img_3_{}.png", &sha[..20])
+    );
+    assert_eq!(std::fs::read(files_dir.join(path)).unwrap(), png_bytes);
+    let mut reader = png::Decoder::new(std::io::Cursor::new(
+        std::fs::read(files_dir.join(path)).unwrap(),
+    ))
+    .read_info()
+    .unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    assert_eq!((info.width, info.height), (4, 2));
+    assert_eq!(&buf[..info.buffer_size()], pixels.as_slice());
+
+    assert_eq!(row["h._type"], "histogram");
+    assert_eq!(row["h.values"], json!([1, 0, 2, 3]));
+    let bins: Vec<f64> = serde_json::from_value(row["h.bins"].clone()).unwrap();
+    assert_eq!(bins, [1.0, 1.5, 2.0, 2.5, 3.0]);
+
+    assert_eq!(row["t._type"], "table-file");
+    assert_eq!((&row["t.ncols"], &row["t.nrows"]), (&json!(2), &json!(2)));
+    let table_path = row["t.path"].as_str().unwrap();
+    assert!(table_path.starts_with("media/table/t_3_") && table_path.ends_with(".table.json"));
+    let table_json: Value =
+        serde_json::from_slice(&std::fs::read(files_dir.join(table_path)).unwrap()).unwrap();
+    assert_eq!(
+        table_json,
+        json!({"columns": ["a", "b"], "data": [[1.0, "x"], [2.5, "y"]]})
+    );
+    assert_eq!(row["loss"], 0.5);
+    assert_eq!(uploads, [&json!(path), &json!(table_path)]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
