@@ -56,9 +56,9 @@ fn layout(dims: &[i64]) -> Result<Layout, String> {
                  RGB or RGBA)"
             ))
         }
-        [n, _, _, _] => {
+        [_, _, _, _] => {
             return Err(format!(
-                "shape {dims:?} is a batch of {n} images: log one image per key (index the batch)"
+                "shape {dims:?}: a batch of images is NCHW or NHWC (1, 3 or 4 channels)"
             ))
         }
         _ => {
@@ -127,11 +127,61 @@ fn encode_png(pixels: &[u8], width: u32, height: u32, channels: i64) -> Result<V
     Ok(out)
 }
 
-/// `t` as a PNG image (see [`layout`] and [`pixels`] for what it may be).
+/// Images in a row of the grid a batch becomes: `torch.utils.tensorboard`'s
+/// `make_grid(ncols=8)`.
+const GRID_COLUMNS: i64 = 8;
+
+/// A batch of `n > 1` images (`NCHW`, or `NHWC`) as one `CHW` grid, as
+/// `add_images` shows it: 8 per row, no padding, black where the last row
+/// ends early, grayscale made RGB.
+fn grid(t: &Tensor, n: i64) -> Result<Tensor, String> {
+    let dims = t.size();
+    let one = layout(&dims[1..])?;
+    let torch = |e: tch::TchError| e.to_string();
+    let nchw = if one.channels_first || dims.len() == 3 {
+        t.f_reshape([n, one.channels, one.height, one.width])
+    } else {
+        t.f_permute([0, 3, 1, 2])
+    }
+    .map_err(torch)?;
+    let nchw = if one.channels == 1 {
+        nchw.f_repeat([1, 3, 1, 1]).map_err(torch)?
+    } else {
+        nchw
+    };
+    let (h, w) = (one.height, one.width);
+    let cols = n.min(GRID_COLUMNS);
+    let rows = (n + cols - 1) / cols;
+    let canvas = Tensor::f_zeros(
+        [nchw.size()[1], h * rows, w * cols],
+        (nchw.kind(), Device::Cpu),
+    )
+    .map_err(torch)?;
+    for i in 0..n {
+        let (y, x) = (i / cols, i % cols);
+        canvas
+            .f_narrow(1, y * h, h)
+            .and_then(|c| c.f_narrow(2, x * w, w))
+            .and_then(|mut c| c.f_copy_(&nchw.f_get(i)?.f_to_device(Device::Cpu)?))
+            .map_err(torch)?;
+    }
+    Ok(canvas)
+}
+
+/// `t` as a PNG image (see [`layout`] and [`pixels`] for what it may be); a
+/// batch of several (`NCHW` or `NHWC`) becomes one grid image (see [`grid`]).
 pub fn image(t: &Tensor, caption: Option<&str>) -> Result<LogImage, String> {
     if !t.defined() {
         return Err("an undefined tensor is no image".into());
     }
+    let batch;
+    let t = match t.size()[..] {
+        [n, _, _, _] if n > 1 => {
+            batch = grid(t, n)?;
+            &batch
+        }
+        _ => t,
+    };
     let l = layout(&t.size())?;
     let (width, height) = (l.width as u32, l.height as u32);
     let png = encode_png(&pixels(t, l)?, width, height, l.channels)?;
@@ -283,11 +333,11 @@ mod tests {
         let err = image(&Tensor::zeros([2, 5, 5], (Kind::Uint8, Device::Cpu)), None).unwrap_err();
         assert!(err.contains("no channel dimension"), "{err}");
         let err = image(
-            &Tensor::zeros([2, 3, 5, 5], (Kind::Uint8, Device::Cpu)),
+            &Tensor::zeros([2, 2, 5, 5], (Kind::Uint8, Device::Cpu)),
             None,
         )
         .unwrap_err();
-        assert!(err.contains("batch of 2 images"), "{err}");
+        assert!(err.contains("no channel dimension"), "{err}");
         let err = image(&Tensor::zeros([0, 5], (Kind::Uint8, Device::Cpu)), None).unwrap_err();
         assert!(err.contains("at least one pixel"), "{err}");
         // RGBA, batch of one.
@@ -297,6 +347,30 @@ mod tests {
         )
         .unwrap();
         assert_eq!(decode(&rgba.png).0.color_type, png::ColorType::Rgba);
+    }
+
+    /// A batch becomes `add_images`' grid: 8 per row, no padding, the rest
+    /// black; grayscale made RGB; NHWC reads as NCHW does.
+    #[test]
+    fn a_batch_is_one_grid_as_tensorboard_add_images_shows_it() {
+        // 10 grayscale 2x3 images, image i filled with 10 * i.
+        let batch = Tensor::arange(10, (Kind::Uint8, Device::Cpu))
+            .f_mul_scalar(10)
+            .unwrap()
+            .reshape([10, 1, 1, 1])
+            .repeat([1, 1, 2, 3]);
+        let img = image(&batch, None).unwrap();
+        let (info, buf) = decode(&img.png);
+        assert_eq!((info.width, info.height), (24, 4));
+        assert_eq!(info.color_type, png::ColorType::Rgb);
+        let at = |y: usize, x: usize| buf[(y * 24 + x) * 3];
+        assert_eq!(at(0, 0), 0);
+        assert_eq!(at(1, 23), 70); // image 7: row 0, column 7
+        assert_eq!(at(2, 0), 80); // image 8: row 1, column 0
+        assert_eq!(at(3, 5), 90); // image 9
+        assert_eq!(at(2, 6), 0); // past the last image: black
+        let nhwc = batch.permute([0, 2, 3, 1]).contiguous();
+        assert_eq!(image(&nhwc, None).unwrap().png, img.png);
     }
 
     #[test]

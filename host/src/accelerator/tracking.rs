@@ -705,7 +705,9 @@ impl Accelerator {
     /// TensorBoard shows under Images, W&B as an image and MLflow as an
     /// artifact. A tensor is `HW` (grayscale), `CHW` or `HWC` with 1, 3 or 4
     /// channels (`CHW` when both fit, as TensorBoard and W&B read a torch
-    /// tensor), optionally with a batch dimension of 1 in front; uint8
+    /// tensor); a batch of them (`NCHW` or `NHWC`) becomes one grid image,
+    /// 8 per row, as TensorBoard's `add_images` (which Accelerate's
+    /// TensorBoard `log_images` calls) shows a batch; uint8
     /// (0-255) or floating point in `[0, 1]` (times 255, truncated), on any
     /// device. Another shape or dtype is an error naming the key, and
     /// nothing of the call is logged. Main process only, queued like
