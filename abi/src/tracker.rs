@@ -197,15 +197,45 @@ impl From<String> for TableCell {
     }
 }
 
-/// A key and its value.
-#[repr(C)]
-#[derive(StableAbi, Debug, Clone, PartialEq)]
-pub struct LogEntry {
-    /// Metric name, e.g. `train/loss`.
-    pub key: RString,
-    /// Its value ([`LogEntry::value`] reads it).
-    pub value: LogValue_NE,
+/// Declares `LogEntry`, the `Tracker` trait and `TrackerBox` over the
+/// `LogValue_NE` in scope: the current ones and the frozen [`v4_1`] ones
+/// are made by it, so they cannot drift apart.
+macro_rules! tracker_types {
+    () => {
+        /// A key and its value (`LogEntry::value` reads it).
+        #[repr(C)]
+        #[derive(StableAbi, Debug, Clone, PartialEq)]
+        pub struct LogEntry {
+            /// Metric name, e.g. `train/loss`.
+            pub key: RString,
+            /// Its value.
+            pub value: LogValue_NE,
+        }
+
+        /// An experiment tracker. The host calls it from the main process only.
+        #[sabi_trait]
+        pub trait Tracker: Send {
+            /// Starts a run of `project`, recording the run's `config` (a JSON object).
+            fn start(&mut self, project: RStr<'_>, config_json: RStr<'_>) -> PluginResult<()>;
+
+            /// Logs `values` at `step` (or at the tracker's own counter when absent).
+            fn log(&mut self, values: RSlice<'_, LogEntry>, step: ROption<u64>)
+                -> PluginResult<()>;
+
+            /// Makes everything logged so far durable.
+            fn flush(&mut self) -> PluginResult<()>;
+
+            /// Ends the run; nothing is logged after this.
+            #[sabi(last_prefix_field)]
+            fn finish(&mut self) -> PluginResult<()>;
+        }
+
+        /// An owned, type-erased tracker.
+        pub type TrackerBox = Tracker_TO<'static, RBox<()>>;
+    };
 }
+
+tracker_types!();
 
 impl From<LogValue> for LogValue_NE {
     fn from(value: LogValue) -> Self {
@@ -263,26 +293,6 @@ impl LogEntry {
     }
 }
 
-/// An experiment tracker. The host calls it from the main process only.
-#[sabi_trait]
-pub trait Tracker: Send {
-    /// Starts a run of `project`, recording the run's `config` (a JSON object).
-    fn start(&mut self, project: RStr<'_>, config_json: RStr<'_>) -> PluginResult<()>;
-
-    /// Logs `values` at `step` (or at the tracker's own counter when absent).
-    fn log(&mut self, values: RSlice<'_, LogEntry>, step: ROption<u64>) -> PluginResult<()>;
-
-    /// Makes everything logged so far durable.
-    fn flush(&mut self) -> PluginResult<()>;
-
-    /// Ends the run; nothing is logged after this.
-    #[sabi(last_prefix_field)]
-    fn finish(&mut self) -> PluginResult<()>;
-}
-
-/// An owned, type-erased tracker.
-pub type TrackerBox = Tracker_TO<'static, RBox<()>>;
-
 /// The tracker types as ABI 4.0 and 4.1 defined them (a [`LogValue`] of
 /// two variants), frozen: abi_stable accepts a library whose non-exhaustive
 /// enum has at least the host's variants, so the host checks a plugin built
@@ -309,32 +319,7 @@ pub mod v4_1 {
         Text(RString),
     }
 
-    /// [`LogEntry`](super::LogEntry) of ABI 4.1.
-    #[repr(C)]
-    #[derive(StableAbi, Debug, Clone, PartialEq)]
-    pub struct LogEntry {
-        /// As in ABI 4.2.
-        pub key: RString,
-        /// As in ABI 4.2.
-        pub value: LogValue_NE,
-    }
-
-    /// [`Tracker`](super::Tracker) of ABI 4.1.
-    #[sabi_trait]
-    pub trait Tracker: Send {
-        /// As in ABI 4.2.
-        fn start(&mut self, project: RStr<'_>, config_json: RStr<'_>) -> PluginResult<()>;
-        /// As in ABI 4.2.
-        fn log(&mut self, values: RSlice<'_, LogEntry>, step: ROption<u64>) -> PluginResult<()>;
-        /// As in ABI 4.2.
-        fn flush(&mut self) -> PluginResult<()>;
-        /// As in ABI 4.2.
-        #[sabi(last_prefix_field)]
-        fn finish(&mut self) -> PluginResult<()>;
-    }
-
-    /// [`TrackerBox`](super::TrackerBox) of ABI 4.1.
-    pub type TrackerBox = Tracker_TO<'static, RBox<()>>;
+    tracker_types!();
 }
 
 /// The environment variables a tracker's own service reads (`WANDB_*`,
