@@ -4,9 +4,10 @@
 //! script (its C++ shim compiles against the same headers). Without it,
 //! nothing about libtorch is looked at and the version is empty.
 //!
-//! Test hook: `ACCEL_ABI_TEST_MINOR=0` builds the contract as ABI minor 0
-//! was (without the later, compatible additions), so a test can prove that
-//! a plugin built before an addition still loads.
+//! Test hook: `ACCEL_ABI_TEST_MINOR=0` (or `1`) builds the contract as ABI
+//! minor 0 (or 1) was, without the later, compatible additions, so a test
+//! can prove that a plugin built before an addition still loads: cfg
+//! `accel_abi_minor_0` leaves out 4.1's, `accel_abi_before_2` 4.2's.
 use std::{env, fs, path::Path};
 
 fn define(text: &str, name: &str) -> Option<u32> {
@@ -41,8 +42,13 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=ACCEL_ABI_TEST_MINOR");
     println!("cargo:rustc-check-cfg=cfg(accel_abi_minor_0)");
-    if env::var("ACCEL_ABI_TEST_MINOR").as_deref() == Ok("0") {
+    println!("cargo:rustc-check-cfg=cfg(accel_abi_before_2)");
+    let minor = env::var("ACCEL_ABI_TEST_MINOR").ok();
+    if minor.as_deref() == Some("0") {
         println!("cargo:rustc-cfg=accel_abi_minor_0");
+    }
+    if matches!(minor.as_deref(), Some("0" | "1")) {
+        println!("cargo:rustc-cfg=accel_abi_before_2");
     }
     let version = if env::var_os("CARGO_FEATURE_TCH").is_some() {
         let lib = env::var("DEP_TCH_LIBTORCH_LIB").expect(

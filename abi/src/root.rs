@@ -61,12 +61,57 @@ pub struct AccelPlugin {
 /// One row of `accel env`: a label and its value.
 pub type EnvRow = Tuple2<RString, RString>;
 
-/// The root module as ABI 4.0 defined it (the fields before any minor
-/// addition), frozen: abi_stable accepts a library whose prefix type is at
-/// least as long as the host's, so a plugin built for 4.0 is checked
+/// The root module as ABI 4.1 defined it, frozen: the fields of today's, but
+/// with the [`HostContext`](crate::HostContext) of 4.1
+/// ([`context::v4_1`](crate::context::v4_1)) in its signatures. abi_stable
+/// accepts a library whose prefix types (this module, a trait's vtable) are
+/// at least as long as the host's, so a plugin built for 4.1 is checked
 /// against this layout, not the current one.
+pub mod v4_1 {
+    use super::*;
+    use crate::context::v4_1::HostContextBox;
+
+    /// [`AccelPlugin`](super::AccelPlugin)'s fields of ABI 4.1.
+    #[repr(C)]
+    #[derive(StableAbi)]
+    #[sabi(kind(Prefix(prefix_ref = AccelPluginRef)))]
+    #[sabi(missing_field(panic))]
+    pub struct AccelPlugin {
+        /// As in ABI 4.2.
+        pub manifest: extern "C" fn() -> PluginManifest,
+        /// As in ABI 4.2, with 4.1's context.
+        pub new_strategy:
+            extern "C" fn(RStr<'_>, HostContextBox, RStr<'_>) -> PluginResult<StrategyBox>,
+        /// As in ABI 4.2, with 4.1's context.
+        pub new_precision:
+            extern "C" fn(RStr<'_>, HostContextBox, RStr<'_>) -> PluginResult<PrecisionBox>,
+        /// As in ABI 4.2.
+        pub new_tracker: extern "C" fn(RStr<'_>, RStr<'_>) -> PluginResult<TrackerBox>,
+        /// As in ABI 4.2.
+        pub new_launcher: extern "C" fn(RStr<'_>, RStr<'_>) -> PluginResult<LauncherBox>,
+        /// As in ABI 4.2.
+        #[sabi(last_prefix_field)]
+        pub validate_config: extern "C" fn(PluginKind_NE, RStr<'_>, RStr<'_>) -> PluginResult<()>,
+        /// As in ABI 4.2.
+        #[sabi(missing_field(option))]
+        pub env_report:
+            extern "C" fn(RStr<'_>) -> PluginResult<abi_stable::std_types::RVec<EnvRow>>,
+    }
+
+    impl RootModule for AccelPluginRef {
+        declare_root_module_statics! {AccelPluginRef}
+        const BASE_NAME: &'static str = "accel_plugin";
+        const NAME: &'static str = "accel_plugin";
+        const VERSION_STRINGS: VersionStrings = package_version_strings!();
+    }
+}
+
+/// The root module as ABI 4.0 defined it (the fields before any minor
+/// addition, and 4.0's [`HostContext`](crate::HostContext), which 4.1
+/// kept), frozen like [`v4_1`].
 pub mod v4_0 {
     use super::*;
+    use crate::context::v4_1::HostContextBox;
 
     /// [`AccelPlugin`](super::AccelPlugin)'s fields of ABI 4.0.
     #[repr(C)]
@@ -102,21 +147,25 @@ pub mod v4_0 {
 /// The root module of the plugin library behind `header`, checked: against
 /// the current layout, or, for a plugin built for an earlier minor ABI
 /// version, against that version's (the fields it lacks then read as
-/// `None`). Otherwise the error is the check against the current layout.
+/// `None`; the context it gets has more methods than it knows, which a
+/// vtable allows). Otherwise the error is the check against the current
+/// layout.
 pub fn init_root_module(header: &'static LibHeader) -> Result<AccelPluginRef, LibraryError> {
     let current = match header.init_root_module::<AccelPluginRef>() {
         Ok(module) => return Ok(module),
         Err(e) => e,
     };
-    if header.init_root_module::<v4_0::AccelPluginRef>().is_err() {
+    let minor_1 = header.init_root_module::<v4_1::AccelPluginRef>().is_ok();
+    if !minor_1 && header.init_root_module::<v4_0::AccelPluginRef>().is_err() {
         return Err(current);
     }
-    // SAFETY: the fields of 4.0 were just checked; every later field is read
-    // through an accessor that sees whether the library has it, and a
-    // library that has one failed the check above, so it is refused.
+    // SAFETY: the fields of 4.1 (or 4.0) were just checked, and 4.2 added
+    // none to the root module; every field after 4.0's is read through an
+    // accessor that sees whether the library has it, and a library that
+    // passed only 4.0's check yet has one is refused below.
     let module = unsafe { header.init_root_module_with_unchecked_layout::<AccelPluginRef>() }?;
     #[cfg(not(accel_abi_minor_0))]
-    if module.env_report().is_some() {
+    if !minor_1 && module.env_report().is_some() {
         return Err(current);
     }
     Ok(module)
