@@ -6,9 +6,9 @@
 //!
 //! Test hook: `ACCEL_ABI_TEST_MINOR=0` (or `1`) builds the contract as ABI
 //! minor 0 (or 1) was, without the later, compatible additions (cfg
-//! `accel_abi_minor_0`: no `env_report`; cfg `accel_abi_before_2`: no
-//! `LogValue::Image`, `Histogram`, `Table`), so a test can prove that a
-//! plugin built before an addition still loads.
+//! `accel_abi_minor_0`: no `env_report`; cfg `accel_abi_before_2`: none of
+//! 4.2's `LogValue` variants and `HostContext` methods), so a test can prove
+//! that a plugin built before an addition still loads.
 use std::{env, fs, path::Path};
 
 fn define(text: &str, name: &str) -> Option<u32> {

@@ -151,18 +151,24 @@ fn a_tracker_on_the_contract_alone_builds_without_libtorch_and_runs() {
     );
 }
 
+/// The fixture tracker built as ABI minor `minor` was: it loads, reports
+/// that minor, and a training run logs through it; returns `accel env`.
+fn built_for_an_older_minor_loads_and_runs(minor: u32) -> String {
+    let dir = plain_tracker_dir(&[("ACCEL_ABI_TEST_MINOR", &minor.to_string())]);
+    let plain = plugins_list(dir.path());
+    assert_eq!(plain["abi_version"], accel_sdk::ABI_VERSION);
+    assert_eq!(plain["abi_minor"], minor, "{plain:#}");
+    assert!(accel_sdk::ABI_MINOR > minor);
+    let log = trains_with_plain(dir.path());
+    assert!(log.lines().any(|l| l.starts_with("0 loss ")), "{log}");
+    accel_env(dir.path())
+}
+
 #[test]
 fn a_plugin_built_for_abi_minor_0_still_loads_and_runs() {
     // The contract as ABI 4.0 was: the root module without `env_report`.
-    let dir = plain_tracker_dir(&[("ACCEL_ABI_TEST_MINOR", "0")]);
-    let plain = plugins_list(dir.path());
-    assert_eq!(plain["abi_version"], accel_sdk::ABI_VERSION);
-    assert_eq!(plain["abi_minor"], 0, "{plain:#}");
-    const { assert!(accel_sdk::ABI_MINOR > 0) };
-    let log = trains_with_plain(dir.path());
-    assert!(log.lines().any(|l| l.starts_with("0 loss ")), "{log}");
+    let env = built_for_an_older_minor_loads_and_runs(0);
     // What it predates reads as absent: no rows, no error.
-    let env = accel_env(dir.path());
     assert!(env.contains(PLAIN), "{env}");
     assert!(
         !env.contains("plain tracker:") && !env.contains("plugin report:"),
@@ -213,6 +219,18 @@ fn a_tracker_built_for_abi_minor_1_gets_scalars_and_skips_the_values_it_does_not
     // What 4.1 added still works: its `EnvReport`.
     let env = accel_env(dir.path());
     assert!(env.contains("plain tracker:"), "{env}");
+}
+
+#[test]
+fn a_plugin_built_for_abi_minor_1_still_loads_and_runs() {
+    // The contract as ABI 4.1 was: the host context without 4.2's methods
+    // (its vtable, shorter than the host's, is in the root module's layout).
+    let env = built_for_an_older_minor_loads_and_runs(1);
+    assert!(
+        env.lines()
+            .any(|l| l.contains("plain tracker:") && l.ends_with(" built without libtorch")),
+        "{env}"
+    );
 }
 
 /// The code block after `<!-- skeleton: NAME -->` in the README.

@@ -6,27 +6,9 @@ use accel_integration_tests::*;
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 const FROZEN: [&str; 3] = ["block0.w", "block0.b", "block1.b"];
-
-fn write_init(dir: &Path) {
-    tch::manual_seed(3);
-    let t = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, tch::Device::Cpu)) * 0.5;
-    let x = t(&[40, 6]);
-    let y = t(&[40, 2]);
-    let tensors = [
-        ("block0.w", t(&[6, 8])),
-        ("block0.b", t(&[8])),
-        ("block1.w", t(&[8, 8])),
-        ("block1.b", t(&[8])),
-        ("head.w", t(&[8, 2])),
-        ("x", x),
-        ("y", y),
-    ];
-    let refs: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
-    Tensor::write_safetensors(&refs, dir.join("init.safetensors")).unwrap();
-}
 
 /// Trains under `distributed_type` with the config lines `rest` on 2 ranks;
 /// returns the weights and each rank's optimizer report.
@@ -55,7 +37,7 @@ fn train(dir: &Path, distributed_type: &str, rest: &str) -> (Vec<(String, Tensor
 #[test]
 fn frozen_parameters_stay_put_and_the_rest_reach_ddps_weights_under_every_strategy() {
     let base = tempfile::tempdir().unwrap();
-    write_init(base.path());
+    write_freeze_probe_init(base.path());
     let init = read_weights(&base.path().join("init.safetensors"));
     let wrap = "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: block0,block1\n";
     let runs = [

@@ -43,8 +43,10 @@
 //!
 //! [`ABI_VERSION`] is the major version: the host loads only plugins built
 //! for the same one. [`ABI_MINOR`] counts compatible additions within it:
-//! fields appended to the root module (a prefix type) or to a
-//! `#[sabi_trait]` after its last prefix field, and variants appended to the
+//! fields appended to the root module (a prefix type) or methods with a
+//! default appended to a `#[sabi_trait]` after its last prefix field (with
+//! the earlier layout frozen beside it: [`context::v4_1`], [`root::v4_1`]),
+//! and variants appended to the
 //! non-exhaustive enums ([`LogValue`], [`ErrorKind`], [`PluginKind`]). A
 //! plugin built for an older minor still loads; what it lacks reads as
 //! absent (the host checks), and a variant it does not know reaches it as
@@ -103,7 +105,9 @@ pub const ABI_VERSION: u32 = 4;
 /// loads any minor of its major.
 ///
 /// 1: the root module's `env_report` (the rows `accel env` shows).
-/// 2: [`LogValue`]'s `Image`, `Histogram` and `Table`.
+/// 2: [`LogValue`]'s `Image`, `Histogram` and `Table`; [`HostContext`]'s
+/// `host_abi_minor`, `sync_gradients`, `all_reduce_start` and `wait`
+/// (collectives in flight while backward runs: DDP's overlap).
 pub const ABI_MINOR: u32 = if cfg!(accel_abi_minor_0) {
     0
 } else if cfg!(accel_abi_before_2) {

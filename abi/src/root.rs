@@ -87,12 +87,15 @@ pub type EnvRow = Tuple2<RString, RString>;
 
 /// The root module as ABI 4.1 defined it, frozen: its fields are those of
 /// today, but its tracker's [`LogValue`](crate::LogValue) has the two
-/// variants of 4.1 ([`tracker::v4_1`](crate::tracker::v4_1)). abi_stable
-/// accepts a library whose non-exhaustive enums have at least the host's
-/// variants, so a plugin built for 4.1 is checked against this layout.
+/// variants of 4.1 ([`tracker::v4_1`](crate::tracker::v4_1)) and its
+/// [`HostContext`](crate::HostContext) the methods of 4.1
+/// ([`context::v4_1`](crate::context::v4_1)). abi_stable accepts a library
+/// whose non-exhaustive enums have at least the host's variants and whose
+/// prefix types (this module, a trait's vtable) are at least as long as the
+/// host's, so a plugin built for 4.1 is checked against this layout.
 pub mod v4_1 {
     use super::*;
-    use crate::tracker::v4_1::TrackerBox;
+    use crate::{context::v4_1::HostContextBox, tracker::v4_1::TrackerBox};
 
     root_module! {
         /// [`AccelPlugin`](super::AccelPlugin) of ABI 4.1.
@@ -106,12 +109,12 @@ pub mod v4_1 {
 }
 
 /// The root module as ABI 4.0 defined it (the fields before any minor
-/// addition, the tracker of 4.0 and 4.1), frozen: abi_stable accepts a
+/// addition, the tracker and host context of 4.0 and 4.1), frozen: abi_stable accepts a
 /// library whose prefix type is at least as long as the host's, so a
 /// plugin built for 4.0 is checked against this layout, not the current one.
 pub mod v4_0 {
     use super::*;
-    use crate::tracker::v4_1::TrackerBox;
+    use crate::{context::v4_1::HostContextBox, tracker::v4_1::TrackerBox};
 
     root_module! {
         /// [`AccelPlugin`](super::AccelPlugin)'s fields of ABI 4.0.
@@ -122,8 +125,9 @@ pub mod v4_0 {
 /// The root module of the plugin library behind `header`, checked: against
 /// the current layout, or, for a plugin built for an earlier minor ABI
 /// version, against that version's (the fields it lacks then read as
-/// `None`, the log values it does not know as unknown). Otherwise the error
-/// is the check against the current layout.
+/// `None`, the log values it does not know as unknown; the context it gets
+/// has more methods than it knows, which a vtable allows). Otherwise the
+/// error is the check against the current layout.
 pub fn init_root_module(header: &'static LibHeader) -> Result<AccelPluginRef, LibraryError> {
     let current = match header.init_root_module::<AccelPluginRef>() {
         Ok(module) => return Ok(module),

@@ -2,7 +2,10 @@
 //! the job, its device, and the collectives of its [`Communicator`] — handed
 //! to strategy and precision plugins.
 
-use crate::comm::{CommError, Communicator, SingleProcess};
+use crate::{
+    accelerator::GradientState,
+    comm::{CommError, Communicator, SingleProcess},
+};
 use accel_sdk::{
     abi_stable::{
         sabi_trait::TD_Opaque,
@@ -13,7 +16,7 @@ use accel_sdk::{
     DeviceSpec, ErrorKind, HostContext, HostContextBox, LogLevel, PluginError, PluginResult,
     ReduceOp,
 };
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// One process of a job.
 #[derive(Clone)]
@@ -22,6 +25,9 @@ pub struct ProcessContext {
     local_rank: u32,
     local_world_size: u32,
     device: DeviceSpec,
+    /// The Accelerator's gradient state, for `sync_gradients` (none: always
+    /// synced).
+    gradients: Option<Arc<Mutex<GradientState>>>,
 }
 
 impl ProcessContext {
@@ -37,7 +43,15 @@ impl ProcessContext {
             local_rank,
             local_world_size,
             device,
+            gradients: None,
         }
+    }
+
+    /// The same process, answering `sync_gradients` from `state` (the
+    /// Accelerator's).
+    pub fn with_gradient_state(mut self, state: Arc<Mutex<GradientState>>) -> Self {
+        self.gradients = Some(state);
+        self
     }
 
     /// The only process of a one-process job.
@@ -51,15 +65,12 @@ impl ProcessContext {
     }
 }
 
+fn comm_error(e: CommError) -> PluginError {
+    PluginError::new(ErrorKind::Communication, "accel", e.to_string())
+}
+
 fn result(r: Result<(), CommError>) -> PluginResult<()> {
-    match r {
-        Ok(()) => ROk(()),
-        Err(e) => RErr(PluginError::new(
-            ErrorKind::Communication,
-            "accel",
-            e.to_string(),
-        )),
-    }
+    r.map_err(comm_error).into()
 }
 
 impl HostContext for ProcessContext {
@@ -103,6 +114,26 @@ impl HostContext for ProcessContext {
     }
     fn log(&self, level: LogLevel, target: RStr<'_>, message: RStr<'_>) {
         forward_log(level, target.as_str(), message.as_str());
+    }
+    fn host_abi_minor(&self) -> u32 {
+        accel_sdk::ABI_MINOR
+    }
+    fn sync_gradients(&self) -> bool {
+        self.gradients
+            .as_ref()
+            .is_none_or(|g| g.lock().unwrap_or_else(|p| p.into_inner()).sync_gradients)
+    }
+    fn all_reduce_start(&self, mut tensor: TensorMut<'_>, op: ReduceOp) -> PluginResult<u64> {
+        match self.comm.all_reduce_start(&tensor.get_mut(), op) {
+            Ok(handle) => ROk(handle),
+            Err(e) => RErr(comm_error(e)),
+        }
+    }
+    fn wait(&self, handle: u64) -> PluginResult<()> {
+        if handle == 0 {
+            return ROk(());
+        }
+        result(self.comm.wait(handle))
     }
 }
 

@@ -771,3 +771,25 @@ pub fn job_ranks(accel_pid: u32, name: &str) -> Vec<(u32, i32, char)> {
     }
     found
 }
+
+/// Writes `dir/init.safetensors` for the `freeze-probe` fixture: its
+/// two-block network (`block0.w`, `block0.b`, `block1.w`, `block1.b`,
+/// `head.w`) and data (`x` [40, 6], `y` [40, 2]), seeded.
+pub fn write_freeze_probe_init(dir: &Path) {
+    use tch::{Kind, Tensor};
+    tch::manual_seed(3);
+    let t = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, tch::Device::Cpu)) * 0.5;
+    let x = t(&[40, 6]);
+    let y = t(&[40, 2]);
+    let tensors = [
+        ("block0.w", t(&[6, 8])),
+        ("block0.b", t(&[8])),
+        ("block1.w", t(&[8, 8])),
+        ("block1.b", t(&[8])),
+        ("head.w", t(&[8, 2])),
+        ("x", x),
+        ("y", y),
+    ];
+    let refs: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
+    Tensor::write_safetensors(&refs, dir.join("init.safetensors")).unwrap();
+}

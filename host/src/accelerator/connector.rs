@@ -90,12 +90,19 @@ impl Accelerator {
             },
             _ => DeviceSpec::CPU,
         };
+        let state = Arc::new(Mutex::new(GradientState {
+            sync_gradients: true,
+            end_of_dataloader: false,
+            remainder: -1,
+            active: Vec::new(),
+        }));
         let ctx = ProcessContext::new(
             Arc::clone(&process.comm),
             process.local_rank,
             process.local_world,
             spec,
-        );
+        )
+        .with_gradient_state(Arc::clone(&state));
         let (strategy, strategy_maker) =
             choose_strategy(&plugins, &config, process.world, &ctx, b.strategy_settings)?;
         let strategy_name = format!(
@@ -133,12 +140,7 @@ impl Accelerator {
             precision,
             models: Vec::new(),
             config_optim,
-            state: Arc::new(Mutex::new(GradientState {
-                sync_gradients: true,
-                end_of_dataloader: false,
-                remainder: -1,
-                active: Vec::new(),
-            })),
+            state,
             accumulation_steps,
             micro_step: 0,
             dataloader: b.dataloader,

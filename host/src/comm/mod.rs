@@ -115,6 +115,33 @@ pub trait Communicator: Send + Sync {
     ) -> Result<(), CommError>;
     /// Waits for every rank.
     fn barrier(&self) -> Result<(), CommError>;
+    /// Starts [`Communicator::all_reduce`] of `tensor` (in place) and
+    /// returns a handle for [`Communicator::wait`] without waiting for it;
+    /// the communicator keeps a reference to `tensor` until then, and
+    /// nothing may touch it. Handles are never 0. By default the whole
+    /// all-reduce runs here and the handle is 0: nothing is left in flight.
+    fn all_reduce_start(&self, tensor: &Tensor, op: ReduceOp) -> Result<u64, CommError> {
+        self.all_reduce(&mut tensor.shallow_clone(), op)?;
+        Ok(0)
+    }
+    /// Waits (at most the collective timeout) for the collective `handle`
+    /// of [`Communicator::all_reduce_start`] and leaves its result in the
+    /// tensor. Each handle is waited on once; 0 is always complete.
+    fn wait(&self, handle: u64) -> Result<(), CommError> {
+        if handle == 0 {
+            Ok(())
+        } else {
+            Err(unknown_handle(handle))
+        }
+    }
+}
+
+/// The error of waiting on a handle no collective in flight has.
+pub(crate) fn unknown_handle(handle: u64) -> CommError {
+    CommError::new(
+        "wait",
+        format!("no collective in flight has handle {handle} (each is waited on once)"),
+    )
 }
 
 /// Copies a collective's stand-in buffer `work` back into `t` (converting

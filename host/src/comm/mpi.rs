@@ -37,6 +37,19 @@
 //! timeout its buffers stay with MPI (leaked) and every later collective
 //! fails at once.
 //!
+//! # Collectives in flight
+//!
+//! [`Communicator::all_reduce_start`] issues the all-reduce and returns; the
+//! request then sits in a table until [`Communicator::wait`] takes it. MPI
+//! progresses a non-blocking collective only inside MPI calls, so a
+//! progress thread (`accel-mpi-progress`, parked while nothing is in
+//! flight) tests the requests in flight every [`PROGRESS_NAP`], under the
+//! same mutex as every other MPI call (MPI_THREAD_SERIALIZED); `wait`
+//! tests too, with the naps and the deadline of every collective (the
+//! timeout counts from the call to `wait`). The blocking `all_reduce` is
+//! the same start and wait, so both give the same bits. Each all-reduce in
+//! flight receives into a buffer of its own, kept for reuse afterwards.
+//!
 //! A rank killed by a signal (a crash, `panic = "abort"`) runs no handler;
 //! mpirun sees it die and kills the job itself. The status comes from
 //! glibc's `on_exit(3)`; on other C libraries only `atexit` exists, the
@@ -53,10 +66,11 @@ use mpi::{
     Threading,
 };
 use std::{
+    collections::BTreeMap,
     ffi::c_int,
     sync::{
         atomic::{AtomicI32, AtomicU64, Ordering},
-        Arc, Mutex,
+        Arc, Condvar, Mutex, MutexGuard,
     },
     time::{Duration, Instant},
 };
@@ -65,9 +79,15 @@ use tch::{Kind, Tensor};
 /// The world communicator.
 pub struct Mpi {
     world: Mutex<SimpleCommunicator>,
-    /// The receive buffer of `all_reduce`, kept between calls (the largest
-    /// size seen, i.e. one DDP bucket) so no call faults in fresh pages.
-    scratch: Mutex<Option<Tensor>>,
+    /// The receive buffers of finished all-reduces, kept for the next ones
+    /// (one per all-reduce in flight at once: a DDP bucket each) so no call
+    /// faults in fresh pages.
+    scratch: Mutex<Vec<Tensor>>,
+    /// The all-reduces started and not yet waited on, by handle (their
+    /// collective count).
+    in_flight: Mutex<BTreeMap<u64, InFlight>>,
+    /// Wakes the progress thread when an all-reduce is started.
+    progress: Condvar,
     rank: u32,
     size: u32,
     /// How long a collective may wait.
@@ -134,6 +154,35 @@ impl Arrivals {
         Some(missing)
     }
 }
+
+/// An MPI request handle.
+struct RawRequest(mpi::ffi::MPI_Request);
+
+// SAFETY: a request handle is only tested under `Mpi::world`'s mutex (MPI
+// was initialised with MPI_THREAD_SERIALIZED), from any thread.
+unsafe impl Send for RawRequest {}
+
+/// An all-reduce started by `all_reduce_start`, until `wait` takes it.
+struct InFlight {
+    request: RawRequest,
+    /// MPI_Test said it completed (whichever thread tested first).
+    done: bool,
+    op: ReduceOp,
+    /// The caller's tensor (a shallow clone: its storage lives on), the
+    /// buffer MPI sends from (that tensor itself when it is a contiguous CPU
+    /// tensor of an MPI kind), and the kept buffer it receives into (its
+    /// first `send.numel()` elements).
+    tensor: Tensor,
+    send: Tensor,
+    recv: Tensor,
+}
+
+/// At most this many receive buffers are kept (the smallest go first).
+const KEPT_BUFFERS: usize = 64;
+
+/// How long the progress thread sleeps between two rounds of tests while
+/// all-reduces are in flight.
+pub const PROGRESS_NAP: Duration = Duration::from_micros(200);
 
 /// A rank waiting this long (at most half the timeout) notes in the store
 /// which collective it waits in.
@@ -277,7 +326,15 @@ impl Mpi {
             return Ok(Arc::clone(m));
         }
         let m = Arc::new(Self::init(timeout)?);
-        Ok(Arc::clone(SHARED.get_or_init(|| m)))
+        let m = Arc::clone(SHARED.get_or_init(|| m));
+        let progress = Arc::clone(&m);
+        std::thread::Builder::new()
+            .name("accel-mpi-progress".into())
+            .spawn(move || progress.progress_thread())
+            .map_err(|e| {
+                CommError::new("init", format!("cannot start the progress thread: {e}"))
+            })?;
+        Ok(m)
     }
 
     /// Initialises MPI and returns the world communicator.
@@ -310,7 +367,9 @@ impl Mpi {
             rank: world.rank() as u32,
             size: world.size() as u32,
             world: Mutex::new(world),
-            scratch: Mutex::new(None),
+            scratch: Mutex::new(Vec::new()),
+            in_flight: Mutex::new(BTreeMap::new()),
+            progress: Condvar::new(),
             timeout,
             started: AtomicU64::new(0),
             broken: Mutex::new(None),
@@ -348,29 +407,56 @@ impl Mpi {
     /// Waits for `request` (collective number `count`, `op`) until the
     /// timeout. On timeout MPI keeps `buffers` (leaked: MPI may still write
     /// them) and the communicator is marked unusable.
-    fn wait<D: ?Sized>(
+    fn wait_request<D: ?Sized>(
         &self,
         op: &'static str,
         count: u64,
-        mut request: Request<'static, D, StaticScope>,
+        request: Request<'static, D, StaticScope>,
         buffers: &[&Tensor],
+    ) -> Result<(), CommError> {
+        // SAFETY: the request is tested until it completes; after a timeout
+        // MPI keeps it, and its buffers are leaked below.
+        let mut raw = RawRequest(unsafe { request.into_raw() }.0);
+        self.wait_until(op, count, || self.test(&mut raw))
+            .inspect_err(|_| {
+                // MPI cannot cancel a collective: it owns the buffers until
+                // the process ends.
+                for b in buffers {
+                    std::mem::forget(b.shallow_clone());
+                }
+            })
+    }
+
+    /// Whether `request` completed (MPI_Test, which also progresses every
+    /// other request of this process).
+    fn test(&self, request: &mut RawRequest) -> bool {
+        let mut flag: c_int = 0;
+        // SAFETY: a live request handle (or MPI_REQUEST_NULL once complete,
+        // which tests complete), tested under the world mutex.
+        self.with_world(|_| unsafe {
+            mpi::ffi::MPI_Test(&mut request.0, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE)
+        });
+        flag != 0
+    }
+
+    /// Calls `done` with naps ([`pause`]) until it says true or the timeout
+    /// passes (collective number `count`, `op`): then the communicator is
+    /// marked unusable and the error names the ranks that did not arrive.
+    fn wait_until(
+        &self,
+        op: &'static str,
+        count: u64,
+        mut done: impl FnMut() -> bool,
     ) -> Result<(), CommError> {
         let start = Instant::now();
         let note_after = NOTE_AFTER.min(self.timeout / 2);
         let mut noted = false;
         loop {
-            request = match request.test() {
-                Ok(_) => return Ok(()),
-                Err(r) => r,
-            };
+            if done() {
+                return Ok(());
+            }
             let waited = start.elapsed();
             if waited >= self.timeout {
-                // MPI cannot cancel a collective: it owns the request and
-                // the buffers until the process ends.
-                std::mem::forget(request);
-                for b in buffers {
-                    std::mem::forget(b.shallow_clone());
-                }
                 let (message, summary) = self.timed_out(op, count, noted);
                 *self.broken.lock().unwrap_or_else(|p| p.into_inner()) = Some(summary);
                 return Err(CommError::new(op, message));
@@ -386,7 +472,92 @@ impl Mpi {
         }
     }
 
-    /// The message of a timeout in collective number `count`.
+    fn flights(&self) -> MutexGuard<'_, BTreeMap<u64, InFlight>> {
+        self.in_flight.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The progress thread: while all-reduces are in flight, tests them
+    /// every [`PROGRESS_NAP`] (MPI moves them on only inside its calls);
+    /// parked otherwise. Ends when a timeout made the communicator unusable.
+    fn progress_thread(&self) {
+        let mut flights = self.flights();
+        loop {
+            if self
+                .broken
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some()
+            {
+                return;
+            }
+            let mut busy = false;
+            for f in flights.values_mut().filter(|f| !f.done) {
+                f.done = self.test(&mut f.request);
+                busy |= !f.done;
+            }
+            if busy {
+                drop(flights);
+                std::thread::sleep(PROGRESS_NAP);
+                flights = self.flights();
+            } else {
+                flights = self
+                    .progress
+                    .wait(flights)
+                    .unwrap_or_else(|p| p.into_inner());
+            }
+        }
+    }
+
+    /// A receive buffer of at least `n` elements of `kind`: the smallest
+    /// kept one that fits, else a new one of `n`.
+    fn take_scratch(&self, kind: Kind, n: i64) -> Tensor {
+        let mut kept = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let best = kept
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.kind() == kind && s.numel() as i64 >= n)
+            .min_by_key(|(_, s)| s.numel())
+            .map(|(i, _)| i);
+        match best {
+            Some(i) => kept.swap_remove(i),
+            None => Tensor::empty([n], (kind, tch::Device::Cpu)),
+        }
+    }
+
+    /// Writes a completed all-reduce's result into its tensor (averaged
+    /// for `Avg`) and keeps its receive buffer for the next one.
+    fn finish(&self, f: InFlight) {
+        let InFlight {
+            op,
+            mut tensor,
+            send,
+            recv,
+            ..
+        } = f;
+        let mut out = send.view([-1]);
+        let result = recv.narrow(0, 0, out.numel() as i64);
+        let size = i64::from(self.size);
+        tch::no_grad(|| match op {
+            ReduceOp::Avg if result.is_floating_point() => {
+                let _ = result.div_scalar_out(&out, size as f64);
+            }
+            ReduceOp::Avg => {
+                let _ = result.floor_divide_scalar_out(&out, size);
+            }
+            _ => {
+                out.copy_(&result);
+            }
+        });
+        write_back(&mut tensor, &send);
+        let mut kept = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        kept.push(recv);
+        if kept.len() > KEPT_BUFFERS {
+            if let Some(i) = (0..kept.len()).min_by_key(|&i| kept[i].numel()) {
+                drop(kept.swap_remove(i));
+            }
+        }
+    }
+
     /// The message of a timeout of `op` (collective number `count`), and
     /// its summary for later collectives and the exit report.
     fn timed_out(&self, op: &str, count: u64, noted: bool) -> (String, String) {
@@ -448,7 +619,8 @@ fn work_buffer(op: &'static str, t: &Tensor) -> Result<Tensor, CommError> {
 
 /// Runs `$body` with `$a` seen as a shared slice and `$b` (same kind) as a
 /// mutable slice of their element type, both `'static`: MPI may hold them
-/// past this call (see [`Mpi::wait`], which leaks them on a timeout).
+/// past this call (see [`Mpi::wait_request`], which leaks them on a
+/// timeout, and the all-reduces in flight, whose table holds them).
 macro_rules! with_slices {
     ($op:expr, $a:expr, $b:expr, |$sa:ident, $sb:ident| $body:expr) => {{
         let (a, b): (&Tensor, &Tensor) = ($a, $b);
@@ -458,7 +630,9 @@ macro_rules! with_slices {
                 // this element type. The slices are used only by the
                 // collective in `$body`, which either completes before
                 // `$body` returns or, after a timeout, keeps both tensors
-                // alive (leaked) for the rest of the process.
+                // alive (leaked) for the rest of the process, or (an
+                // all-reduce started) stays in the table of those in
+                // flight, which holds both tensors, until it completes.
                 let $sa: &'static [$t] =
                     unsafe { std::slice::from_raw_parts(a.data_ptr() as *const $t, a.numel()) };
                 let $sb: &'static mut [$t] =
@@ -482,6 +656,47 @@ macro_rules! with_slices {
     }};
 }
 
+impl Mpi {
+    /// Starts all-reduce number `count` of `tensor` and keeps it in flight;
+    /// the progress thread is woken when `background`.
+    fn start_all_reduce(
+        &self,
+        tensor: &Tensor,
+        op: ReduceOp,
+        background: bool,
+    ) -> Result<u64, CommError> {
+        // Sent straight from the tensor's memory when it is a contiguous CPU
+        // tensor of an MPI kind, received into a kept buffer, and written
+        // back (averaged on the way) in one pass by `wait`.
+        let send = work_buffer("all_reduce", tensor)?;
+        let count = self.start("all_reduce")?;
+        let n = send.numel() as i64;
+        let recv = self.take_scratch(send.kind(), n);
+        let request = with_slices!("all_reduce", &send, &recv.narrow(0, 0, n), |s, r| self
+            .with_world(|w| {
+                let request = w.immediate_all_reduce_into(StaticScope, s, r, system_op(op));
+                // SAFETY: the request stays in the table below until it has
+                // completed (or, after a timeout, for good), with its buffers.
+                RawRequest(unsafe { request.into_raw() }.0)
+            }));
+        self.flights().insert(
+            count,
+            InFlight {
+                request,
+                done: false,
+                op,
+                tensor: tensor.shallow_clone(),
+                send,
+                recv,
+            },
+        );
+        if background {
+            self.progress.notify_one();
+        }
+        Ok(count)
+    }
+}
+
 impl Communicator for Mpi {
     fn name(&self) -> &'static str {
         "mpi"
@@ -494,42 +709,37 @@ impl Communicator for Mpi {
     }
 
     fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
-        // Sent straight from the tensor's memory when it is a contiguous CPU
-        // tensor of an MPI kind, received into the kept scratch buffer, and
-        // written back (averaged on the way) in one pass.
-        let send = work_buffer("all_reduce", tensor)?;
-        let count = self.start("all_reduce")?;
-        let n = send.numel() as i64;
-        let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let fits = scratch
-            .as_ref()
-            .is_some_and(|s| s.kind() == send.kind() && s.numel() as i64 >= n);
-        if !fits {
-            *scratch = Some(Tensor::empty([n], (send.kind(), tch::Device::Cpu)));
+        let handle = self.start_all_reduce(tensor, op, false)?;
+        self.wait(handle)
+    }
+
+    fn all_reduce_start(&self, tensor: &Tensor, op: ReduceOp) -> Result<u64, CommError> {
+        self.start_all_reduce(tensor, op, true)
+    }
+
+    fn wait(&self, handle: u64) -> Result<(), CommError> {
+        if !self.flights().contains_key(&handle) {
+            return Err(super::unknown_handle(handle));
         }
-        let recv = scratch
-            .as_ref()
-            .map(|s| s.narrow(0, 0, n))
-            .expect("scratch was just made");
-        with_slices!("all_reduce", &send, &recv, |s, r| self.with_world(|w| {
-            let request = w.immediate_all_reduce_into(StaticScope, s, r, system_op(op));
-            self.wait("all_reduce", count, request, &[&send, &recv])
-        }))?;
-        let mut out = send.view([-1]);
-        let size = i64::from(self.size);
-        tch::no_grad(|| match op {
-            ReduceOp::Avg if recv.is_floating_point() => {
-                let _ = recv.div_scalar_out(&out, size as f64);
+        self.wait_until("all_reduce", handle, || {
+            let mut flights = self.flights();
+            match flights.get_mut(&handle) {
+                Some(f) if !f.done => {
+                    f.done = self.test(&mut f.request);
+                    f.done
+                }
+                _ => true,
             }
-            ReduceOp::Avg => {
-                let _ = recv.floor_divide_scalar_out(&out, size);
+        })?;
+        // After a timeout the request and its buffers stay in the table:
+        // MPI cannot cancel a collective.
+        match self.flights().remove(&handle) {
+            Some(f) => {
+                self.finish(f);
+                Ok(())
             }
-            _ => {
-                out.copy_(&recv);
-            }
-        });
-        write_back(tensor, &send);
-        Ok(())
+            None => Err(super::unknown_handle(handle)),
+        }
     }
 
     fn broadcast(&self, tensor: &mut Tensor, root: u32) -> Result<(), CommError> {
@@ -542,14 +752,13 @@ impl Communicator for Mpi {
         let work = work_buffer("broadcast", tensor)?;
         let count = self.start("broadcast")?;
         let unused = Tensor::zeros([1], (work.kind(), tch::Device::Cpu));
-        with_slices!("broadcast", &unused, &work, |_unused, b| self.with_world(
-            |w| {
-                let request = w
-                    .process_at_rank(root as i32)
-                    .immediate_broadcast_into(StaticScope, b);
-                self.wait("broadcast", count, request, &[&work])
-            }
-        ))?;
+        with_slices!("broadcast", &unused, &work, |_unused, b| {
+            let request = self.with_world(|w| {
+                w.process_at_rank(root as i32)
+                    .immediate_broadcast_into(StaticScope, b)
+            });
+            self.wait_request("broadcast", count, request, &[&work])
+        })?;
         write_back(tensor, &work);
         Ok(())
     }
@@ -568,10 +777,10 @@ impl Communicator for Mpi {
         let send = work_buffer("all_gather", input)?;
         let count = self.start("all_gather")?;
         let recv = Tensor::zeros([expected as i64], (send.kind(), tch::Device::Cpu));
-        with_slices!("all_gather", &send, &recv, |s, r| self.with_world(|w| {
-            let request = w.immediate_all_gather_into(StaticScope, s, r);
-            self.wait("all_gather", count, request, &[&send, &recv])
-        }))?;
+        with_slices!("all_gather", &send, &recv, |s, r| {
+            let request = self.with_world(|w| w.immediate_all_gather_into(StaticScope, s, r));
+            self.wait_request("all_gather", count, request, &[&send, &recv])
+        })?;
         write_back(output, &recv);
         Ok(())
     }
@@ -596,13 +805,12 @@ impl Communicator for Mpi {
         let send = work_buffer("reduce_scatter", input)?;
         let count = self.start("reduce_scatter")?;
         let recv = Tensor::zeros([output.numel() as i64], (send.kind(), tch::Device::Cpu));
-        with_slices!("reduce_scatter", &send, &recv, |s, r| self.with_world(
-            |w| {
-                let request =
-                    w.immediate_reduce_scatter_block_into(StaticScope, s, r, system_op(op));
-                self.wait("reduce_scatter", count, request, &[&send, &recv])
-            }
-        ))?;
+        with_slices!("reduce_scatter", &send, &recv, |s, r| {
+            let request = self.with_world(|w| {
+                w.immediate_reduce_scatter_block_into(StaticScope, s, r, system_op(op))
+            });
+            self.wait_request("reduce_scatter", count, request, &[&send, &recv])
+        })?;
         let recv = if op == ReduceOp::Avg {
             recv / f64::from(self.size)
         } else {
@@ -614,9 +822,7 @@ impl Communicator for Mpi {
 
     fn barrier(&self) -> Result<(), CommError> {
         let count = self.start("barrier")?;
-        self.with_world(|w| {
-            let request = w.immediate_barrier();
-            self.wait("barrier", count, request, &[])
-        })
+        let request = self.with_world(|w| w.immediate_barrier());
+        self.wait_request("barrier", count, request, &[])
     }
 }

@@ -8,6 +8,13 @@
 //! 0 hosts on that port: see [`crate::launch::detect`]); the others read it
 //! there. Collectives run on the default stream, the one libtorch uses
 //! unless told otherwise, so they are ordered with the surrounding kernels.
+//!
+//! An all-reduce started with [`Communicator::all_reduce_start`] runs on a
+//! stream of its own instead (non-blocking, made on first use), after what
+//! the default stream had enqueued until then (an event it waits on), so
+//! the kernels enqueued after it (the rest of backward) overlap it;
+//! [`Communicator::wait`] polls the event recorded after it, with the
+//! deadline of every collective. Not run on a GPU in accel's test suite.
 
 use super::{pause, seconds, write_back, CommError, Communicator};
 use crate::launch::detect::IdStore;
@@ -15,8 +22,12 @@ use accel_rendezvous::{torch::TorchStoreClient, Client, Server, StoreError};
 use accel_sdk::ReduceOp;
 use cudarc::nccl::{result, sys};
 use std::{
+    collections::BTreeMap,
     ffi::c_void,
-    sync::Mutex,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Mutex,
+    },
     time::{Duration, Instant},
 };
 use tch::{Kind, Tensor};
@@ -50,6 +61,24 @@ struct Handle(sys::ncclComm_t);
 // SAFETY: the NCCL communicator is only used under the mutex.
 unsafe impl Send for Handle {}
 
+/// The side stream of the all-reduces in flight, and those all-reduces by
+/// handle: the event recorded after each, its tensor (a shallow clone, so
+/// the caching allocator keeps the memory) and the contiguous buffer NCCL
+/// works on.
+struct SideStream {
+    stream: Option<Stream>,
+    in_flight: BTreeMap<u64, (Event, Tensor, Tensor)>,
+}
+
+struct Stream(cudarc::runtime::sys::cudaStream_t);
+struct Event(cudarc::runtime::sys::cudaEvent_t);
+
+// SAFETY: CUDA streams and events may be used from any thread; these are
+// only used under `Nccl::side`'s mutex.
+unsafe impl Send for Stream {}
+// SAFETY: as for Stream.
+unsafe impl Send for Event {}
+
 /// An NCCL communicator over every rank of the job.
 pub struct Nccl {
     /// Null once a timeout aborted it.
@@ -59,6 +88,9 @@ pub struct Nccl {
     rank: u32,
     size: u32,
     device: usize,
+    side: Mutex<SideStream>,
+    /// The last handle given out.
+    handles: AtomicU64,
 }
 
 fn err(op: &'static str, e: impl std::fmt::Debug) -> CommError {
@@ -173,6 +205,11 @@ impl Nccl {
             rank,
             size,
             device,
+            side: Mutex::new(SideStream {
+                stream: None,
+                in_flight: BTreeMap::new(),
+            }),
+            handles: AtomicU64::new(0),
         })
     }
 
@@ -193,27 +230,42 @@ impl Nccl {
     }
 
     /// Waits until the collective just enqueued on the default stream has
-    /// completed, or the collective timeout has passed: then the
-    /// communicator is aborted (`ncclCommAbort`, as PyTorch's watchdog
-    /// does) and the error names the collective and the timeout. Polls a
-    /// CUDA event with naps ([`pause`]), never a busy core.
+    /// completed, or the collective timeout has passed ([`Nccl::wait_event`]).
     ///
     /// The wait makes each collective synchronous for the host (PyTorch's
     /// watchdog waits on another thread instead): the kernels before it
     /// still overlap, the host just does not run ahead of it.
-    fn wait(&self, op: &'static str) -> Result<(), CommError> {
+    fn wait_default_stream(&self, op: &'static str) -> Result<(), CommError> {
         use cudarc::runtime::{result::event, sys as rt};
         let ev = event::create(rt::cudaEventDisableTiming).map_err(|e| err(op, e))?;
         // SAFETY: a fresh event recorded on the default stream (null), the
         // stream the collective was enqueued on; destroyed below.
-        unsafe { event::record(ev, std::ptr::null_mut()) }.map_err(|e| err(op, e))?;
+        let outcome = unsafe { event::record(ev, std::ptr::null_mut()) }
+            .map_err(|e| err(op, e))
+            .and_then(|()| self.wait_event(op, ev));
+        // SAFETY: created above; destroying a pending event is allowed.
+        let _ = unsafe { event::destroy(ev) };
+        outcome
+    }
+
+    /// Waits until `ev` (recorded after a collective) has completed, or the
+    /// collective timeout has passed: then the communicator is aborted
+    /// (`ncclCommAbort`, as PyTorch's watchdog does) and the error names the
+    /// collective and the timeout. Polls the event with naps ([`pause`]),
+    /// never a busy core.
+    fn wait_event(
+        &self,
+        op: &'static str,
+        ev: cudarc::runtime::sys::cudaEvent_t,
+    ) -> Result<(), CommError> {
+        use cudarc::runtime::sys as rt;
         let start = Instant::now();
-        let outcome = loop {
+        loop {
             // SAFETY: `ev` is a live event.
             match unsafe { rt::cudaEventQuery(ev) } {
-                rt::cudaError::cudaSuccess => break Ok(()),
+                rt::cudaError::cudaSuccess => return Ok(()),
                 rt::cudaError::cudaErrorNotReady => {}
-                other => break Err(err(op, other)),
+                other => return Err(err(op, other)),
             }
             let waited = start.elapsed();
             if waited >= self.timeout {
@@ -222,7 +274,7 @@ impl Nccl {
                 // the collective started) and used by no other thread.
                 let _ = unsafe { result::comm_abort(h.0) };
                 h.0 = std::ptr::null_mut();
-                break Err(CommError::new(
+                return Err(CommError::new(
                     op,
                     format!(
                         "rank {} waited {} (the collective timeout) and the collective did not \
@@ -236,10 +288,61 @@ impl Nccl {
                 ));
             }
             pause(waited, self.timeout);
+        }
+    }
+
+    /// Enqueues the all-reduce of `work` on the side stream, after what the
+    /// default stream holds now; returns the event recorded after it.
+    fn enqueue_on_side_stream(
+        &self,
+        side: &mut SideStream,
+        work: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Event, CommError> {
+        use cudarc::runtime::result::{event, stream};
+        use cudarc::runtime::sys as rt;
+        let name = "all_reduce";
+        let dt = dtype(name, work.kind())?;
+        let s = match &side.stream {
+            Some(s) => s.0,
+            None => {
+                let s =
+                    stream::create(stream::StreamKind::NonBlocking).map_err(|e| err(name, e))?;
+                side.stream = Some(Stream(s));
+                s
+            }
+        };
+        let ready = event::create(rt::cudaEventDisableTiming).map_err(|e| err(name, e))?;
+        let done = Event(event::create(rt::cudaEventDisableTiming).map_err(|e| err(name, e))?);
+        let p = work.data_ptr();
+        // SAFETY: live events and stream; the side stream waits for the
+        // default stream's work so far (the gradients), then reduces the
+        // contiguous CUDA buffer of `numel` elements in place, which
+        // `side.in_flight` keeps alive until `wait`.
+        let enqueued = unsafe {
+            event::record(ready, std::ptr::null_mut())
+                .and_then(|()| stream::wait_event(s, ready, 0))
+                .map_err(|e| err(name, e))
+                .and_then(|()| {
+                    self.with_comm(name, |c| {
+                        result::all_reduce(
+                            p as *const c_void,
+                            p,
+                            work.numel(),
+                            dt,
+                            red_op(op),
+                            c,
+                            s as _,
+                        )
+                    })?
+                    .map(|_| ())
+                    .map_err(|e| err(name, e))
+                })
+                .and_then(|()| event::record(done.0, s).map_err(|e| err(name, e)))
         };
         // SAFETY: created above; destroying a pending event is allowed.
-        let _ = unsafe { event::destroy(ev) };
-        outcome
+        let _ = unsafe { event::destroy(ready) };
+        enqueued.map(|()| done)
     }
 }
 
@@ -271,7 +374,7 @@ impl Communicator for Nccl {
             )
         })?
         .map_err(|e| err("all_reduce", e))?;
-        self.wait("all_reduce")?;
+        self.wait_default_stream("all_reduce")?;
         write_back(tensor, &work);
         Ok(())
     }
@@ -293,7 +396,7 @@ impl Communicator for Nccl {
             )
         })?
         .map_err(|e| err("broadcast", e))?;
-        self.wait("broadcast")?;
+        self.wait_default_stream("broadcast")?;
         write_back(tensor, &work);
         Ok(())
     }
@@ -320,7 +423,7 @@ impl Communicator for Nccl {
             )
         })?
         .map_err(|e| err("all_gather", e))?;
-        self.wait("all_gather")?;
+        self.wait_default_stream("all_gather")?;
         write_back(output, &recv);
         Ok(())
     }
@@ -353,9 +456,46 @@ impl Communicator for Nccl {
             )
         })?
         .map_err(|e| err("reduce_scatter", e))?;
-        self.wait("reduce_scatter")?;
+        self.wait_default_stream("reduce_scatter")?;
         write_back(output, &recv);
         Ok(())
+    }
+
+    fn all_reduce_start(&self, tensor: &Tensor, op: ReduceOp) -> Result<u64, CommError> {
+        let work = cuda_contiguous("all_reduce", tensor)?;
+        let mut side = self.side.lock().unwrap_or_else(|p| p.into_inner());
+        let done = self.enqueue_on_side_stream(&mut side, &work, op)?;
+        let handle = self.handles.fetch_add(1, Ordering::Relaxed) + 1;
+        side.in_flight
+            .insert(handle, (done, tensor.shallow_clone(), work));
+        Ok(handle)
+    }
+
+    fn wait(&self, handle: u64) -> Result<(), CommError> {
+        let flight = self
+            .side
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .in_flight
+            .remove(&handle);
+        let Some((done, mut tensor, work)) = flight else {
+            return Err(super::unknown_handle(handle));
+        };
+        let outcome = self.wait_event("all_reduce", done.0);
+        match outcome {
+            Ok(()) => {
+                // SAFETY: recorded by all_reduce_start, completed.
+                let _ = unsafe { cudarc::runtime::result::event::destroy(done.0) };
+                write_back(&mut tensor, &work);
+                Ok(())
+            }
+            Err(e) => {
+                // The communicator is aborted; the buffers may still be
+                // written: they stay (leaked) for the rest of the process.
+                std::mem::forget((tensor, work));
+                Err(e)
+            }
+        }
     }
 
     fn barrier(&self) -> Result<(), CommError> {

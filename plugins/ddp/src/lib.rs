@@ -3,51 +3,117 @@
 //!
 //! * `prepare_model`: every parameter is broadcast from rank 0, so all
 //!   ranks start identical.
-//! * `post_backward(sync)`: gradients are grouped into buckets of at most
-//!   `bucket_cap_mb` (default 25, PyTorch's), in reverse parameter order as
-//!   PyTorch's reducer fills them, all-reduced and averaged; nothing is
-//!   communicated when `sync` is false (accumulation micro-steps: no_sync).
-//!   Each bucket is one persistent flat buffer and, after the first sync,
-//!   the gradients are views into it (PyTorch's `gradient_as_bucket_view`):
-//!   backward accumulates into the bucket and the all-reduce needs no copy.
+//! * Gradients are grouped into buckets of at most `bucket_cap_mb` (default
+//!   25, PyTorch's), in reverse parameter order as PyTorch's reducer fills
+//!   them, all-reduced and averaged; nothing is communicated on
+//!   accumulation micro-steps (no_sync). Each bucket is one persistent flat
+//!   buffer and, after the first sync, the gradients are views into it
+//!   (PyTorch's `gradient_as_bucket_view`): backward accumulates into the
+//!   bucket and the all-reduce needs no copy.
+//! * With `overlap_comm` (the default), a bucket's all-reduce starts during
+//!   backward, from the gradient-ready hook of its last parameter (the
+//!   hook PyTorch's Reducer uses), while backward computes the gradients of
+//!   the layers below; buckets start strictly in bucket order, as
+//!   PyTorch's (every rank must start the same collectives in the same
+//!   order), so a bucket whose gradients are in waits for the ones before
+//!   it. `post_backward(sync)` then starts what backward did not (buckets
+//!   holding a parameter without a gradient: see `find_unused_parameters`)
+//!   and waits for all. Without it, every bucket is all-reduced in
+//!   `post_backward`, one after the other. Both give the same bits.
 //! * `optimizer_step`: a plain step (every rank holds the same gradients).
 //! * `clip_grad_norm`: the local norm (gradients are identical everywhere).
 //! * `state_dict`: the full model on rank 0.
 //!
 //! Settings (`accel.plugins.accel-ddp`, or the builder's `strategy_settings`):
-//! `{"bucket_cap_mb": 25}`.
+//! `{"bucket_cap_mb": 25, "find_unused_parameters": false, "overlap_comm": true}`.
+//!
+//! At debug level (`ACCEL_LOG=plugin=debug`) each synced step logs how
+//! many buckets started during backward and how long `post_backward`
+//! waited for communication (the exposed communication time).
 
 use accel_sdk::tch::Tensor;
 use accel_sdk::{
     params::bytes,
     replicated::{Model, Replica, Replicated},
     serde_json::Value,
+    shim::{self, GradReadyHook},
     tensor::TensorMut,
-    Component, HostContextBox, PluginError, ReduceOp, StrategyBox,
+    Component, HostContextBox, LogLevel, PluginError, ReduceOp, StrategyBox,
+};
+use std::{
+    sync::{Arc, Mutex, MutexGuard},
+    time::{Duration, Instant},
 };
 
 const PLUGIN: &str = "accel-ddp";
 
-/// DDP's own part: the gradient buckets. [`Replicated`] keeps the
-/// parameters and does the rest (broadcast at prepare, plain steps, rank
-/// 0's state dict).
+/// DDP's own part: the gradient buckets, shared with the gradient-ready
+/// hooks. [`Replicated`] keeps the parameters and does the rest (broadcast
+/// at prepare, plain steps, rank 0's state dict).
 struct Ddp {
     bucket_bytes: u64,
+    /// Start all-reduces during backward (`overlap_comm`).
+    overlap: bool,
+    buckets: Arc<Mutex<Buckets>>,
+    /// One gradient-ready hook per trainable parameter (with `overlap`).
+    hooks: Vec<GradReadyHook>,
+}
+
+/// A bucket's all-reduce in flight: the host's handle (0: complete), and the gradients
+/// (parameter, offset, elements) that become views into the bucket's
+/// buffer once it completes.
+struct Launched {
+    handle: u64,
+    placed: Vec<(usize, i64, i64)>,
+}
+
+/// The buckets and where this backward pass is with them.
+struct Buckets {
+    ctx: HostContextBox,
     /// PyTorch DDP's `find_unused_parameters`: a trainable parameter that got
     /// no gradient in a step counts as a zero gradient instead of an error.
     find_unused: bool,
+    /// Every parameter (`shallow_clone`s), in model order, with its name.
+    params: Vec<(String, Tensor)>,
     /// Indices into the parameters, one list per bucket.
-    buckets: Vec<Vec<usize>>,
-    /// One flat buffer per bucket, made at the first sync; the gradients
-    /// then become views into it.
+    plan: Vec<Vec<usize>>,
+    /// The bucket of each parameter (`None`: frozen).
+    bucket_of: Vec<Option<usize>>,
+    /// One flat buffer per bucket, made as it is first all-reduced; the
+    /// gradients then become views into it.
     buffers: Vec<Tensor>,
+    /// Gradients still to arrive in this backward, per bucket.
+    pending: Vec<usize>,
+    /// The buckets started in this backward, in bucket order.
+    launched: Vec<Launched>,
+    /// Whether this backward pass ends in a sync (asked at its first
+    /// gradient; `None` before it).
+    armed: Option<bool>,
     peak: u64,
+    /// Synced steps, buckets started during backward, and the time
+    /// `post_backward` spent communicating, since the start.
+    syncs: u64,
+    early: u64,
+    exposed: Duration,
 }
 
 /// The plugin's settings (`accel.plugins.accel-ddp`).
 struct Settings {
     bucket_cap_mb: f64,
     find_unused_parameters: bool,
+    overlap_comm: bool,
+}
+
+/// The boolean setting `key` (`default` when absent).
+fn flag(v: &Value, key: &str, default: bool) -> Result<bool, PluginError> {
+    match v.pointer(&format!("/settings/{key}")) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(x) => Err(PluginError::config(
+            PLUGIN,
+            format!("accel.plugins.{PLUGIN}.{key} must be true or false, got {x}"),
+        )),
+    }
 }
 
 fn settings_of(settings: &str) -> Result<Settings, PluginError> {
@@ -63,21 +129,10 @@ fn settings_of(settings: &str) -> Result<Settings, PluginError> {
             )),
         },
     };
-    let find_unused_parameters = match v.pointer("/settings/find_unused_parameters") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(x) => {
-            return Err(PluginError::config(
-                PLUGIN,
-                format!(
-                    "accel.plugins.{PLUGIN}.find_unused_parameters must be true or false, got {x}"
-                ),
-            ))
-        }
-    };
     Ok(Settings {
         bucket_cap_mb,
-        find_unused_parameters,
+        find_unused_parameters: flag(&v, "find_unused_parameters", false)?,
+        overlap_comm: flag(&v, "overlap_comm", true)?,
     })
 }
 
@@ -89,10 +144,23 @@ fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError>
     let s = settings_of(settings)?;
     let ddp = Ddp {
         bucket_bytes: (s.bucket_cap_mb * 1024.0 * 1024.0) as u64,
-        find_unused: s.find_unused_parameters,
-        buckets: Vec::new(),
-        buffers: Vec::new(),
-        peak: 0,
+        overlap: s.overlap_comm,
+        buckets: Arc::new(Mutex::new(Buckets {
+            ctx: ctx.clone(),
+            find_unused: s.find_unused_parameters,
+            params: Vec::new(),
+            plan: Vec::new(),
+            bucket_of: Vec::new(),
+            buffers: Vec::new(),
+            pending: Vec::new(),
+            launched: Vec::new(),
+            armed: None,
+            peak: 0,
+            syncs: 0,
+            early: 0,
+            exposed: Duration::ZERO,
+        })),
+        hooks: Vec::new(),
     };
     Ok(Replicated::into_box(ctx, ddp))
 }
@@ -100,7 +168,7 @@ fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError>
 accel_sdk::inventory::submit! {
     Component::strategy(
         "ddp",
-        "distributed data parallel: broadcast at prepare, bucketed gradient all-reduce",
+        "distributed data parallel: broadcast at prepare, bucketed gradient all-reduce overlapping backward",
         &["MULTI_CPU", "MULTI_GPU"],
         make,
     )
@@ -129,22 +197,25 @@ fn plan_buckets(sizes: &[u64], cap: u64) -> Vec<Vec<usize>> {
     buckets
 }
 
-impl Ddp {
-    /// Averages one bucket's gradients across ranks. The gradients live in
-    /// the bucket's flat buffer as views (PyTorch's
-    /// `gradient_as_bucket_view`), so the all-reduce works on them in place;
-    /// gradients that are not views yet (first step, or a `zero_grad` that
-    /// freed them) are copied in once and turned into views.
-    fn sync_bucket(&mut self, model: &Model, bucket: usize) -> Result<(), PluginError> {
-        let params = &model.params;
-        let mut grads = Vec::with_capacity(self.buckets[bucket].len());
-        for &i in &self.buckets[bucket] {
-            let p = &params.items[i].1;
+fn lock(b: &Mutex<Buckets>) -> MutexGuard<'_, Buckets> {
+    b.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Buckets {
+    /// Starts (or, `blocking`, runs) the all-reduce of bucket `bucket`, the
+    /// next in order: its gradients are averaged across ranks in place in
+    /// the bucket's flat buffer, where they live as views (PyTorch's
+    /// `gradient_as_bucket_view`). Gradients that are not views yet (first
+    /// step, or a `zero_grad` that freed them) are copied in, and become
+    /// views once it completes; a missing one (find_unused_parameters) is
+    /// a zero, averaged with the ranks that did use it.
+    fn launch(&mut self, bucket: usize, blocking: bool) -> Result<(), PluginError> {
+        debug_assert_eq!(bucket, self.launched.len());
+        let mut grads = Vec::with_capacity(self.plan[bucket].len());
+        for &i in &self.plan[bucket] {
+            let p = &self.params[i].1;
             let g = p.grad();
-            // Unused this step (find_unused_parameters): a zero gradient,
-            // averaged with the ranks that did use it.
-            let g = if g.defined() { g } else { p.zeros_like() };
-            grads.push((i, g));
+            grads.push((i, if g.defined() { g } else { p.zeros_like() }));
         }
         if self.buffers.len() <= bucket {
             let first = &grads[0].1;
@@ -157,7 +228,7 @@ impl Ddp {
         let mut placed = Vec::new();
         accel_sdk::tch::no_grad(|| {
             for (i, g) in &grads {
-                let p = &params.items[*i].1;
+                let p = &self.params[*i].1;
                 let n = g.numel() as i64;
                 if !accel_sdk::params::grad_views_buffer(g, buffer, offset, p) {
                     buffer.narrow(0, offset, n).copy_(&g.reshape([-1]));
@@ -167,16 +238,126 @@ impl Ddp {
             }
         });
         self.peak = self.peak.max(bytes(buffer));
-        model
-            .ctx
-            .all_reduce(TensorMut::new(buffer), ReduceOp::Avg)
-            .into_result()?;
-        for (i, offset, n) in placed {
-            let p = &params.items[i].1;
-            let view = buffer.narrow(0, offset, n).view(p.size().as_slice());
-            accel_sdk::shim::set_grad(p, &view)
-                .map_err(|e| PluginError::other(PLUGIN, e.to_string()))?;
+        let handle = if blocking {
+            self.ctx
+                .all_reduce(TensorMut::new(buffer), ReduceOp::Avg)
+                .into_result()?;
+            0
+        } else {
+            self.ctx
+                .all_reduce_start(TensorMut::new(buffer), ReduceOp::Avg)
+                .into_result()?
+        };
+        self.launched.push(Launched { handle, placed });
+        Ok(())
+    }
+
+    /// The gradient of parameter `i` is in (its gradient-ready hook): on a
+    /// synced backward, starts every bucket, in order, whose gradients are
+    /// all in.
+    fn grad_ready(&mut self, i: usize) -> Result<(), PluginError> {
+        let ctx = &self.ctx;
+        if !*self.armed.get_or_insert_with(|| ctx.sync_gradients()) {
+            return Ok(());
         }
+        if let Some(b) = self.bucket_of[i] {
+            self.pending[b] = self.pending[b].saturating_sub(1);
+        }
+        while self.launched.len() < self.plan.len() && self.pending[self.launched.len()] == 0 {
+            self.launch(self.launched.len(), false)?;
+            self.early += 1;
+        }
+        Ok(())
+    }
+
+    /// Waits for every bucket started, in order, and points the gradients
+    /// copied in at their buckets; then the next backward starts afresh.
+    fn finish(&mut self) -> Result<(), PluginError> {
+        let launched = std::mem::take(&mut self.launched);
+        self.armed = None;
+        for (b, n) in self.pending.iter_mut().enumerate() {
+            *n = self.plan[b].len();
+        }
+        let mut first_error = None;
+        for (b, l) in launched.into_iter().enumerate() {
+            // Every one is waited on, even after an error, so none is left
+            // behind in flight.
+            if let Err(e) = self.ctx.wait(l.handle).into_result() {
+                first_error.get_or_insert(e);
+                continue;
+            }
+            for (i, offset, n) in l.placed {
+                let p = &self.params[i].1;
+                let view = self.buffers[b]
+                    .narrow(0, offset, n)
+                    .view(p.size().as_slice());
+                shim::set_grad(p, &view).map_err(|e| PluginError::other(PLUGIN, e.to_string()))?;
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// The trainable parameters of the buckets not started yet that have
+    /// no gradient.
+    fn unused(&self) -> Vec<&str> {
+        self.plan[self.launched.len()..]
+            .iter()
+            .flatten()
+            .map(|&i| &self.params[i])
+            .filter(|(_, p)| !p.grad().defined())
+            .map(|(n, _)| n.as_str())
+            .collect()
+    }
+
+    /// The end of a synced backward: the buckets backward did not start are
+    /// started in order (or, without overlap, run one by one), and all are
+    /// waited for.
+    fn sync(&mut self, overlap: bool) -> Result<(), PluginError> {
+        let start = Instant::now();
+        let early = self.launched.len();
+        if !self.find_unused {
+            let unused = self.unused();
+            if !unused.is_empty() {
+                let message = format!(
+                    "parameters that received no gradient in this step: {}; DDP needs every \
+                     trainable parameter to take part in the loss. Freeze them \
+                     (requires_grad false) or set accel.plugins.{PLUGIN}.find_unused_parameters: \
+                     true (PyTorch DDP's find_unused_parameters)",
+                    unused.join(", ")
+                );
+                self.finish()?;
+                return Err(PluginError::other(PLUGIN, message));
+            }
+        }
+        let mut outcome = Ok(());
+        for b in self.launched.len()..self.plan.len() {
+            outcome = self.launch(b, !overlap);
+            if outcome.is_err() {
+                break;
+            }
+        }
+        let finished = self.finish();
+        outcome?;
+        finished?;
+        let waited = start.elapsed();
+        self.syncs += 1;
+        self.exposed += waited;
+        self.ctx.log(
+            LogLevel::Debug,
+            PLUGIN.into(),
+            format!(
+                "sync {}: {early} of {} bucket(s) started during backward; post_backward \
+                 communicated {:.3} ms (mean {:.3} ms over {} syncs, {} bucket(s) started early)",
+                self.syncs,
+                self.plan.len(),
+                waited.as_secs_f64() * 1e3,
+                self.exposed.as_secs_f64() * 1e3 / self.syncs as f64,
+                self.syncs,
+                self.early
+            )
+            .as_str()
+            .into(),
+        );
         Ok(())
     }
 }
@@ -195,48 +376,63 @@ impl Replica for Ddp {
             .iter()
             .map(|&i| bytes(&params.items[i].1))
             .collect();
-        self.buckets = plan_buckets(&sizes, self.bucket_bytes)
+        let plan: Vec<Vec<usize>> = plan_buckets(&sizes, self.bucket_bytes)
             .into_iter()
             .map(|b| b.into_iter().map(|k| trainable[k]).collect())
             .collect();
+        let mut b = lock(&self.buckets);
+        b.params = params
+            .items
+            .iter()
+            .map(|(n, p)| (n.clone(), p.shallow_clone()))
+            .collect();
+        b.bucket_of = vec![None; params.items.len()];
+        for (k, bucket) in plan.iter().enumerate() {
+            for &i in bucket {
+                b.bucket_of[i] = Some(k);
+            }
+        }
+        b.pending = plan.iter().map(Vec::len).collect();
+        b.plan = plan;
+        b.buffers.clear();
+        b.launched.clear();
+        b.armed = None;
+        self.hooks.clear();
+        if self.overlap && model.ctx.host_abi_minor() < 2 {
+            self.overlap = false;
+            model.ctx.log(
+                LogLevel::Info,
+                PLUGIN.into(),
+                "overlap_comm needs a host of ABI 4.2 or later: gradients are all-reduced after backward".into(),
+            );
+        }
+        if self.overlap {
+            for &i in &trainable {
+                let buckets = Arc::clone(&self.buckets);
+                let hook = shim::on_grad_ready(
+                    &params.items[i].1,
+                    Box::new(move || lock(&buckets).grad_ready(i).map_err(|e| e.to_string())),
+                )
+                .map_err(|e| PluginError::other(PLUGIN, e.to_string()))?;
+                self.hooks.push(hook);
+            }
+        }
         Ok(())
     }
 
-    fn post_backward(&mut self, model: &Model, sync: bool) -> Result<(), PluginError> {
-        let params = &model.params;
-        if !sync {
-            return Ok(());
+    fn post_backward(&mut self, _model: &Model, sync: bool) -> Result<(), PluginError> {
+        let mut b = lock(&self.buckets);
+        if sync {
+            b.sync(self.overlap)
+        } else {
+            // A micro-step of accumulation: nothing was started (the hooks
+            // asked `sync_gradients`), nothing is communicated.
+            b.finish()
         }
-        if !self.find_unused {
-            let unused: Vec<&str> = self
-                .buckets
-                .iter()
-                .flatten()
-                .map(|&i| &params.items[i])
-                .filter(|(_, p)| !p.grad().defined())
-                .map(|(n, _)| n.as_str())
-                .collect();
-            if !unused.is_empty() {
-                return Err(PluginError::other(
-                    PLUGIN,
-                    format!(
-                        "parameters that received no gradient in this step: {}; DDP needs every \
-                         trainable parameter to take part in the loss. Freeze them \
-                         (requires_grad false) or set accel.plugins.{PLUGIN}.find_unused_parameters: \
-                         true (PyTorch DDP's find_unused_parameters)",
-                        unused.join(", ")
-                    ),
-                ));
-            }
-        }
-        for b in 0..self.buckets.len() {
-            self.sync_bucket(model, b)?;
-        }
-        Ok(())
     }
 
     fn peak_bytes(&self) -> u64 {
-        self.peak
+        lock(&self.buckets).peak
     }
 }
 
@@ -264,5 +460,13 @@ mod tests {
         assert!(!unused("{}").unwrap());
         assert!(unused(r#"{"settings": {"find_unused_parameters": true}}"#).unwrap());
         assert!(unused(r#"{"settings": {"find_unused_parameters": "yes"}}"#).is_err());
+        let overlap = |s: &str| settings_of(s).map(|s| s.overlap_comm);
+        assert!(overlap("{}").unwrap());
+        assert!(!overlap(r#"{"settings": {"overlap_comm": false}}"#).unwrap());
+        let err = overlap(r#"{"settings": {"overlap_comm": 1}}"#).unwrap_err();
+        assert!(
+            err.message.contains("overlap_comm must be true or false"),
+            "{err}"
+        );
     }
 }

@@ -1,0 +1,271 @@
+//! DDP's overlap of the gradient all-reduces with backward
+//! (`accel.plugins.accel-ddp.overlap_comm`): the same bits as all-reducing
+//! after backward, on 2 and 3 ranks, with accumulation, clipping, fp16's
+//! skipped steps, frozen parameters and buckets of one parameter; a
+//! parameter without a gradient follows `find_unused_parameters` instead of
+//! stalling its bucket; a rank that dies or stops while all-reduces are in
+//! flight ends the job within the collective timeout, leaving no process.
+
+use accel_integration_tests::*;
+use std::{
+    path::Path,
+    process::{Command, Output},
+    thread,
+    time::{Duration, Instant},
+};
+
+/// A bucket cap below any parameter's size: one parameter per bucket.
+const ONE_PARAM: &str = "bucket_cap_mb: 0.000001";
+
+/// A DDP config of `ranks` CPU ranks whose `accel-ddp` section holds
+/// `overlap_comm: overlap` and the `settings` lines.
+fn config(dir: &Path, ranks: u32, overlap: bool, settings: &[&str]) -> std::path::PathBuf {
+    let mut section = format!("      overlap_comm: {overlap}\n");
+    for s in settings {
+        section += &format!("      {s}\n");
+    }
+    write_config(
+        dir,
+        &format!("ddp_{ranks}_{overlap}.yaml"),
+        "MULTI_CPU",
+        ranks,
+        &format!("accel:\n  plugins:\n    accel-ddp:\n{section}"),
+    )
+}
+
+/// How many buckets the plugin's debug lines say started during backward.
+fn started_early(out: &Output) -> u64 {
+    String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .filter(|l| l.contains("started during backward"))
+        .filter_map(|l| {
+            l.split("sync ")
+                .nth(1)?
+                .split(": ")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+/// Trains mlp with `args` on `ranks` ranks with overlap on and off (plugin
+/// settings `settings`); asserts the weights are the same bits and that
+/// buckets started during backward only with overlap. Returns the loss log
+/// of the run with overlap.
+fn same_bits(ranks: u32, settings: &[&str], args: &[&str]) -> Vec<serde_json::Value> {
+    let dir = tempfile::tempdir().unwrap();
+    let mut weights = Vec::new();
+    for overlap in [true, false] {
+        let cfg = config(dir.path(), ranks, overlap, settings);
+        let save = dir.path().join(format!("w_{overlap}.safetensors"));
+        let log = dir.path().join(format!("loss_{overlap}.jsonl"));
+        let out = run_ok(
+            launch_with_config(&cfg, args)
+                .args(["--save", save.to_str().unwrap()])
+                .args(["--loss-log", log.to_str().unwrap()])
+                .env("ACCEL_LOG", "plugin=debug"),
+        );
+        let early = started_early(&out);
+        assert_eq!(
+            early > 0,
+            overlap,
+            "{ranks} ranks, overlap {overlap}: {early} bucket(s) started during backward"
+        );
+        weights.push(std::fs::read(&save).unwrap());
+    }
+    assert!(
+        weights[0] == weights[1],
+        "{ranks} ranks {settings:?} {args:?}: the weights differ with and without overlap"
+    );
+    loss_records(&dir.path().join("loss_true.jsonl"))
+}
+
+#[test]
+fn overlap_gives_the_same_bits_with_accumulation_clipping_fp16_and_one_parameter_buckets() {
+    for ranks in [2, 3] {
+        let fp16 = same_bits(
+            ranks,
+            &[ONE_PARAM],
+            &adamw_args(
+                "8",
+                &[
+                    "--grad-accum",
+                    "2",
+                    "--max-grad-norm",
+                    "0.5",
+                    "--mixed-precision",
+                    "fp16",
+                ],
+            ),
+        );
+        assert!(
+            fp16.iter().any(|r| r["skipped"] == true),
+            "{ranks} ranks: fp16 skipped no step: {fp16:?}"
+        );
+        same_bits(
+            ranks,
+            &[],
+            &[
+                "--steps",
+                "6",
+                "--layers",
+                "2",
+                "--grad-accum",
+                "2",
+                "--max-grad-norm",
+                "0.5",
+            ],
+        );
+    }
+}
+
+/// Runs freeze-probe in `dir` (`init.safetensors` there) with `args`
+/// (parameters to freeze, `unused:NAME`) on `ranks` ranks, overlap on or
+/// off, `settings` in the plugin's section, accumulating 2 micro-steps
+/// (`ACCELERATE_GRADIENT_ACCUMULATION_STEPS`).
+fn probe(dir: &Path, ranks: u32, overlap: bool, settings: &[&str], args: &[&str]) -> Output {
+    let cfg = config(dir, ranks, overlap, settings);
+    Command::new(accel_bin())
+        .args(["launch", "-q", "--config_file"])
+        .arg(&cfg)
+        .arg(build_bin("accel-integration-tests", "freeze-probe"))
+        .arg(dir)
+        .args(args)
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .env("HF_HOME", no_hf_home())
+        .env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")
+        .output()
+        .unwrap()
+}
+
+/// freeze-probe with overlap on and off: both succeed with the same bits.
+fn probe_same_bits(ranks: u32, settings: &[&str], args: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    write_freeze_probe_init(dir.path());
+    let mut weights = Vec::new();
+    for overlap in [true, false] {
+        let out = probe(dir.path(), ranks, overlap, settings, args);
+        assert!(
+            out.status.success(),
+            "overlap {overlap}: {}",
+            describe(&out)
+        );
+        weights.push(std::fs::read(dir.path().join("out.safetensors")).unwrap());
+    }
+    assert!(
+        weights[0] == weights[1],
+        "{ranks} ranks {settings:?} {args:?}: the weights differ with and without overlap"
+    );
+}
+
+#[test]
+fn frozen_parameters_do_not_stall_a_bucket() {
+    for ranks in [2, 3] {
+        probe_same_bits(ranks, &[ONE_PARAM], &["block0.w", "block1.b"]);
+        probe_same_bits(ranks, &[], &["block0.b"]);
+    }
+}
+
+#[test]
+fn a_parameter_without_a_gradient_follows_find_unused_parameters() {
+    // Without find_unused_parameters: an error naming it, not a hang.
+    let dir = tempfile::tempdir().unwrap();
+    write_freeze_probe_init(dir.path());
+    let started = Instant::now();
+    let out = probe(dir.path(), 2, true, &[ONE_PARAM], &["unused:block0.b"]);
+    assert!(!out.status.success(), "{}", describe(&out));
+    let text = describe(&out);
+    assert_contains(
+        &text,
+        &[
+            "parameters that received no gradient in this step: block0.b",
+            "find_unused_parameters",
+        ],
+    );
+    assert!(!text.contains("panicked"), "{text}");
+    assert!(started.elapsed() < LIMIT, "took {:?}", started.elapsed());
+    // With it: a zero gradient, the same bits with and without overlap,
+    // whether the bucket holds it alone or with others.
+    for settings in [
+        &["find_unused_parameters: true", ONE_PARAM][..],
+        &["find_unused_parameters: true"],
+    ] {
+        probe_same_bits(2, settings, &["unused:block0.b"]);
+    }
+}
+
+/// Trains mlp (large enough that all-reduces are mostly in flight) under
+/// the mpi launcher with a 5 s collective timeout and does `what` to rank 1
+/// (`SIGKILL`, `SIGSTOP`) once training is under way; the job must end
+/// non-zero within the timeout and a teardown, and leave no process.
+fn rank_1_dies_or_stops(signal: i32) -> (Output, Duration) {
+    let marker = tempfile::tempdir().unwrap();
+    let log = marker.path().join("loss.jsonl");
+    let mut hit: Option<Instant> = None;
+    let out = launch_mpi_with(
+        &["--collective_timeout", "5"],
+        &mlp(),
+        &[
+            "--steps",
+            "100000",
+            "--hidden",
+            "512",
+            "--layers",
+            "4",
+            "--loss-log",
+            log.to_str().unwrap(),
+        ],
+        |accel| {
+            let deadline = Instant::now() + LIMIT;
+            while Instant::now() < deadline {
+                let steps = std::fs::read_to_string(&log).map_or(0, |t| t.lines().count());
+                if steps >= 3 {
+                    if let Some((_, pid, _)) = job_ranks(accel, "mlp")
+                        .into_iter()
+                        .find(|(rank, _, _)| *rank == 1)
+                    {
+                        // SAFETY: kill(2) on a process of this test's job.
+                        unsafe { libc::kill(pid, signal) };
+                        hit = Some(Instant::now());
+                        return;
+                    }
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+        },
+    );
+    let took = hit.expect("rank 1 was never signalled").elapsed();
+    assert!(!out.status.success(), "{}", describe(&out));
+    assert_no_leftovers(marker.path().to_str().unwrap());
+    (out, took)
+}
+
+#[test]
+fn a_rank_killed_during_training_with_overlap_ends_the_job() {
+    let (out, took) = rank_1_dies_or_stops(libc::SIGKILL);
+    assert!(
+        took < Duration::from_secs(10),
+        "took {took:?}: {}",
+        describe(&out)
+    );
+}
+
+#[test]
+fn a_rank_stopped_during_training_with_overlap_fails_the_job_within_the_collective_timeout() {
+    let (out, took) = rank_1_dies_or_stops(libc::SIGSTOP);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("rank 0 waited 5 s (the collective timeout)"),
+        "{}",
+        describe(&out)
+    );
+    // 5 s of timeout, then the teardown.
+    assert!(
+        took < Duration::from_secs(12),
+        "took {took:?}: {}",
+        describe(&out)
+    );
+}
