@@ -29,6 +29,10 @@ metrics = []
 for (xb,) in loader:
     metrics += acc.gather_for_metrics(xb).tolist()
 out["metrics"] = metrics
+# Empty tensors: nothing to reduce or gather, and no error.
+empty = torch.zeros(0)
+out["empty_sum"] = acc.reduce(empty.clone(), reduction="sum").tolist()
+out["empty_gather"] = acc.gather(empty.clone()).tolist()
 with open(os.path.join(sys.argv[1], f"rank{r}.json"), "w") as f:
     json.dump(out, f)
 acc.wait_for_everyone()

@@ -633,10 +633,18 @@ macro_rules! with_slices {
                 // alive (leaked) for the rest of the process, or (an
                 // all-reduce started) stays in the table of those in
                 // flight, which holds both tensors, until it completes.
-                let $sa: &'static [$t] =
-                    unsafe { std::slice::from_raw_parts(a.data_ptr() as *const $t, a.numel()) };
-                let $sb: &'static mut [$t] =
-                    unsafe { std::slice::from_raw_parts_mut(b.data_ptr() as *mut $t, b.numel()) };
+                // An empty tensor may have no data pointer at all: its
+                // slice is the empty one (MPI moves nothing).
+                let $sa: &'static [$t] = if a.numel() == 0 {
+                    &[]
+                } else {
+                    unsafe { std::slice::from_raw_parts(a.data_ptr() as *const $t, a.numel()) }
+                };
+                let $sb: &'static mut [$t] = if b.numel() == 0 {
+                    &mut []
+                } else {
+                    unsafe { std::slice::from_raw_parts_mut(b.data_ptr() as *mut $t, b.numel()) }
+                };
                 $body
             }};
         }
