@@ -169,8 +169,8 @@ host_context! {
             self.all_reduce(tensor, op).map(|()| 0)
         }
         /// Waits until the collective `handle` (from
-        /// [`all_reduce_start`](HostContext::all_reduce_start)) is complete and
-        /// its result is in the tensor, at most the collective timeout (then
+        /// [`all_reduce_start`](HostContext::all_reduce_start) or another
+        /// `*_start` method) is complete and its result is in its tensor, at most the collective timeout (then
         /// the error says so and the communicator is unusable). A handle is
         /// waited on once; an unknown one is an error; 0 stands for a
         /// collective already complete and returns at once. Added in ABI 4.2; a host
@@ -178,6 +178,30 @@ host_context! {
         fn wait(&self, handle: u64) -> PluginResult<()> {
             let _ = handle;
             abi_stable::std_types::ROk(())
+        }
+        /// Starts [`all_gather`](HostContext::all_gather) of `input` into
+        /// `output` and returns a handle for [`wait`](HostContext::wait),
+        /// as [`all_reduce_start`](HostContext::all_reduce_start) does: both
+        /// tensors belong to the collective until then (FSDP's prefetch of
+        /// the next unit). Added in ABI 4.2; a host before it runs the whole
+        /// all-gather here (this default) and returns handle 0.
+        fn all_gather_start(&self, input: TensorRef<'_>, output: TensorMut<'_>) -> PluginResult<u64> {
+            self.all_gather(input, output).map(|()| 0)
+        }
+        /// Starts [`reduce_scatter`](HostContext::reduce_scatter) of `input`
+        /// into `output` and returns a handle for
+        /// [`wait`](HostContext::wait), as
+        /// [`all_reduce_start`](HostContext::all_reduce_start) does (a
+        /// unit's gradients reduced while the backward of the units before
+        /// it runs). Added in ABI 4.2; a host before it runs the whole
+        /// reduce-scatter here (this default) and returns handle 0.
+        fn reduce_scatter_start(
+            &self,
+            input: TensorRef<'_>,
+            output: TensorMut<'_>,
+            op: ReduceOp,
+        ) -> PluginResult<u64> {
+            self.reduce_scatter(input, output, op).map(|()| 0)
         }
     }
 }

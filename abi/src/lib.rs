@@ -106,8 +106,9 @@ pub const ABI_VERSION: u32 = 4;
 ///
 /// 1: the root module's `env_report` (the rows `accel env` shows).
 /// 2: [`LogValue`]'s `Image`, `Histogram` and `Table`; [`HostContext`]'s
-/// `host_abi_minor`, `sync_gradients`, `all_reduce_start` and `wait`
-/// (collectives in flight while backward runs: DDP's overlap).
+/// `host_abi_minor`, `sync_gradients`, `all_reduce_start`,
+/// `all_gather_start`, `reduce_scatter_start` and `wait` (collectives in
+/// flight while compute runs: DDP's overlap, FSDP's prefetch).
 pub const ABI_MINOR: u32 = if cfg!(accel_abi_minor_0) {
     0
 } else if cfg!(accel_abi_before_2) {

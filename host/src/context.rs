@@ -9,7 +9,7 @@ use crate::{
 use accel_sdk::{
     abi_stable::{
         sabi_trait::TD_Opaque,
-        std_types::{RArc, RErr, ROk, RStr},
+        std_types::{RArc, ROk, RStr},
     },
     context::HostContext_TO,
     tensor::{TensorMut, TensorRef},
@@ -69,7 +69,7 @@ fn comm_error(e: CommError) -> PluginError {
     PluginError::new(ErrorKind::Communication, "accel", e.to_string())
 }
 
-fn result(r: Result<(), CommError>) -> PluginResult<()> {
+fn result<T>(r: Result<T, CommError>) -> PluginResult<T> {
     r.map_err(comm_error).into()
 }
 
@@ -124,10 +124,25 @@ impl HostContext for ProcessContext {
             .is_none_or(|g| g.lock().unwrap_or_else(|p| p.into_inner()).sync_gradients)
     }
     fn all_reduce_start(&self, mut tensor: TensorMut<'_>, op: ReduceOp) -> PluginResult<u64> {
-        match self.comm.all_reduce_start(&tensor.get_mut(), op) {
-            Ok(handle) => ROk(handle),
-            Err(e) => RErr(comm_error(e)),
-        }
+        result(self.comm.all_reduce_start(&tensor.get_mut(), op))
+    }
+    fn all_gather_start(
+        &self,
+        input: TensorRef<'_>,
+        mut output: TensorMut<'_>,
+    ) -> PluginResult<u64> {
+        result(self.comm.all_gather_start(&input.get(), &output.get_mut()))
+    }
+    fn reduce_scatter_start(
+        &self,
+        input: TensorRef<'_>,
+        mut output: TensorMut<'_>,
+        op: ReduceOp,
+    ) -> PluginResult<u64> {
+        result(
+            self.comm
+                .reduce_scatter_start(&input.get(), &output.get_mut(), op),
+        )
     }
     fn wait(&self, handle: u64) -> PluginResult<()> {
         if handle == 0 {

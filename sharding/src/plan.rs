@@ -64,6 +64,60 @@ pub struct Plan {
     /// Hand freed host memory back to the system during each step (on the
     /// CPU; see `EngineSettings::release_freed_memory`).
     pub release_freed_memory: bool,
+    /// Communication started early, to run while compute goes on.
+    pub overlap: Overlap,
+}
+
+/// When, in backward, the next unit's parameters are gathered ahead of its
+/// use (FSDP's `backward_prefetch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackwardPrefetch {
+    /// Only when the unit's backward starts (`NO_PREFETCH`).
+    #[default]
+    Off,
+    /// When the unit before it in backward order starts its backward,
+    /// before that unit's gradients are computed (`BACKWARD_PRE`: most
+    /// overlap, one more unit's parameters held).
+    Pre,
+    /// When the unit before it has its gradients (`BACKWARD_POST`).
+    Post,
+}
+
+/// Communication the engine starts early, to run while compute goes on
+/// (the host's `*_start` collectives: a progress thread for MPI, a side
+/// stream for NCCL). Results are the same bits with or without it.
+///
+/// "Next" is the order the units' forward (or backward) first ran, recorded
+/// in the first step, as PyTorch's FSDP records its execution order: the
+/// first step prefetches nothing. A prefetched unit that does not run next
+/// after all costs a gather, never a wrong value; whatever is in flight
+/// when backward ends (or before an optimizer step, a load, a state dict)
+/// is waited for first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Overlap {
+    /// In a unit's forward, start gathering the unit whose forward comes
+    /// next (FSDP's `forward_prefetch`, DeepSpeed ZeRO-3's prefetch).
+    pub forward_prefetch: bool,
+    /// In backward, start gathering the unit whose backward comes next.
+    pub backward_prefetch: BackwardPrefetch,
+    /// Start a unit's gradient reduce-scatter as soon as its backward is
+    /// done and wait for it while later units compute (at most
+    /// [`MAX_REDUCING`] in flight, so the whole gradients waiting to be
+    /// reduced stay bounded); DeepSpeed's `overlap_comm`.
+    pub reduce: bool,
+}
+
+/// Reduce-scatters [`Overlap::reduce`] keeps in flight at once.
+pub const MAX_REDUCING: usize = 2;
+
+impl Overlap {
+    /// Nothing started early: every collective waited for where it is
+    /// issued.
+    pub const NONE: Overlap = Overlap {
+        forward_prefetch: false,
+        backward_prefetch: BackwardPrefetch::Off,
+        reduce: false,
+    };
 }
 
 /// The engine's own settings: the plugin's settings object
@@ -78,11 +132,15 @@ pub struct EngineSettings {
     /// the memory is used again. Unset: on when parameters are sharded
     /// (FULL_SHARD, HYBRID_SHARD, SHARD_GRAD_OP, ZeRO-3), off otherwise.
     pub release_freed_memory: Option<bool>,
+    /// `overlap_comm`: start collectives early (prefetch, reduce-scatter
+    /// during backward) as the plan says; `false` waits for each where it
+    /// is issued (for comparison: the same bits either way). Unset: on.
+    pub overlap_comm: Option<bool>,
 }
 
 impl EngineSettings {
     /// The keys of the settings object.
-    pub const KEYS: &'static [&'static str] = &["release_freed_memory"];
+    pub const KEYS: &'static [&'static str] = &["release_freed_memory", "overlap_comm"];
 
     /// Reads `settings` (the `"settings"` member of the strategy's settings
     /// JSON; `null` or absent: defaults). An unknown key or a value of the
@@ -117,18 +175,17 @@ impl EngineSettings {
                 ),
             ));
         }
-        let release_freed_memory = match map.get("release_freed_memory") {
-            None | Some(Value::Null) => None,
-            Some(Value::Bool(b)) => Some(*b),
-            Some(other) => {
-                return Err(PluginError::config(
-                    plugin,
-                    format!("{at}.release_freed_memory: {other}; allowed: true or false"),
-                ))
-            }
+        let flag = |key: &str| match map.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(other) => Err(PluginError::config(
+                plugin,
+                format!("{at}.{key}: {other}; allowed: true or false"),
+            )),
         };
         Ok(Self {
-            release_freed_memory,
+            release_freed_memory: flag("release_freed_memory")?,
+            overlap_comm: flag("overlap_comm")?,
         })
     }
 
@@ -143,6 +200,9 @@ impl EngineSettings {
     /// `plan` with these settings applied.
     pub fn apply(self, mut plan: Plan) -> Plan {
         plan.release_freed_memory = self.release_freed_memory.unwrap_or(plan.shard_params);
+        if self.overlap_comm == Some(false) {
+            plan.overlap = Overlap::NONE;
+        }
         plan
     }
 }
@@ -192,6 +252,7 @@ impl Plan {
             param_dtype: None,
             reduce_dtype: None,
             release_freed_memory: true,
+            overlap: Overlap::NONE,
         }
     }
 }
@@ -233,7 +294,7 @@ mod tests {
         let cases = [
             (
                 json!({"release_memory": true}),
-                "accel.plugins.p.release_memory: not a setting of p; allowed: release_freed_memory",
+                "accel.plugins.p.release_memory: not a setting of p; allowed: release_freed_memory, overlap_comm",
             ),
             (
                 json!({"release_freed_memory": "yes"}),

@@ -124,8 +124,28 @@ pub trait Communicator: Send + Sync {
         self.all_reduce(&mut tensor.shallow_clone(), op)?;
         Ok(0)
     }
+    /// Starts [`Communicator::all_gather`] of `input` into `output` and
+    /// returns a handle for [`Communicator::wait`], as
+    /// [`Communicator::all_reduce_start`] does (both tensors stay the
+    /// communicator's until then).
+    fn all_gather_start(&self, input: &Tensor, output: &Tensor) -> Result<u64, CommError> {
+        self.all_gather(input, &mut output.shallow_clone())?;
+        Ok(0)
+    }
+    /// Starts [`Communicator::reduce_scatter`] of `input` into `output` and
+    /// returns a handle for [`Communicator::wait`], as
+    /// [`Communicator::all_reduce_start`] does.
+    fn reduce_scatter_start(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<u64, CommError> {
+        self.reduce_scatter(input, &mut output.shallow_clone(), op)?;
+        Ok(0)
+    }
     /// Waits (at most the collective timeout) for the collective `handle`
-    /// of [`Communicator::all_reduce_start`] and leaves its result in the
+    /// of one of the `*_start` calls and leaves its result in its output
     /// tensor. Each handle is waited on once; 0 is always complete.
     fn wait(&self, handle: u64) -> Result<(), CommError> {
         if handle == 0 {

@@ -39,16 +39,18 @@
 //!
 //! # Collectives in flight
 //!
-//! [`Communicator::all_reduce_start`] issues the all-reduce and returns; the
-//! request then sits in a table until [`Communicator::wait`] takes it. MPI
+//! [`Communicator::all_reduce_start`] (and `all_gather_start`,
+//! `reduce_scatter_start`) issue the collective and return; the request
+//! then sits in a table until [`Communicator::wait`] takes it. MPI
 //! progresses a non-blocking collective only inside MPI calls, so a
 //! progress thread (`accel-mpi-progress`, parked while nothing is in
 //! flight) tests the requests in flight every [`PROGRESS_NAP`], under the
 //! same mutex as every other MPI call (MPI_THREAD_SERIALIZED); `wait`
 //! tests too, with the naps and the deadline of every collective (the
-//! timeout counts from the call to `wait`). The blocking `all_reduce` is
-//! the same start and wait, so both give the same bits. Each all-reduce in
-//! flight receives into a buffer of its own, kept for reuse afterwards.
+//! timeout counts from the call to `wait`). The blocking `all_reduce`,
+//! `all_gather` and `reduce_scatter` are the same start and wait, so both
+//! give the same bits. Each collective in flight receives into a buffer of
+//! its own, kept for reuse afterwards.
 //!
 //! A rank killed by a signal (a crash, `panic = "abort"`) runs no handler;
 //! mpirun sees it die and kills the job itself. The status comes from
@@ -162,19 +164,52 @@ struct RawRequest(mpi::ffi::MPI_Request);
 // was initialised with MPI_THREAD_SERIALIZED), from any thread.
 unsafe impl Send for RawRequest {}
 
-/// An all-reduce started by `all_reduce_start`, until `wait` takes it.
+/// A collective started by one of the `*_start` calls, until `wait` takes
+/// it.
 struct InFlight {
     request: RawRequest,
     /// MPI_Test said it completed (whichever thread tested first).
     done: bool,
-    op: ReduceOp,
-    /// The caller's tensor (a shallow clone: its storage lives on), the
-    /// buffer MPI sends from (that tensor itself when it is a contiguous CPU
-    /// tensor of an MPI kind), and the kept buffer it receives into (its
-    /// first `send.numel()` elements).
-    tensor: Tensor,
-    send: Tensor,
-    recv: Tensor,
+    /// What to do with its result.
+    result: Landing,
+}
+
+/// Where a collective in flight leaves its result: the caller's tensor (a
+/// shallow clone: its storage lives on), the buffer MPI sends from (that
+/// tensor itself when it is a contiguous CPU tensor of an MPI kind), and
+/// the kept buffer it receives into (its first elements).
+enum Landing {
+    /// The reduced `send` lands in `tensor` (averaged for `Avg`).
+    AllReduce {
+        op: ReduceOp,
+        tensor: Tensor,
+        send: Tensor,
+        recv: Tensor,
+    },
+    /// Every rank's `send`, in rank order, lands in `output`.
+    AllGather {
+        output: Tensor,
+        send: Tensor,
+        recv: Tensor,
+    },
+    /// This rank's block of the reduced `send` lands in `output`.
+    ReduceScatter {
+        op: ReduceOp,
+        output: Tensor,
+        send: Tensor,
+        recv: Tensor,
+    },
+}
+
+impl Landing {
+    /// The collective's name, for messages.
+    fn op(&self) -> &'static str {
+        match self {
+            Landing::AllReduce { .. } => "all_reduce",
+            Landing::AllGather { .. } => "all_gather",
+            Landing::ReduceScatter { .. } => "reduce_scatter",
+        }
+    }
 }
 
 /// At most this many receive buffers are kept (the smallest go first).
@@ -524,31 +559,56 @@ impl Mpi {
         }
     }
 
-    /// Writes a completed all-reduce's result into its tensor (averaged
+    /// Writes a completed collective's result where it belongs (averaged
     /// for `Avg`) and keeps its receive buffer for the next one.
-    fn finish(&self, f: InFlight) {
-        let InFlight {
-            op,
-            mut tensor,
-            send,
-            recv,
-            ..
-        } = f;
-        let mut out = send.view([-1]);
-        let result = recv.narrow(0, 0, out.numel() as i64);
+    fn finish(&self, landing: Landing) {
         let size = i64::from(self.size);
-        tch::no_grad(|| match op {
-            ReduceOp::Avg if result.is_floating_point() => {
-                let _ = result.div_scalar_out(&out, size as f64);
+        let recv = match landing {
+            Landing::AllReduce {
+                op,
+                mut tensor,
+                send,
+                recv,
+            } => {
+                let mut out = send.view([-1]);
+                let result = recv.narrow(0, 0, out.numel() as i64);
+                tch::no_grad(|| match op {
+                    ReduceOp::Avg if result.is_floating_point() => {
+                        let _ = result.div_scalar_out(&out, size as f64);
+                    }
+                    ReduceOp::Avg => {
+                        let _ = result.floor_divide_scalar_out(&out, size);
+                    }
+                    _ => {
+                        out.copy_(&result);
+                    }
+                });
+                write_back(&mut tensor, &send);
+                recv
             }
-            ReduceOp::Avg => {
-                let _ = result.floor_divide_scalar_out(&out, size);
+            Landing::AllGather {
+                mut output,
+                send,
+                recv,
+            } => {
+                write_back(&mut output, &recv.narrow(0, 0, send.numel() as i64 * size));
+                recv
             }
-            _ => {
-                out.copy_(&result);
+            Landing::ReduceScatter {
+                op,
+                mut output,
+                send,
+                recv,
+            } => {
+                let block = recv.narrow(0, 0, send.numel() as i64 / size);
+                if op == ReduceOp::Avg {
+                    write_back(&mut output, &(block / size as f64));
+                } else {
+                    write_back(&mut output, &block);
+                }
+                recv
             }
-        });
-        write_back(&mut tensor, &send);
+        };
         let mut kept = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         kept.push(recv);
         if kept.len() > KEPT_BUFFERS {
@@ -664,9 +724,33 @@ macro_rules! with_slices {
     }};
 }
 
+/// The handle of a request MPI has just started.
+fn raw<D: ?Sized>(request: Request<'static, D, StaticScope>) -> RawRequest {
+    // SAFETY: the request is kept in the table of those in flight until it
+    // has completed (or, after a timeout, for good), with its buffers.
+    RawRequest(unsafe { request.into_raw() }.0)
+}
+
 impl Mpi {
-    /// Starts all-reduce number `count` of `tensor` and keeps it in flight;
-    /// the progress thread is woken when `background`.
+    /// Keeps collective number `count` in the table of those in flight
+    /// until `wait` takes it, waking the progress thread when `background`
+    /// (a blocking call waits, and so tests, at once).
+    fn keep(&self, count: u64, request: RawRequest, result: Landing, background: bool) -> u64 {
+        self.flights().insert(
+            count,
+            InFlight {
+                request,
+                done: false,
+                result,
+            },
+        );
+        if background {
+            self.progress.notify_one();
+        }
+        count
+    }
+
+    /// Starts an all-reduce of `tensor`: its handle.
     fn start_all_reduce(
         &self,
         tensor: &Tensor,
@@ -681,27 +765,84 @@ impl Mpi {
         let n = send.numel() as i64;
         let recv = self.take_scratch(send.kind(), n);
         let request = with_slices!("all_reduce", &send, &recv.narrow(0, 0, n), |s, r| self
-            .with_world(|w| {
-                let request = w.immediate_all_reduce_into(StaticScope, s, r, system_op(op));
-                // SAFETY: the request stays in the table below until it has
-                // completed (or, after a timeout, for good), with its buffers.
-                RawRequest(unsafe { request.into_raw() }.0)
-            }));
-        self.flights().insert(
-            count,
-            InFlight {
-                request,
-                done: false,
-                op,
-                tensor: tensor.shallow_clone(),
-                send,
-                recv,
-            },
-        );
-        if background {
-            self.progress.notify_one();
+            .with_world(|w| raw(w.immediate_all_reduce_into(StaticScope, s, r, system_op(op)))));
+        let tensor = tensor.shallow_clone();
+        let landing = Landing::AllReduce {
+            op,
+            tensor,
+            send,
+            recv,
+        };
+        Ok(self.keep(count, request, landing, background))
+    }
+
+    /// Starts an all-gather of every rank's `input` into `output`: its
+    /// handle.
+    fn start_all_gather(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        background: bool,
+    ) -> Result<u64, CommError> {
+        let expected = input.numel() * self.size as usize;
+        if output.numel() != expected {
+            return Err(CommError::new(
+                "all_gather",
+                format!(
+                    "output has {} elements, expected {expected}",
+                    output.numel()
+                ),
+            ));
         }
-        Ok(count)
+        let send = work_buffer("all_gather", input)?;
+        let count = self.start("all_gather")?;
+        let n = expected as i64;
+        let recv = self.take_scratch(send.kind(), n);
+        let request = with_slices!("all_gather", &send, &recv.narrow(0, 0, n), |s, r| self
+            .with_world(|w| raw(w.immediate_all_gather_into(StaticScope, s, r))));
+        let output = output.shallow_clone();
+        let landing = Landing::AllGather { output, send, recv };
+        Ok(self.keep(count, request, landing, background))
+    }
+
+    /// Starts a reduce-scatter of `input` into `output`: its handle.
+    fn start_reduce_scatter(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+        background: bool,
+    ) -> Result<u64, CommError> {
+        if input.numel() != output.numel() * self.size as usize {
+            return Err(CommError::new(
+                "reduce_scatter",
+                format!(
+                    "input has {} elements, expected {} x {}",
+                    input.numel(),
+                    self.size,
+                    output.numel()
+                ),
+            ));
+        }
+        let send = work_buffer("reduce_scatter", input)?;
+        let count = self.start("reduce_scatter")?;
+        let n = output.numel() as i64;
+        let recv = self.take_scratch(send.kind(), n);
+        let request = with_slices!("reduce_scatter", &send, &recv.narrow(0, 0, n), |s, r| self
+            .with_world(|w| raw(w.immediate_reduce_scatter_block_into(
+                StaticScope,
+                s,
+                r,
+                system_op(op)
+            ))));
+        let output = output.shallow_clone();
+        let landing = Landing::ReduceScatter {
+            op,
+            output,
+            send,
+            recv,
+        };
+        Ok(self.keep(count, request, landing, background))
     }
 }
 
@@ -726,10 +867,10 @@ impl Communicator for Mpi {
     }
 
     fn wait(&self, handle: u64) -> Result<(), CommError> {
-        if !self.flights().contains_key(&handle) {
+        let Some(op) = self.flights().get(&handle).map(|f| f.result.op()) else {
             return Err(super::unknown_handle(handle));
-        }
-        self.wait_until("all_reduce", handle, || {
+        };
+        self.wait_until(op, handle, || {
             let mut flights = self.flights();
             match flights.get_mut(&handle) {
                 Some(f) if !f.done => {
@@ -743,11 +884,24 @@ impl Communicator for Mpi {
         // MPI cannot cancel a collective.
         match self.flights().remove(&handle) {
             Some(f) => {
-                self.finish(f);
+                self.finish(f.result);
                 Ok(())
             }
             None => Err(super::unknown_handle(handle)),
         }
+    }
+
+    fn all_gather_start(&self, input: &Tensor, output: &Tensor) -> Result<u64, CommError> {
+        self.start_all_gather(input, output, true)
+    }
+
+    fn reduce_scatter_start(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<u64, CommError> {
+        self.start_reduce_scatter(input, output, op, true)
     }
 
     fn broadcast(&self, tensor: &mut Tensor, root: u32) -> Result<(), CommError> {
@@ -772,25 +926,8 @@ impl Communicator for Mpi {
     }
 
     fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
-        let expected = input.numel() * self.size as usize;
-        if output.numel() != expected {
-            return Err(CommError::new(
-                "all_gather",
-                format!(
-                    "output has {} elements, expected {expected}",
-                    output.numel()
-                ),
-            ));
-        }
-        let send = work_buffer("all_gather", input)?;
-        let count = self.start("all_gather")?;
-        let recv = Tensor::zeros([expected as i64], (send.kind(), tch::Device::Cpu));
-        with_slices!("all_gather", &send, &recv, |s, r| {
-            let request = self.with_world(|w| w.immediate_all_gather_into(StaticScope, s, r));
-            self.wait_request("all_gather", count, request, &[&send, &recv])
-        })?;
-        write_back(output, &recv);
-        Ok(())
+        let handle = self.start_all_gather(input, output, false)?;
+        self.wait(handle)
     }
 
     fn reduce_scatter(
@@ -799,33 +936,8 @@ impl Communicator for Mpi {
         output: &mut Tensor,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        if input.numel() != output.numel() * self.size as usize {
-            return Err(CommError::new(
-                "reduce_scatter",
-                format!(
-                    "input has {} elements, expected {} x {}",
-                    input.numel(),
-                    self.size,
-                    output.numel()
-                ),
-            ));
-        }
-        let send = work_buffer("reduce_scatter", input)?;
-        let count = self.start("reduce_scatter")?;
-        let recv = Tensor::zeros([output.numel() as i64], (send.kind(), tch::Device::Cpu));
-        with_slices!("reduce_scatter", &send, &recv, |s, r| {
-            let request = self.with_world(|w| {
-                w.immediate_reduce_scatter_block_into(StaticScope, s, r, system_op(op))
-            });
-            self.wait_request("reduce_scatter", count, request, &[&send, &recv])
-        })?;
-        let recv = if op == ReduceOp::Avg {
-            recv / f64::from(self.size)
-        } else {
-            recv
-        };
-        write_back(output, &recv);
-        Ok(())
+        let handle = self.start_reduce_scatter(input, output, op, false)?;
+        self.wait(handle)
     }
 
     fn barrier(&self) -> Result<(), CommError> {

@@ -9,10 +9,12 @@
 //! there. Collectives run on the default stream, the one libtorch uses
 //! unless told otherwise, so they are ordered with the surrounding kernels.
 //!
-//! An all-reduce started with [`Communicator::all_reduce_start`] runs on a
-//! stream of its own instead (non-blocking, made on first use), after what
-//! the default stream had enqueued until then (an event it waits on), so
-//! the kernels enqueued after it (the rest of backward) overlap it;
+//! A collective started with [`Communicator::all_reduce_start`] (or
+//! `all_gather_start`, `reduce_scatter_start`) runs on a stream of its own
+//! instead (non-blocking, made on first use), after what the default
+//! stream had enqueued until then (an event it waits on), so the kernels
+//! enqueued after it (the rest of backward, the next unit's forward)
+//! overlap it;
 //! [`Communicator::wait`] polls the event recorded after it, with the
 //! deadline of every collective. Not run on a GPU in accel's test suite.
 
@@ -61,13 +63,44 @@ struct Handle(sys::ncclComm_t);
 // SAFETY: the NCCL communicator is only used under the mutex.
 unsafe impl Send for Handle {}
 
-/// The side stream of the all-reduces in flight, and those all-reduces by
-/// handle: the event recorded after each, its tensor (a shallow clone, so
-/// the caching allocator keeps the memory) and the contiguous buffer NCCL
-/// works on.
+/// The side stream of the collectives in flight, and those collectives by
+/// handle.
 struct SideStream {
     stream: Option<Stream>,
-    in_flight: BTreeMap<u64, (Event, Tensor, Tensor)>,
+    in_flight: BTreeMap<u64, Flight>,
+}
+
+/// A collective started on the side stream: the event recorded after it,
+/// its name, the tensor its result goes to (a shallow clone, so the caching
+/// allocator keeps the memory) and the contiguous buffers NCCL reads and
+/// writes (kept alive until `wait`).
+struct Flight {
+    done: Event,
+    op: &'static str,
+    out: Tensor,
+    send: Tensor,
+    recv: Tensor,
+}
+
+/// One NCCL collective, from a send buffer into a receive buffer (the same
+/// buffer for one in place).
+#[derive(Clone, Copy)]
+enum Call {
+    AllReduce(ReduceOp),
+    Broadcast(u32),
+    AllGather,
+    ReduceScatter(ReduceOp),
+}
+
+impl Call {
+    fn name(self) -> &'static str {
+        match self {
+            Call::AllReduce(_) => "all_reduce",
+            Call::Broadcast(_) => "broadcast",
+            Call::AllGather => "all_gather",
+            Call::ReduceScatter(_) => "reduce_scatter",
+        }
+    }
 }
 
 struct Stream(cudarc::runtime::sys::cudaStream_t);
@@ -291,18 +324,107 @@ impl Nccl {
         }
     }
 
-    /// Enqueues the all-reduce of `work` on the side stream, after what the
-    /// default stream holds now; returns the event recorded after it.
-    fn enqueue_on_side_stream(
+    /// The send and receive buffers of an all-gather of `input` into
+    /// `output` (`world_size` times its size).
+    fn gather_buffers(
         &self,
-        side: &mut SideStream,
-        work: &Tensor,
-        op: ReduceOp,
-    ) -> Result<Event, CommError> {
+        input: &Tensor,
+        output: &Tensor,
+    ) -> Result<(Tensor, Tensor), CommError> {
+        if output.numel() != input.numel() * self.size as usize {
+            return Err(CommError::new(
+                "all_gather",
+                "output is not world_size x input",
+            ));
+        }
+        Ok((
+            cuda_contiguous("all_gather", input)?,
+            cuda_contiguous("all_gather", output)?,
+        ))
+    }
+
+    /// The send and receive buffers of a reduce-scatter of `input`
+    /// (`world_size` times the size of `output`) into `output`.
+    fn scatter_buffers(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+    ) -> Result<(Tensor, Tensor), CommError> {
+        if input.numel() != output.numel() * self.size as usize {
+            return Err(CommError::new(
+                "reduce_scatter",
+                "input is not world_size x output",
+            ));
+        }
+        Ok((
+            cuda_contiguous("reduce_scatter", input)?,
+            cuda_contiguous("reduce_scatter", output)?,
+        ))
+    }
+
+    /// Enqueues `call` from `send` into `recv` (contiguous CUDA buffers of
+    /// the sizes NCCL expects) on `stream` (null: the default stream).
+    fn enqueue(
+        &self,
+        call: Call,
+        send: &Tensor,
+        recv: &Tensor,
+        stream: cudarc::runtime::sys::cudaStream_t,
+    ) -> Result<(), CommError> {
+        let name = call.name();
+        let dt = dtype(name, send.kind())?;
+        let (sp, rp) = (send.data_ptr() as *const c_void, recv.data_ptr());
+        let st = stream as sys::cudaStream_t;
+        // SAFETY: contiguous CUDA buffers of the sizes NCCL expects for
+        // `call` (checked by the callers), alive until the collective has
+        // completed (waited on, or kept in `side.in_flight`).
+        self.with_comm(name, |c| unsafe {
+            match call {
+                Call::AllReduce(op) => {
+                    result::all_reduce(sp, rp, send.numel(), dt, red_op(op), c, st)
+                }
+                Call::Broadcast(root) => {
+                    result::broadcast(sp, rp, send.numel(), dt, root as i32, c, st)
+                }
+                Call::AllGather => result::all_gather(sp, rp, send.numel(), dt, c, st),
+                Call::ReduceScatter(op) => {
+                    result::reduce_scatter(sp, rp, recv.numel(), dt, red_op(op), c, st)
+                }
+            }
+        })?
+        .map(|_| ())
+        .map_err(|e| err(name, e))
+    }
+
+    /// Runs `call` on the default stream, waits for it and writes `recv`
+    /// back into `out`.
+    fn run(
+        &self,
+        call: Call,
+        send: &Tensor,
+        recv: &Tensor,
+        out: &mut Tensor,
+    ) -> Result<(), CommError> {
+        self.enqueue(call, send, recv, std::ptr::null_mut())?;
+        self.wait_default_stream(call.name())?;
+        write_back(out, recv);
+        Ok(())
+    }
+
+    /// Starts `call` on the side stream, after what the default stream
+    /// holds now (the gradients, the chunks); `wait` writes `recv` back
+    /// into `out`. Returns the handle.
+    fn start_on_side_stream(
+        &self,
+        call: Call,
+        send: Tensor,
+        recv: Tensor,
+        out: &Tensor,
+    ) -> Result<u64, CommError> {
         use cudarc::runtime::result::{event, stream};
         use cudarc::runtime::sys as rt;
-        let name = "all_reduce";
-        let dt = dtype(name, work.kind())?;
+        let name = call.name();
+        let mut side = self.side.lock().unwrap_or_else(|p| p.into_inner());
         let s = match &side.stream {
             Some(s) => s.0,
             None => {
@@ -314,35 +436,29 @@ impl Nccl {
         };
         let ready = event::create(rt::cudaEventDisableTiming).map_err(|e| err(name, e))?;
         let done = Event(event::create(rt::cudaEventDisableTiming).map_err(|e| err(name, e))?);
-        let p = work.data_ptr();
         // SAFETY: live events and stream; the side stream waits for the
-        // default stream's work so far (the gradients), then reduces the
-        // contiguous CUDA buffer of `numel` elements in place, which
-        // `side.in_flight` keeps alive until `wait`.
+        // default stream's work so far, then runs the collective.
         let enqueued = unsafe {
             event::record(ready, std::ptr::null_mut())
                 .and_then(|()| stream::wait_event(s, ready, 0))
                 .map_err(|e| err(name, e))
-                .and_then(|()| {
-                    self.with_comm(name, |c| {
-                        result::all_reduce(
-                            p as *const c_void,
-                            p,
-                            work.numel(),
-                            dt,
-                            red_op(op),
-                            c,
-                            s as _,
-                        )
-                    })?
-                    .map(|_| ())
-                    .map_err(|e| err(name, e))
-                })
-                .and_then(|()| event::record(done.0, s).map_err(|e| err(name, e)))
-        };
+        }
+        .and_then(|()| self.enqueue(call, &send, &recv, s))
+        // SAFETY: a live event recorded on the live side stream.
+        .and_then(|()| unsafe { event::record(done.0, s) }.map_err(|e| err(name, e)));
         // SAFETY: created above; destroying a pending event is allowed.
         let _ = unsafe { event::destroy(ready) };
-        enqueued.map(|()| done)
+        enqueued?;
+        let handle = self.handles.fetch_add(1, Ordering::Relaxed) + 1;
+        let flight = Flight {
+            done,
+            op: name,
+            out: out.shallow_clone(),
+            send,
+            recv,
+        };
+        side.in_flight.insert(handle, flight);
+        Ok(handle)
     }
 }
 
@@ -359,73 +475,17 @@ impl Communicator for Nccl {
 
     fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
         let work = cuda_contiguous("all_reduce", tensor)?;
-        let dt = dtype("all_reduce", work.kind())?;
-        let p = work.data_ptr();
-        // SAFETY: in-place on a contiguous CUDA buffer of `numel` elements.
-        self.with_comm("all_reduce", |c| unsafe {
-            result::all_reduce(
-                p as *const c_void,
-                p,
-                work.numel(),
-                dt,
-                red_op(op),
-                c,
-                std::ptr::null_mut(),
-            )
-        })?
-        .map_err(|e| err("all_reduce", e))?;
-        self.wait_default_stream("all_reduce")?;
-        write_back(tensor, &work);
-        Ok(())
+        self.run(Call::AllReduce(op), &work, &work, tensor)
     }
 
     fn broadcast(&self, tensor: &mut Tensor, root: u32) -> Result<(), CommError> {
         let work = cuda_contiguous("broadcast", tensor)?;
-        let dt = dtype("broadcast", work.kind())?;
-        let p = work.data_ptr();
-        // SAFETY: in-place on a contiguous CUDA buffer of `numel` elements.
-        self.with_comm("broadcast", |c| unsafe {
-            result::broadcast(
-                p as *const c_void,
-                p,
-                work.numel(),
-                dt,
-                root as i32,
-                c,
-                std::ptr::null_mut(),
-            )
-        })?
-        .map_err(|e| err("broadcast", e))?;
-        self.wait_default_stream("broadcast")?;
-        write_back(tensor, &work);
-        Ok(())
+        self.run(Call::Broadcast(root), &work, &work, tensor)
     }
 
     fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
-        if output.numel() != input.numel() * self.size as usize {
-            return Err(CommError::new(
-                "all_gather",
-                "output is not world_size x input",
-            ));
-        }
-        let send = cuda_contiguous("all_gather", input)?;
-        let recv = cuda_contiguous("all_gather", output)?;
-        let dt = dtype("all_gather", send.kind())?;
-        // SAFETY: contiguous CUDA buffers of the sizes NCCL expects.
-        self.with_comm("all_gather", |c| unsafe {
-            result::all_gather(
-                send.data_ptr() as *const c_void,
-                recv.data_ptr(),
-                send.numel(),
-                dt,
-                c,
-                std::ptr::null_mut(),
-            )
-        })?
-        .map_err(|e| err("all_gather", e))?;
-        self.wait_default_stream("all_gather")?;
-        write_back(output, &recv);
-        Ok(())
+        let (send, recv) = self.gather_buffers(input, output)?;
+        self.run(Call::AllGather, &send, &recv, output)
     }
 
     fn reduce_scatter(
@@ -434,41 +494,28 @@ impl Communicator for Nccl {
         output: &mut Tensor,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        if input.numel() != output.numel() * self.size as usize {
-            return Err(CommError::new(
-                "reduce_scatter",
-                "input is not world_size x output",
-            ));
-        }
-        let send = cuda_contiguous("reduce_scatter", input)?;
-        let recv = cuda_contiguous("reduce_scatter", output)?;
-        let dt = dtype("reduce_scatter", send.kind())?;
-        // SAFETY: contiguous CUDA buffers of the sizes NCCL expects.
-        self.with_comm("reduce_scatter", |c| unsafe {
-            result::reduce_scatter(
-                send.data_ptr() as *const c_void,
-                recv.data_ptr(),
-                recv.numel(),
-                dt,
-                red_op(op),
-                c,
-                std::ptr::null_mut(),
-            )
-        })?
-        .map_err(|e| err("reduce_scatter", e))?;
-        self.wait_default_stream("reduce_scatter")?;
-        write_back(output, &recv);
-        Ok(())
+        let (send, recv) = self.scatter_buffers(input, output)?;
+        self.run(Call::ReduceScatter(op), &send, &recv, output)
     }
 
     fn all_reduce_start(&self, tensor: &Tensor, op: ReduceOp) -> Result<u64, CommError> {
         let work = cuda_contiguous("all_reduce", tensor)?;
-        let mut side = self.side.lock().unwrap_or_else(|p| p.into_inner());
-        let done = self.enqueue_on_side_stream(&mut side, &work, op)?;
-        let handle = self.handles.fetch_add(1, Ordering::Relaxed) + 1;
-        side.in_flight
-            .insert(handle, (done, tensor.shallow_clone(), work));
-        Ok(handle)
+        self.start_on_side_stream(Call::AllReduce(op), work.shallow_clone(), work, tensor)
+    }
+
+    fn all_gather_start(&self, input: &Tensor, output: &Tensor) -> Result<u64, CommError> {
+        let (send, recv) = self.gather_buffers(input, output)?;
+        self.start_on_side_stream(Call::AllGather, send, recv, output)
+    }
+
+    fn reduce_scatter_start(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<u64, CommError> {
+        let (send, recv) = self.scatter_buffers(input, output)?;
+        self.start_on_side_stream(Call::ReduceScatter(op), send, recv, output)
     }
 
     fn wait(&self, handle: u64) -> Result<(), CommError> {
@@ -478,21 +525,28 @@ impl Communicator for Nccl {
             .unwrap_or_else(|p| p.into_inner())
             .in_flight
             .remove(&handle);
-        let Some((done, mut tensor, work)) = flight else {
+        let Some(Flight {
+            done,
+            op,
+            mut out,
+            send,
+            recv,
+        }) = flight
+        else {
             return Err(super::unknown_handle(handle));
         };
-        let outcome = self.wait_event("all_reduce", done.0);
-        match outcome {
+        match self.wait_event(op, done.0) {
             Ok(()) => {
-                // SAFETY: recorded by all_reduce_start, completed.
+                // SAFETY: recorded by start_on_side_stream, completed.
                 let _ = unsafe { cudarc::runtime::result::event::destroy(done.0) };
-                write_back(&mut tensor, &work);
+                write_back(&mut out, &recv);
+                drop(send);
                 Ok(())
             }
             Err(e) => {
                 // The communicator is aborted; the buffers may still be
                 // written: they stay (leaked) for the rest of the process.
-                std::mem::forget((tensor, work));
+                std::mem::forget((out, send, recv));
                 Err(e)
             }
         }

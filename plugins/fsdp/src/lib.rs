@@ -22,7 +22,7 @@
 //! README).
 
 use accel_sdk::{Component, HostContextBox, PluginError, RunOverrides, StateDictKind, StrategyBox};
-use accel_sharding::{Plan, Sharded};
+use accel_sharding::{Overlap, Plan, Sharded};
 use settings::{Settings, ShardingStrategy, StateDictType, WrapPolicy};
 
 pub mod settings;
@@ -63,6 +63,11 @@ pub fn plan(s: &Settings) -> Plan {
         param_dtype: s.param_dtype,
         reduce_dtype: s.reduce_dtype,
         release_freed_memory: false,
+        overlap: Overlap {
+            forward_prefetch: s.forward_prefetch,
+            backward_prefetch: s.backward_prefetch,
+            reduce: true,
+        },
     }
 }
 

@@ -27,13 +27,20 @@
 //! | `fsdp_mixed_precision_policy` | a dtype (`bf16`, `fp16`, `fp32`, `fp8`, or torch's `bfloat16`, `float16`, `float32`, with or without `torch.`) for all three, or a mapping with `param_dtype` and `reduce_dtype` (and `buffer_dtype`, which must equal `param_dtype`) | — (the run's `mixed_precision`) | [`Settings::param_dtype`], [`Settings::reduce_dtype`]; see below |
 //! | `fsdp_cpu_ram_efficient_loading` | boolean; with `true` a program loading a checkpoint through `Accelerator::prepare_model_from` maps its files and each rank reads only its own slices (parameters made with `deferred_var` hold no memory before); the host then broadcasts rank 0's other parameters instead of this plugin's `fsdp_sync_module_states` broadcast | `true` (as `accelerate launch`) | [`Settings::cpu_ram_efficient_loading`] |
 //!
-//! Accepted, checked, and recorded nowhere, because they do not change the
-//! training result (only speed or host memory in PyTorch):
+//! | `fsdp_backward_prefetch` (old name `fsdp_backward_prefetch_policy`) | `BACKWARD_PRE`, `BACKWARD_POST`, `NO_PREFETCH` (any case, or torch's `1`, `2`) | none: no prefetch, as Accelerate's plugin passes `None` to FSDP (`accelerate config` writes `BACKWARD_PRE`) | [`Settings::backward_prefetch`]: in backward, when the next unit's all-gather starts |
+//! | `fsdp_forward_prefetch` | boolean | `false` | [`Settings::forward_prefetch`]: in forward, gather the next unit while this one computes |
+//!
+//! Prefetching changes when parameters are gathered, never their values:
+//! results are the same bits with and without it (and with
+//! `accel.plugins.accel-fsdp.overlap_comm: false`, which also waits for
+//! each unit's gradient reduce-scatter where it starts; see
+//! `accel_sharding::Overlap`).
+//!
+//! Accepted, checked, and recorded nowhere, because it does not change the
+//! training result:
 //!
 //! | key | values | why it is ignored |
 //! | --- | --- | --- |
-//! | `fsdp_backward_prefetch` (old name `fsdp_backward_prefetch_policy`) | `BACKWARD_PRE`, `BACKWARD_POST`, `NO_PREFETCH` (any case, or `1`, `2`) | when the next unit is gathered during backward: a scheduling hint |
-//! | `fsdp_forward_prefetch` | boolean | the same, for forward |
 //! | `fsdp_use_orig_params` | boolean | accel's optimizer always sees the parameters it is given by the strategy |
 //!
 //! As Accelerate's launcher (`utils/launch.py`), `fsdp_sync_module_states:
@@ -79,7 +86,7 @@ use accel_sdk::{
     tch::Kind,
     PluginError,
 };
-use accel_sharding::dtype_name;
+use accel_sharding::{dtype_name, BackwardPrefetch};
 
 use crate::PLUGIN;
 
@@ -145,6 +152,11 @@ pub struct Settings {
     /// The dtype gradients are reduced in (`reduce_dtype`); `None`: the
     /// parameters' (`param_dtype`, else the program's).
     pub reduce_dtype: Option<Kind>,
+    /// `fsdp_forward_prefetch`: gather the next unit during a unit's
+    /// forward.
+    pub forward_prefetch: bool,
+    /// `fsdp_backward_prefetch`: when the next unit is gathered in backward.
+    pub backward_prefetch: BackwardPrefetch,
     /// `fsdp_cpu_ram_efficient_loading` (true when absent, as `accelerate
     /// launch` defaults it): every rank reads only its slices of a
     /// checkpoint the program loads with `Accelerator::prepare_model_from`,
@@ -382,24 +394,21 @@ fn min_params_of(v: &Value) -> Result<u64, PluginError> {
     })
 }
 
-/// Checks `fsdp_backward_prefetch` (its value does not change results).
-fn check_backward_prefetch(v: &Value, key: &str) -> Result<(), PluginError> {
-    const NAMES: &[&str] = &["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"];
-    let ok = match v {
-        Value::String(s) => {
-            let s = s.trim();
-            NAMES.iter().any(|n| n.eq_ignore_ascii_case(s)) || matches!(s, "1" | "2")
-        }
-        Value::Number(n) => matches!(n.as_u64(), Some(1 | 2)),
-        _ => false,
+/// Reads `fsdp_backward_prefetch`: a name (any case) or torch's number.
+fn backward_prefetch_of(v: &Value, key: &str) -> Result<BackwardPrefetch, PluginError> {
+    let name = match v {
+        Value::String(s) => s.trim().to_ascii_uppercase(),
+        Value::Number(n) => n.to_string(),
+        _ => String::new(),
     };
-    if ok {
-        Ok(())
-    } else {
-        Err(err(format!(
+    match name.as_str() {
+        "BACKWARD_PRE" | "1" => Ok(BackwardPrefetch::Pre),
+        "BACKWARD_POST" | "2" => Ok(BackwardPrefetch::Post),
+        "NO_PREFETCH" => Ok(BackwardPrefetch::Off),
+        _ => Err(err(format!(
             "fsdp_config.{key} must be one of BACKWARD_PRE, BACKWARD_POST, NO_PREFETCH, got {}",
             shown(v)
-        )))
+        ))),
     }
 }
 
@@ -659,16 +668,20 @@ pub fn with_precision(section: &Value, mixed_precision: &str) -> Result<Settings
         .transpose()?
         .unwrap_or(true);
 
-    // Accepted: checked, recorded nowhere.
-    for key in ["fsdp_backward_prefetch", "fsdp_backward_prefetch_policy"] {
+    let mut backward_prefetch = BackwardPrefetch::Off;
+    // The old name first, so the current one wins when both are there.
+    for key in ["fsdp_backward_prefetch_policy", "fsdp_backward_prefetch"] {
         if let Some(v) = get(key) {
-            check_backward_prefetch(v, key)?;
+            backward_prefetch = backward_prefetch_of(v, key)?;
         }
     }
-    for key in ["fsdp_forward_prefetch", "fsdp_use_orig_params"] {
-        if let Some(v) = get(key) {
-            bool_of(v, key)?;
-        }
+    let forward_prefetch = get("fsdp_forward_prefetch")
+        .map(|v| bool_of(v, "fsdp_forward_prefetch"))
+        .transpose()?
+        .unwrap_or(false);
+    // Accepted: checked, recorded nowhere.
+    if let Some(v) = get("fsdp_use_orig_params") {
+        bool_of(v, "fsdp_use_orig_params")?;
     }
     let cpu_ram_efficient_loading = get("fsdp_cpu_ram_efficient_loading")
         .map(|v| bool_of(v, "fsdp_cpu_ram_efficient_loading"))
@@ -761,6 +774,8 @@ pub fn with_precision(section: &Value, mixed_precision: &str) -> Result<Settings
         sync_module_states,
         param_dtype,
         reduce_dtype,
+        forward_prefetch,
+        backward_prefetch,
         cpu_ram_efficient_loading: cpu_ram_efficient_loading.unwrap_or(true),
         unsupported,
         warnings,
@@ -795,6 +810,8 @@ mod tests {
             sync_module_states: true,
             param_dtype: None,
             reduce_dtype: None,
+            forward_prefetch: false,
+            backward_prefetch: BackwardPrefetch::Off,
             cpu_ram_efficient_loading: true,
             unsupported: Vec::new(),
             warnings: Vec::new(),
@@ -1026,8 +1043,37 @@ mod tests {
             "fsdp_backward_prefetch_policy": "NO_PREFETCH",
             "mixed_precision": "bf16",
         }));
+        let prefetch = |v: Value| ok(v).backward_prefetch;
+        assert_eq!(
+            prefetch(json!({"fsdp_backward_prefetch": "backward_post"})),
+            BackwardPrefetch::Post
+        );
+        assert_eq!(
+            prefetch(json!({"fsdp_backward_prefetch": "BACKWARD_PRE"})),
+            BackwardPrefetch::Pre
+        );
+        assert_eq!(
+            prefetch(json!({"fsdp_backward_prefetch": 1})),
+            BackwardPrefetch::Pre
+        );
+        assert_eq!(
+            prefetch(json!({"fsdp_backward_prefetch": "2"})),
+            BackwardPrefetch::Post
+        );
+        assert_eq!(
+            prefetch(json!({"fsdp_backward_prefetch_policy": "NO_PREFETCH"})),
+            BackwardPrefetch::Off
+        );
+        assert_eq!(
+            prefetch(
+                json!({"fsdp_backward_prefetch_policy": "BACKWARD_PRE", "fsdp_backward_prefetch": "NO_PREFETCH"})
+            ),
+            BackwardPrefetch::Off
+        );
+        assert!(ok(json!({"fsdp_forward_prefetch": "true"})).forward_prefetch);
         for (key, bad) in [
             ("fsdp_backward_prefetch", json!("SOMETIMES")),
+            ("fsdp_backward_prefetch", json!(3)),
             ("fsdp_forward_prefetch", json!("maybe")),
             ("fsdp_use_orig_params", json!(7)),
             ("fsdp_cpu_ram_efficient_loading", json!([])),

@@ -26,7 +26,7 @@ use accel_sdk::{
     abi_stable::std_types::RString, Component, HostContextBox, PluginError, RunOverrides,
     StateDictKind, StrategyBox,
 };
-use accel_sharding::{Plan, Sharded};
+use accel_sharding::{BackwardPrefetch, Overlap, Plan, Sharded};
 
 pub mod settings;
 
@@ -70,6 +70,14 @@ fn plan(s: &settings::Settings) -> Plan {
         param_dtype: s.param_dtype,
         reduce_dtype: s.reduce_dtype,
         release_freed_memory: false,
+        // DeepSpeed's stage 3 prefetches the next modules in forward and
+        // backward by the order it traced, and `overlap_comm` (its default
+        // at stage 3) reduces during backward.
+        overlap: Overlap {
+            forward_prefetch: true,
+            backward_prefetch: BackwardPrefetch::Pre,
+            reduce: true,
+        },
     }
 }
 

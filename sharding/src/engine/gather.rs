@@ -39,30 +39,31 @@ impl Sharded {
         chunk
     }
 
-    /// All-gathers one chunk-shaped tensor of every parameter in `idx`
-    /// (e.g. the chunks, or optimizer state) into whole-parameter tensors.
-    pub(super) fn gather_whole(
-        &mut self,
-        idx: &[usize],
-        parts: &[Tensor],
-    ) -> Result<Vec<Tensor>, PluginError> {
-        if idx.is_empty() {
-            return Ok(Vec::new());
-        }
+    /// What this rank sends to gather `parts` (one chunk-shaped tensor per
+    /// parameter): them, flat, on the compute device.
+    pub(super) fn gather_send(&self, parts: &[Tensor]) -> Tensor {
         let device = self.compute_device();
-        let send = Tensor::cat(
+        Tensor::cat(
             &parts
                 .iter()
                 .map(|t| t.detach().to_device(device).reshape([-1]))
                 .collect::<Vec<_>>(),
             0,
-        );
-        let s = send.numel() as i64;
-        let mut recv = Tensor::zeros([self.world() * s], (send.kind(), device));
-        self.ctx
-            .all_gather(TensorRef::new(&send), TensorMut::new(&mut recv))
-            .into_result()?;
-        self.note_peak(bytes(&send) + bytes(&recv));
+        )
+    }
+
+    /// The buffer every rank's `send` is gathered into.
+    pub(super) fn gather_recv(&self, send: &Tensor) -> Tensor {
+        Tensor::zeros(
+            [self.world() * send.numel() as i64],
+            (send.kind(), send.device()),
+        )
+    }
+
+    /// The whole-parameter tensors of the parameters `idx` in `recv`, a
+    /// gather of what [`Sharded::gather_send`] made of their parts.
+    pub(super) fn split_whole(&self, idx: &[usize], recv: &Tensor) -> Vec<Tensor> {
+        let s = recv.numel() as i64 / self.world();
         // Every machine holds the same chunks (hybrid): the first group's
         // blocks are the whole parameter.
         let rows = recv.view([self.world(), s]).narrow(0, 0, self.group);
@@ -79,20 +80,42 @@ impl Sharded {
             );
             offset += c;
         }
-        Ok(out)
+        out
     }
 
-    /// Writes the chunks of unit `u` back into its parameters' storage,
-    /// all-gathered in the compute dtype.
-    pub(super) fn fill_unit(&mut self, u: usize) -> Result<(), PluginError> {
-        let idx = self.units[u].params.clone();
+    /// All-gathers one chunk-shaped tensor of every parameter in `idx`
+    /// (e.g. the chunks, or optimizer state) into whole-parameter tensors.
+    pub(super) fn gather_whole(
+        &mut self,
+        idx: &[usize],
+        parts: &[Tensor],
+    ) -> Result<Vec<Tensor>, PluginError> {
+        if idx.is_empty() {
+            return Ok(Vec::new());
+        }
+        let send = self.gather_send(parts);
+        let mut recv = self.gather_recv(&send);
+        self.ctx
+            .all_gather(TensorRef::new(&send), TensorMut::new(&mut recv))
+            .into_result()?;
+        self.note_peak(bytes(&send) + bytes(&recv));
+        Ok(self.split_whole(idx, &recv))
+    }
+
+    /// Unit `u`'s chunks in the compute dtype: what gathering it sends.
+    pub(super) fn unit_parts(&self, u: usize) -> Vec<Tensor> {
         let compute = self.compute_kind();
-        let parts: Vec<Tensor> = idx
+        self.units[u]
+            .params
             .iter()
             .map(|&i| self.chunks[i].detach().to_kind(compute))
-            .collect();
-        let wholes = self.gather_whole(&idx, &parts)?;
-        for (&i, whole) in idx.iter().zip(&wholes) {
+            .collect()
+    }
+
+    /// Writes the whole values `wholes` of unit `u`'s parameters into their
+    /// storage: the unit is gathered.
+    pub(super) fn fill_from(&mut self, u: usize, wholes: Vec<Tensor>) -> Result<(), PluginError> {
+        for (&i, whole) in self.units[u].params.iter().zip(&wholes) {
             shim::fill_storage(&self.params.items[i].1, whole)
                 .map_err(|e| self.err(e.to_string()))?;
         }
@@ -102,11 +125,25 @@ impl Sharded {
         Ok(())
     }
 
+    /// Writes the chunks of unit `u` back into its parameters' storage,
+    /// all-gathered in the compute dtype.
+    pub(super) fn fill_unit(&mut self, u: usize) -> Result<(), PluginError> {
+        let idx = self.units[u].params.clone();
+        let parts = self.unit_parts(u);
+        let wholes = self.gather_whole(&idx, &parts)?;
+        self.fill_from(u, wholes)
+    }
+
+    /// Gathers unit `u` unless it is: from its prefetch when one is in
+    /// flight, else now.
     pub(super) fn gather(&mut self, u: usize) -> Result<(), PluginError> {
         if !self.plan.shard_params || self.units[u].gathered {
             return Ok(());
         }
-        self.fill_unit(u)
+        match self.prefetched.remove(&u) {
+            Some(flight) => self.land_prefetch(u, flight),
+            None => self.fill_unit(u),
+        }
     }
 
     pub(super) fn reshard(&mut self, u: usize) -> Result<(), PluginError> {

@@ -55,7 +55,9 @@ impl Sharded {
 
     /// Records the bytes held now plus `transient` (communication buffers).
     pub(super) fn note_peak(&mut self, transient: u64) {
-        self.peak = self.peak.max(self.resident() + transient);
+        self.peak = self
+            .peak
+            .max(self.resident() + self.in_flight_bytes() + transient);
     }
 }
 

@@ -11,10 +11,12 @@ use accel_sdk::{
     tensor::NamedTensorMut,
     HostContextBox, PluginError, WrapUnit,
 };
+use std::collections::{BTreeMap, VecDeque};
 
 mod clip;
 mod gather;
 mod memory;
+mod overlap;
 mod reduce;
 mod state;
 mod strategy;
@@ -52,6 +54,16 @@ pub struct Sharded {
     /// masters under mixed precision).
     master: Kind,
     peak: u64,
+    /// The order the units' forward and backward first ran (what is
+    /// prefetched next).
+    fwd_order: overlap::Order,
+    bwd_order: overlap::Order,
+    /// Gathers started ahead of their unit's use, by unit.
+    prefetched: BTreeMap<usize, overlap::Prefetch>,
+    /// Reduce-scatters in flight, oldest first.
+    reducing: VecDeque<overlap::Reducing>,
+    /// What was started early in this backward (logged at its end).
+    counts: overlap::Counts,
     /// Resident bytes beside the heap's live ones just after the last
     /// [`Sharded::release_freed`] trim (code, stacks, mappings): the part of
     /// the slack a trim cannot give back.
@@ -75,6 +87,11 @@ impl Sharded {
             flat_grad: None,
             master: Kind::Float,
             peak: 0,
+            fwd_order: overlap::Order::default(),
+            bwd_order: overlap::Order::default(),
+            prefetched: BTreeMap::new(),
+            reducing: VecDeque::new(),
+            counts: overlap::Counts::default(),
             untrimmable: None,
         }
     }

@@ -26,17 +26,21 @@ impl Sharded {
         }
     }
 
-    /// Reduce-scatters (averages, in the reduce dtype) unit `u`'s gradients
-    /// into its chunks' gradients and frees the whole gradients.
-    pub(super) fn reduce_scatter_unit(&mut self, u: usize) -> Result<(), PluginError> {
+    /// What reduce-scattering unit `u`'s gradients sends: its trainable
+    /// parameters and their gradients padded and laid out in blocks, one
+    /// per rank of the group (in the reduce dtype); the whole gradients are
+    /// freed. `None` when nothing in the unit trains.
+    pub(super) fn reduce_input(
+        &mut self,
+        u: usize,
+    ) -> Result<Option<(Vec<usize>, Tensor)>, PluginError> {
         let idx = self.trainable(&self.units[u].params);
         if idx.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let device = self.compute_device();
-        let reduce = self.reduce_kind();
         let s: i64 = idx.iter().map(|&i| self.chunk_len[i]).sum();
-        let input = Tensor::zeros([self.group, s], (reduce, device));
+        let input = Tensor::zeros([self.group, s], (self.reduce_kind(), device));
         let mut offset = 0;
         for &i in &idx {
             let c = self.chunk_len[i];
@@ -63,18 +67,20 @@ impl Sharded {
         } else {
             input
         };
-        let mut out = Tensor::zeros([s], (reduce, device));
-        self.ctx
-            .reduce_scatter(
-                TensorRef::new(&input.reshape([-1])),
-                TensorMut::new(&mut out),
-                ReduceOp::Avg,
-            )
-            .into_result()?;
-        self.note_peak(bytes(&input) + bytes(&out));
-        drop(input);
+        Ok(Some((idx, input.reshape([-1]))))
+    }
+
+    /// The buffer this rank's block of the parameters `idx` lands in.
+    pub(super) fn reduce_output(&self, idx: &[usize]) -> Tensor {
+        let s: i64 = idx.iter().map(|&i| self.chunk_len[i]).sum();
+        Tensor::zeros([s], (self.reduce_kind(), self.compute_device()))
+    }
+
+    /// Adds the reduced block `out` of the parameters `idx` to their
+    /// chunks' gradients (in the chunks' dtype and place).
+    pub(super) fn add_reduced(&mut self, idx: &[usize], out: &Tensor) -> Result<(), PluginError> {
         let mut offset = 0;
-        for &i in &idx {
+        for &i in idx {
             let c = self.chunk_len[i];
             let part = out
                 .narrow(0, offset, c)
@@ -85,6 +91,34 @@ impl Sharded {
             offset += c;
         }
         Ok(())
+    }
+
+    /// Reduce-scatters (averages, in the reduce dtype) unit `u`'s gradients
+    /// into its chunks' gradients and frees the whole gradients: started
+    /// and left in flight under [`Overlap::reduce`](crate::Overlap),
+    /// waited for here otherwise.
+    pub(super) fn reduce_scatter_unit(
+        &mut self,
+        u: usize,
+        overlap: bool,
+    ) -> Result<(), PluginError> {
+        let Some((idx, input)) = self.reduce_input(u)? else {
+            return Ok(());
+        };
+        if overlap {
+            return self.start_reduce(idx, input);
+        }
+        let mut out = self.reduce_output(&idx);
+        self.ctx
+            .reduce_scatter(
+                TensorRef::new(&input),
+                TensorMut::new(&mut out),
+                ReduceOp::Avg,
+            )
+            .into_result()?;
+        self.note_peak(bytes(&input) + bytes(&out));
+        drop(input);
+        self.add_reduced(&idx, &out)
     }
 
     /// All-reduce mode: averages every gradient in one flat buffer (of the
@@ -181,7 +215,7 @@ impl Sharded {
         }
         self.units[u].done = true;
         if self.plan.shard_grads {
-            self.reduce_scatter_unit(u)?;
+            self.reduce_scatter_unit(u, self.plan.overlap.reduce)?;
         }
         // Every trainable parameter having its gradient ends the unit's
         // backward only when none is frozen: the gradient of the unit's
@@ -197,6 +231,10 @@ impl Sharded {
     }
 
     pub(super) fn finish_backward(&mut self, sync: bool) -> Result<(), PluginError> {
+        self.land_reduces()?;
+        self.drop_prefetches()?;
+        self.fwd_order.fix();
+        self.bwd_order.fix();
         if self.plan.shard_grads {
             // Units some parameter of which got no gradient (unused in this
             // forward) never completed: reduce what there is.
@@ -206,7 +244,7 @@ impl Sharded {
                     .iter()
                     .any(|&i| self.params.items[i].1.grad().defined());
                 if !self.units[u].done && reached {
-                    self.reduce_scatter_unit(u)?;
+                    self.reduce_scatter_unit(u, false)?;
                 }
             }
         } else if sync {
@@ -216,6 +254,7 @@ impl Sharded {
             self.units[u].done = false;
             self.reshard(u)?;
         }
+        self.report_overlap();
         Ok(())
     }
 }

@@ -30,7 +30,10 @@ impl DistributedStrategy for Sharded {
     }
 
     fn pre_forward(&mut self, unit: u32) -> PluginResult<()> {
-        result(self.unit_index(unit).and_then(|u| self.gather(u)))
+        result(self.unit_index(unit).and_then(|u| {
+            self.gather(u)?;
+            self.forward_started(u)
+        }))
     }
 
     fn post_forward(&mut self, unit: u32) -> PluginResult<()> {
@@ -44,12 +47,16 @@ impl DistributedStrategy for Sharded {
     }
 
     fn pre_backward(&mut self, unit: u32) -> PluginResult<()> {
-        result(self.unit_index(unit).and_then(|u| self.gather(u)))
+        result(self.unit_index(unit).and_then(|u| {
+            self.gather(u)?;
+            self.backward_reached(u, true)
+        }))
     }
 
     fn post_unit_backward(&mut self, unit: u32) -> PluginResult<()> {
         result(self.unit_index(unit).and_then(|u| {
             self.post_unit(u)?;
+            self.backward_reached(u, false)?;
             self.release_freed();
             Ok(())
         }))
@@ -60,7 +67,11 @@ impl DistributedStrategy for Sharded {
     }
 
     fn optimizer_step(&mut self, step: OptimizerStepRef<'_>) -> PluginResult<()> {
-        result(self.step(step).map(|()| self.release_freed()))
+        result(
+            self.settle()
+                .and_then(|()| self.step(step))
+                .map(|()| self.release_freed()),
+        )
     }
 
     fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
@@ -76,7 +87,7 @@ impl DistributedStrategy for Sharded {
         kind: StateDictKind,
         tensors: RSlice<'_, NamedTensorRef<'_>>,
     ) -> PluginResult<()> {
-        result(self.load(kind, tensors))
+        result(self.settle().and_then(|()| self.load(kind, tensors)))
     }
 
     fn state_dict_kind(&self) -> StateDictKind {

@@ -1,0 +1,222 @@
+//! Communication started early ([`Overlap`](crate::Overlap)): a unit's
+//! parameters gathered while the unit before it computes (prefetch), and a
+//! unit's gradients reduce-scattered while the backward of the units
+//! before it runs. Both go through the host's `*_start` collectives and
+//! land exactly as the blocking ones would.
+
+use super::Sharded;
+use crate::plan::{BackwardPrefetch, MAX_REDUCING};
+use accel_sdk::tch::Tensor;
+use accel_sdk::{
+    params::bytes,
+    tensor::{TensorMut, TensorRef},
+    PluginError,
+};
+
+/// The units in the order they first ran: recorded during the first step,
+/// then fixed, as PyTorch's FSDP records its execution order.
+#[derive(Default)]
+pub(super) struct Order {
+    units: Vec<usize>,
+    fixed: bool,
+}
+
+impl Order {
+    /// Notes that unit `u` runs now (while the order is still recorded).
+    pub(super) fn record(&mut self, u: usize) {
+        if !self.fixed && !self.units.contains(&u) {
+            self.units.push(u);
+        }
+    }
+
+    /// Ends the recording: the first step is done.
+    pub(super) fn fix(&mut self) {
+        self.fixed = true;
+    }
+
+    /// The unit that ran after `u`, once the order is known.
+    fn after(&self, u: usize) -> Option<usize> {
+        if !self.fixed {
+            return None;
+        }
+        let at = self.units.iter().position(|&v| v == u)?;
+        self.units.get(at + 1).copied()
+    }
+}
+
+/// What was started early since the last report (one backward).
+#[derive(Default)]
+pub(super) struct Counts {
+    backwards: u64,
+    prefetched: u64,
+    unused: u64,
+    reduces: u64,
+}
+
+/// A gather started ahead of its unit's use: the buffer every rank's
+/// chunks land in.
+pub(super) struct Prefetch {
+    handle: u64,
+    recv: Tensor,
+}
+
+/// A unit's gradients being reduce-scattered: the parameters they belong
+/// to and the buffer this rank's block lands in.
+pub(super) struct Reducing {
+    handle: u64,
+    idx: Vec<usize>,
+    out: Tensor,
+    /// The whole gradients sent (kept for the memory figures only: the
+    /// host holds them until the collective completes).
+    input: Tensor,
+}
+
+impl Sharded {
+    /// Starts gathering unit `u`, unless it is gathered, being gathered, or
+    /// parameters are not sharded.
+    fn prefetch(&mut self, u: usize) -> Result<(), PluginError> {
+        if !self.plan.shard_params || self.units[u].gathered || self.prefetched.contains_key(&u) {
+            return Ok(());
+        }
+        let send = self.gather_send(&self.unit_parts(u));
+        let mut recv = self.gather_recv(&send);
+        let handle = self
+            .ctx
+            .all_gather_start(TensorRef::new(&send), TensorMut::new(&mut recv))
+            .into_result()?;
+        self.prefetched.insert(u, Prefetch { handle, recv });
+        self.note_peak(bytes(&send));
+        Ok(())
+    }
+
+    /// Waits for the prefetch of unit `u` and fills its parameters.
+    pub(super) fn land_prefetch(&mut self, u: usize, flight: Prefetch) -> Result<(), PluginError> {
+        self.ctx.wait(flight.handle).into_result()?;
+        self.counts.prefetched += 1;
+        let idx = self.units[u].params.clone();
+        let wholes = self.split_whole(&idx, &flight.recv);
+        drop(flight);
+        self.fill_from(u, wholes)
+    }
+
+    /// Waits for every prefetch in flight and drops what it gathered (its
+    /// unit did not run after all, or the chunks are about to change).
+    pub(super) fn drop_prefetches(&mut self) -> Result<(), PluginError> {
+        for (_, flight) in std::mem::take(&mut self.prefetched) {
+            self.ctx.wait(flight.handle).into_result()?;
+            self.counts.unused += 1;
+        }
+        Ok(())
+    }
+
+    /// In unit `u`'s forward: notes the order and prefetches the next unit.
+    pub(super) fn forward_started(&mut self, u: usize) -> Result<(), PluginError> {
+        self.fwd_order.record(u);
+        match self.fwd_order.after(u) {
+            Some(next) if self.plan.overlap.forward_prefetch => self.prefetch(next),
+            _ => Ok(()),
+        }
+    }
+
+    /// When unit `u`'s backward starts (`pre`) or its gradients are in
+    /// (`!pre`): notes the order and prefetches the next unit as the plan's
+    /// `backward_prefetch` says.
+    pub(super) fn backward_reached(&mut self, u: usize, pre: bool) -> Result<(), PluginError> {
+        if pre {
+            self.bwd_order.record(u);
+        }
+        let wanted = match self.plan.overlap.backward_prefetch {
+            BackwardPrefetch::Off => false,
+            BackwardPrefetch::Pre => pre,
+            BackwardPrefetch::Post => !pre,
+        };
+        match self.bwd_order.after(u) {
+            Some(next) if wanted => self.prefetch(next),
+            _ => Ok(()),
+        }
+    }
+
+    /// Starts the reduce-scatter of `input` (unit gradients, laid out by
+    /// [`Sharded::reduce_input`]) of the parameters `idx` into a new buffer;
+    /// with more than [`MAX_REDUCING`] in flight, the oldest lands first.
+    pub(super) fn start_reduce(
+        &mut self,
+        idx: Vec<usize>,
+        input: Tensor,
+    ) -> Result<(), PluginError> {
+        let mut out = self.reduce_output(&idx);
+        let handle = self
+            .ctx
+            .reduce_scatter_start(
+                TensorRef::new(&input),
+                TensorMut::new(&mut out),
+                accel_sdk::ReduceOp::Avg,
+            )
+            .into_result()?;
+        self.counts.reduces += 1;
+        self.reducing.push_back(Reducing {
+            handle,
+            idx,
+            out,
+            input,
+        });
+        self.note_peak(0);
+        while self.reducing.len() > MAX_REDUCING {
+            self.land_oldest_reduce()?;
+        }
+        Ok(())
+    }
+
+    fn land_oldest_reduce(&mut self) -> Result<(), PluginError> {
+        let Some(r) = self.reducing.pop_front() else {
+            return Ok(());
+        };
+        self.ctx.wait(r.handle).into_result()?;
+        drop(r.input);
+        self.add_reduced(&r.idx, &r.out)
+    }
+
+    /// Lands every reduce-scatter in flight, oldest first.
+    pub(super) fn land_reduces(&mut self) -> Result<(), PluginError> {
+        while !self.reducing.is_empty() {
+            self.land_oldest_reduce()?;
+        }
+        Ok(())
+    }
+
+    /// Bytes held by collectives in flight (their buffers).
+    pub(super) fn in_flight_bytes(&self) -> u64 {
+        let gathers: u64 = self.prefetched.values().map(|p| bytes(&p.recv)).sum();
+        let reduces: u64 = self
+            .reducing
+            .iter()
+            .map(|r| bytes(&r.input) + bytes(&r.out))
+            .sum();
+        gathers + reduces
+    }
+
+    /// Logs (at debug level) what this backward started early, once the
+    /// order is known: `backward N: G unit gather(s) prefetched (U unused),
+    /// R reduce-scatter(s) started during backward`.
+    pub(super) fn report_overlap(&mut self) {
+        let c = &mut self.counts;
+        c.backwards += 1;
+        let line = format!(
+            "backward {}: {} unit gather(s) prefetched ({} unused), {} reduce-scatter(s) started during backward",
+            c.backwards, c.prefetched, c.unused, c.reduces
+        );
+        (c.prefetched, c.unused, c.reduces) = (0, 0, 0);
+        self.ctx.log(
+            accel_sdk::LogLevel::Debug,
+            self.plan.plugin.into(),
+            line.as_str().into(),
+        );
+    }
+
+    /// Waits for everything in flight: before the chunks change or are
+    /// read whole (a step, a load, a state dict, clipping).
+    pub(super) fn settle(&mut self) -> Result<(), PluginError> {
+        self.land_reduces()?;
+        self.drop_prefetches()
+    }
+}

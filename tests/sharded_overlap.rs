@@ -1,0 +1,232 @@
+//! The sharded strategies' overlap of communication with compute: FSDP's
+//! `fsdp_forward_prefetch` / `fsdp_backward_prefetch` (BACKWARD_PRE and
+//! BACKWARD_POST), ZeRO-3's prefetch, and every unit's gradient
+//! reduce-scatter started as its backward ends. With
+//! `accel.plugins.<plugin>.overlap_comm: false` every collective is waited
+//! for where it is issued; both give the same bits on 2 and 3 ranks, with
+//! accumulation, clipping, fp16's skipped steps and frozen parameters, and
+//! the debug lines show that the overlap really happened.
+
+use accel_integration_tests::*;
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+
+/// A `distributed_type` config of `ranks` CPU ranks: the strategy section
+/// `section`, and `overlap_comm: overlap` in `plugin`'s settings.
+fn config(
+    dir: &Path,
+    name: &str,
+    (distributed_type, plugin, section): (&str, &str, &str),
+    ranks: u32,
+    overlap: bool,
+) -> PathBuf {
+    write_config(
+        dir,
+        &format!("{name}_{ranks}_{overlap}.yaml"),
+        distributed_type,
+        ranks,
+        &format!("{section}accel:\n  plugins:\n    {plugin}:\n      overlap_comm: {overlap}\n"),
+    )
+}
+
+/// FSDP of the mlp's blocks with `prefetch` lines of `fsdp_config`.
+fn fsdp(prefetch: &str) -> String {
+    fsdp_wrapping("layers", prefetch)
+}
+
+/// FSDP wrapping `classes` with `prefetch` lines of `fsdp_config`.
+fn fsdp_wrapping(classes: &str, prefetch: &str) -> String {
+    format!(
+        "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
+         fsdp_transformer_layer_cls_to_wrap: {classes}\n{prefetch}"
+    )
+}
+
+/// What the engine's debug lines (`backward N: G unit gather(s) prefetched
+/// (U unused), R reduce-scatter(s) started during backward`) add up to:
+/// (gathers prefetched, reduce-scatters started early).
+fn started_early(out: &Output) -> (u64, u64) {
+    let number_before = |line: &str, words: &str| -> u64 {
+        line.split(words)
+            .next()
+            .and_then(|head| head.split_whitespace().last())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .filter(|l| l.contains("reduce-scatter(s) started during backward"))
+        .fold((0, 0), |(g, r), l| {
+            (
+                g + number_before(l, " unit gather(s) prefetched"),
+                r + number_before(l, " reduce-scatter(s) started"),
+            )
+        })
+}
+
+/// Runs `launch(config)` with overlap on and off; asserts both succeed
+/// with byte-identical weights (`weights(dir)` after each run) and that
+/// with overlap on gathers were prefetched (when `prefetches`) and
+/// reduce-scatters started during backward, and with it off none.
+fn same_bits(
+    what: &str,
+    strategy: (&str, &str, &str),
+    ranks: u32,
+    prefetches: bool,
+    launch: impl Fn(&Path, &Path) -> Output,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut weights = Vec::new();
+    for overlap in [true, false] {
+        let cfg = config(dir.path(), "c", strategy, ranks, overlap);
+        let save = dir.path().join(format!("w_{overlap}.safetensors"));
+        let out = launch(&cfg, &save);
+        assert!(out.status.success(), "{what}: {}", describe(&out));
+        let (gathers, reduces) = started_early(&out);
+        if overlap {
+            assert!(reduces > 0, "{what}: no reduce-scatter started early");
+            assert_eq!(
+                gathers > 0,
+                prefetches,
+                "{what}: {gathers} gathers prefetched"
+            );
+        } else {
+            assert_eq!((gathers, reduces), (0, 0), "{what}: overlap off");
+        }
+        weights.push(std::fs::read(&save).unwrap());
+    }
+    assert!(
+        weights[0] == weights[1],
+        "{what} on {ranks} ranks: the weights differ with and without overlap"
+    );
+}
+
+/// mlp with `args` under `config`, saving to `save`, engine debug lines on.
+fn mlp_run(config: &Path, save: &Path, args: &[&str]) -> Output {
+    launch_with_config(config, args)
+        .args(["--save", save.to_str().unwrap()])
+        .env("ACCEL_LOG", "plugin=debug")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn prefetch_and_early_reduce_scatter_give_the_same_bits_on_2_and_3_ranks() {
+    let full_pre = fsdp("  fsdp_forward_prefetch: true\n  fsdp_backward_prefetch: BACKWARD_PRE\n");
+    let grad_op_post =
+        fsdp("  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_backward_prefetch: BACKWARD_POST\n");
+    let none = fsdp("  fsdp_backward_prefetch: NO_PREFETCH\n");
+    let cases = [
+        // (what, strategy, gathers prefetched)
+        (
+            "FULL_SHARD, forward + BACKWARD_PRE",
+            ("FSDP", "accel-fsdp", full_pre.as_str()),
+            true,
+        ),
+        // SHARD_GRAD_OP keeps units gathered from forward to backward:
+        // nothing is left to prefetch.
+        (
+            "SHARD_GRAD_OP, BACKWARD_POST",
+            ("FSDP", "accel-fsdp", grad_op_post.as_str()),
+            false,
+        ),
+        (
+            "FULL_SHARD, NO_PREFETCH",
+            ("FSDP", "accel-fsdp", none.as_str()),
+            false,
+        ),
+        (
+            "ZeRO-3",
+            (
+                "DEEPSPEED",
+                "accel-zero",
+                "deepspeed_config:\n  zero_stage: 3\n",
+            ),
+            true,
+        ),
+    ];
+    let args = adamw_mlp_args("4", &["--grad-accum", "2", "--max-grad-norm", "0.5"]);
+    for ranks in [2, 3] {
+        for (what, strategy, prefetches) in cases {
+            same_bits(what, strategy, ranks, prefetches, |cfg, save| {
+                mlp_run(cfg, save, &args)
+            });
+        }
+    }
+}
+
+#[test]
+fn fp16_skipped_steps_are_the_same_bits_with_overlap() {
+    let full = fsdp("  fsdp_forward_prefetch: true\n  fsdp_backward_prefetch: BACKWARD_PRE\n");
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("loss.jsonl");
+    // The default mlp's size overflows fp16 at the first loss scale.
+    let extra = [
+        "--layers",
+        "4",
+        "--mixed-precision",
+        "fp16",
+        "--grad-accum",
+        "2",
+    ];
+    let args = [
+        &adamw_args("8", &extra)[..],
+        &["--loss-log", log.to_str().unwrap()],
+    ]
+    .concat();
+    same_bits(
+        "FULL_SHARD fp16",
+        ("FSDP", "accel-fsdp", full.as_str()),
+        2,
+        true,
+        |cfg, save| mlp_run(cfg, save, &args),
+    );
+    let records = loss_records(&log);
+    assert!(
+        records.iter().any(|r| r["skipped"] == true),
+        "fp16 skipped no step: {records:?}"
+    );
+}
+
+#[test]
+fn frozen_parameters_keep_their_units_gathered_and_the_same_bits() {
+    let full = fsdp_wrapping(
+        "block0,block1,head",
+        "  fsdp_forward_prefetch: true\n  fsdp_backward_prefetch: BACKWARD_PRE\n",
+    );
+    for ranks in [2, 3] {
+        same_bits(
+            "FULL_SHARD with frozen block0.w",
+            ("FSDP", "accel-fsdp", full.as_str()),
+            ranks,
+            true,
+            |cfg, save| freeze_probe(cfg, save, &["block0.w"]),
+        );
+    }
+}
+
+/// freeze-probe (2 blocks, the named parameters frozen, 2 micro-steps a
+/// step) under `config`, its weights copied to `save`.
+fn freeze_probe(config: &Path, save: &Path, frozen: &[&str]) -> Output {
+    let dir = save.parent().unwrap().join("probe");
+    std::fs::create_dir_all(&dir).unwrap();
+    write_freeze_probe_init(&dir);
+    let out = Command::new(accel_bin())
+        .args(["launch", "-q", "--config_file"])
+        .arg(config)
+        .arg(build_bin("accel-integration-tests", "freeze-probe"))
+        .arg(&dir)
+        .args(frozen)
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .env("HF_HOME", no_hf_home())
+        .env("ACCEL_LOG", "plugin=debug")
+        .env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")
+        .output()
+        .unwrap();
+    if out.status.success() {
+        std::fs::copy(dir.join("out.safetensors"), save).unwrap();
+    }
+    out
+}
