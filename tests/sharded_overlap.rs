@@ -1,7 +1,7 @@
 //! The sharded strategies' overlap of communication with compute: FSDP's
 //! `fsdp_forward_prefetch` / `fsdp_backward_prefetch` (BACKWARD_PRE and
 //! BACKWARD_POST), ZeRO-3's prefetch, and every unit's gradient
-//! reduce-scatter started as its backward ends. With
+//! reduce-scatter started as its backward ends (FSDP, ZeRO-2 and ZeRO-3). With
 //! `accel.plugins.<plugin>.overlap_comm: false` every collective is waited
 //! for where it is issued; both give the same bits on 2 and 3 ranks, with
 //! accumulation, clipping, fp16's skipped steps and frozen parameters, and
@@ -135,6 +135,17 @@ fn prefetch_and_early_reduce_scatter_give_the_same_bits_on_2_and_3_ranks() {
         (
             "FULL_SHARD, NO_PREFETCH",
             ("FSDP", "accel-fsdp", none.as_str()),
+            false,
+        ),
+        // ZeRO-2: parameters whole, each module's gradients reduced as
+        // they are in.
+        (
+            "ZeRO-2",
+            (
+                "DEEPSPEED",
+                "accel-zero",
+                "deepspeed_config:\n  zero_stage: 2\n",
+            ),
             false,
         ),
         (

@@ -101,14 +101,15 @@ pub struct Overlap {
     /// In backward, start gathering the unit whose backward comes next.
     pub backward_prefetch: BackwardPrefetch,
     /// Start a unit's gradient reduce-scatter as soon as its backward is
-    /// done and wait for it while later units compute (at most
+    /// done and wait for it when the next unit's starts (at most
     /// [`MAX_REDUCING`] in flight, so the whole gradients waiting to be
-    /// reduced stay bounded); DeepSpeed's `overlap_comm`.
+    /// reduced stay bounded: each hides behind one unit's backward);
+    /// DeepSpeed's `overlap_comm`.
     pub reduce: bool,
 }
 
 /// Reduce-scatters [`Overlap::reduce`] keeps in flight at once.
-pub const MAX_REDUCING: usize = 2;
+pub const MAX_REDUCING: usize = 1;
 
 impl Overlap {
     /// Nothing started early: every collective waited for where it is

@@ -20,8 +20,8 @@
 //! | DDP | P | P | 2P | 4P + one bucket (min(P, bucket_cap_mb)) |
 //! | ZeRO-1 | P + P/N (the partition's copy) | P + P/N | 2P/N | 2P + 4P/N |
 //! | ZeRO-2 | P + P/N | P/N | 2P/N | 2P + 4P/N (full gradients during backward) |
-//! | ZeRO-3 | P/N | P/N | 2P/N | 4P/N + 2L (one unit gathered, its gradients) |
-//! | FSDP (FULL_SHARD) | P/N | P/N | 2P/N | 4P/N + 3L (the next unit prefetched too) |
+//! | ZeRO-3 | P/N | P/N | 2P/N | 4P/N + 4L (a unit gathered with its gradients or the next prefetched, and the gradients of the two units whose reduce-scatter is in flight) |
+//! | FSDP (FULL_SHARD) | P/N | P/N | 2P/N | 4P/N + 4L (the same) |
 //!
 //! A "layer" is what Accelerate treats as one: the tensors under a numbered
 //! block (`transformer.h.3.*`), else those of one module
@@ -229,8 +229,8 @@ pub fn per_rank(p: u64, l: u64, n: u64, bucket_bytes: u64) -> Vec<RankMemory> {
         row("DDP", p, p, 2 * p, 4 * p + p.min(bucket_bytes)),
         row("ZeRO-1", p + shard, p + shard, 2 * shard, 2 * p + 4 * shard),
         row("ZeRO-2", p + shard, shard, 2 * shard, 2 * p + 4 * shard),
-        row("ZeRO-3", shard, shard, 2 * shard, 4 * shard + 2 * l),
-        row("FSDP", shard, shard, 2 * shard, 4 * shard + 3 * l),
+        row("ZeRO-3", shard, shard, 2 * shard, 4 * shard + 4 * l),
+        row("FSDP", shard, shard, 2 * shard, 4 * shard + 4 * l),
     ]
 }
 
@@ -449,7 +449,7 @@ pub fn run(
     )?;
     writeln!(
         out,
-        "fp32 parameters and Adam moments, activations not included; the ZeRO-3 and FSDP peaks add 2 and 3 times the largest layer ({}) for the unit being gathered",
+        "fp32 parameters and Adam moments, activations not included; the ZeRO-3 and FSDP peaks add 4 times the largest layer ({}) for the units being gathered and reduced",
         human(l as f64)
     )?;
     Ok(0)
@@ -483,8 +483,8 @@ mod tests {
         assert_eq!(r[0].peak_bytes, 5000);
         assert_eq!(r[1].optimizer_bytes, 500);
         assert_eq!(r[2].grad_bytes, 250);
-        assert_eq!((r[3].param_bytes, r[3].peak_bytes), (250, 1200));
-        assert_eq!(r[4].peak_bytes, 1300);
+        assert_eq!((r[3].param_bytes, r[3].peak_bytes), (250, 1400));
+        assert_eq!(r[4].peak_bytes, 1400);
     }
 
     #[test]

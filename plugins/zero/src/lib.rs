@@ -5,7 +5,9 @@
 //! * stage 1: optimizer state partitioned: each rank steps on its chunk of
 //!   every parameter, then the chunks are all-gathered into the parameters.
 //! * stage 2: gradients partitioned too: reduce-scattered (averaged) into
-//!   the chunks' gradients once backward is done; whole gradients freed.
+//!   the chunks' gradients, module by module as each module's gradients
+//!   are in (started during backward, as DeepSpeed's `overlap_comm`);
+//!   whole gradients freed.
 //! * stage 3: parameters partitioned too: every module (the VarStore path
 //!   holding a parameter, `layers.3.fc1`) is a unit, gathered for its
 //!   forward and backward inside `Accelerator::forward` / `ForwardScope::unit`
@@ -82,14 +84,16 @@ fn plan(s: &settings::Settings) -> Plan {
 }
 
 /// Units: one per module (the path before a parameter's last segment) at
-/// stage 3, where parameters are gathered per module; otherwise one root
-/// unit. Top-level parameters (no `.`) belong to the root unit.
+/// stage 3, where parameters are gathered per module, and at stage 2,
+/// where each module's gradients are reduce-scattered as soon as they are
+/// in; otherwise one root unit. Top-level parameters (no `.`) belong to the
+/// root unit.
 fn module_units(stage: u8, names: &[String]) -> Vec<(String, Vec<usize>)> {
     let mut units: Vec<(String, Vec<usize>)> = Vec::new();
     let mut root = Vec::new();
     for (i, name) in names.iter().enumerate() {
         match name.rsplit_once('.') {
-            Some((module, _)) if stage >= 3 => match units.iter_mut().find(|(m, _)| m == module) {
+            Some((module, _)) if stage >= 2 => match units.iter_mut().find(|(m, _)| m == module) {
                 Some((_, idx)) => idx.push(i),
                 None => units.push((module.to_owned(), vec![i])),
             },
@@ -134,7 +138,7 @@ mod tests {
     }
 
     #[test]
-    fn stage_3_makes_a_unit_per_module() {
+    fn stages_2_and_3_make_a_unit_per_module() {
         let n = names(&["bias", "layers.0.weight", "layers.0.bias", "head.weight"]);
         assert_eq!(
             module_units(3, &n),
@@ -144,6 +148,7 @@ mod tests {
                 (String::new(), vec![0]),
             ]
         );
-        assert_eq!(module_units(2, &n), vec![(String::new(), vec![0, 1, 2, 3])]);
+        assert_eq!(module_units(2, &n), module_units(3, &n));
+        assert_eq!(module_units(1, &n), vec![(String::new(), vec![0, 1, 2, 3])]);
     }
 }

@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# Throughput side by side, in one run, on 2 CPU ranks: the mlp example small
+# (hidden 128, batch 32 per rank) and big (hidden 1024, batch 256 per rank)
+# and the gpt2 example (6 layers, n_embd 384, 6 heads, block 128, batch 8
+# per rank, AdamW), each under accel DDP (gradient all-reduces overlapped
+# with backward, and not), FSDP FULL_SHARD and ZeRO-3 (prefetch and
+# reduce-scatter overlap on: the defaults, plus `fsdp_forward_prefetch` and
+# `fsdp_backward_prefetch: BACKWARD_PRE` as `accelerate config` writes
+# them), beside Python Accelerate DDP (torchrun, 2 gloo ranks) on the same
+# model, data and optimizer, and one process alone on the same global batch
+# (the same program without `accel launch`: every core, no communication;
+# the ceiling). With LOAD=1 the same runs happen with one competing
+# CPU-bound process per core.
+#
+# Every cell is the median steps/s of REPEATS runs; the runs of one workload
+# alternate columns (accel, peer, ..., accel, peer, ...) so that a drift of
+# the machine hits every column alike. The exposed fraction is DDP's
+# communication time left after backward with overlap (the mean per synced
+# step the plugin logs at debug level) over the same time without overlap
+# (all of the all-reduce), rank 0's.
+#
+# Usage: bash benches/throughput.sh [OUT_DIR]   (needs scripts/bootstrap.sh)
+#   env: REPEATS=3 LOAD=0|1 GPT2_STEPS=20 MLP_SMALL_STEPS=1500 MLP_BIG_STEPS=100
+#        WORKLOADS="mlp_small mlp_big gpt2" UPDATE_BENCHMARKS=0|1
+# Writes OUT_DIR/throughput.jsonl (one object per run), OUT_DIR/throughput.md
+# (the table, also printed) and, with UPDATE_BENCHMARKS=1, the block between
+# the throughput markers of BENCHMARKS.md (`throughput` or `throughput-load`).
+source "$(dirname "$0")/common.sh" target/bench-results/throughput "${1:-}"
+repeats=${REPEATS:-3}
+load=${LOAD:-0}
+workloads=${WORKLOADS:-mlp_small mlp_big gpt2}
+cargo build --release -q -p accel -p accel-ddp -p accel-fsdp -p accel-zero -p accel-examples
+rel=$PWD/target/release
+mlp_peer=benches/peers/accelerate_mlp.py
+gpt2_peer=tests/peers/gpt2_reference.py
+
+# --- inputs -------------------------------------------------------------------
+for h in 128 1024; do
+    [ -f "$out/h$h/data.safetensors" ] || { mkdir -p "$out/h$h"; python benches/peers/make_inputs.py "$out/h$h" "$h" 16384; }
+done
+[ -d "$out/gpt2" ] || python "$gpt2_peer" init "$out/gpt2" --n-layer 6 --n-embd 384 --n-head 6 \
+    --vocab-size 8192 --n-positions 256 --seed 0
+[ -f "$out/tokens.bin" ] || python - "$out/tokens.bin" <<'PY'
+import sys, numpy as np
+np.random.default_rng(0).integers(0, 8192, 2_000_000, dtype=np.uint16).tofile(sys.argv[1])
+PY
+
+# --- configs: one per accel column --------------------------------------------
+config() {  # NAME BODY
+    printf 'num_processes: 2\nuse_cpu: true\n%s\n' "$2" >"$out/$1.yaml"
+}
+config ddp "distributed_type: MULTI_CPU
+accel:
+  plugins:
+    accel-ddp: {overlap_comm: true}"
+config ddp_no_overlap "distributed_type: MULTI_CPU
+accel:
+  plugins:
+    accel-ddp: {overlap_comm: false}"
+config fsdp "distributed_type: FSDP
+fsdp_config:
+  fsdp_sharding_strategy: FULL_SHARD
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_forward_prefetch: true
+  fsdp_backward_prefetch: BACKWARD_PRE"
+config zero3 "distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 3"
+columns=(ddp ddp_no_overlap fsdp zero3 peer single)
+
+# --- workloads ------------------------------------------------------------------
+# args WORKLOAD BATCH: the program's arguments (accel and peer take the same).
+args() {
+    case $1 in
+        mlp_small) echo --data "$out/h128/data.safetensors" --init "$out/h128/init.safetensors" \
+            --hidden 128 --batch-size "$2" --steps "${MLP_SMALL_STEPS:-1500}" --lr 0.01 ;;
+        mlp_big) echo --data "$out/h1024/data.safetensors" --init "$out/h1024/init.safetensors" \
+            --hidden 1024 --batch-size "$2" --steps "${MLP_BIG_STEPS:-100}" --lr 0.001 ;;
+        gpt2) echo --model "$out/gpt2" --data "$out/tokens.bin" --block-size 128 --batch-size "$2" \
+            --steps "${GPT2_STEPS:-20}" --lr 3e-4 --weight-decay 0.01 --data-seed 1 ;;
+    esac
+}
+batch() { case $1 in mlp_small) echo 32 ;; mlp_big) echo 256 ;; gpt2) echo 8 ;; esac; }
+tokens_per_step() { case $1 in gpt2) echo $((8 * 128 * 2)) ;; *) echo 0 ;; esac; }
+# FSDP's units: every GPT2Block of gpt2, the mlp's three Linear layers.
+units() { case $1 in gpt2) echo GPT2Block ;; *) echo l1,l2,l3 ;; esac; }
+
+# run_one WORKLOAD COLUMN LOG: one run; its output in LOG.
+run_one() {
+    local w=$1 c=$2 log=$3 port=$((29600 + RANDOM % 300)) b prog=$rel/mlp extra=()
+    b=$(batch "$w")
+    [ "$w" = gpt2 ] && prog=$rel/gpt2
+    [ "$w" = gpt2 ] || extra=(--optimizer sgd)
+    # shellcheck disable=SC2046
+    case $c in
+        peer)
+            local script=$mlp_peer
+            [ "$w" = gpt2 ] && script="$gpt2_peer train"
+            torchrun --nproc_per_node 2 --master_port $port $script $(args "$w" "$b") ;;
+        single)
+            "$prog" $(args "$w" $((2 * b))) "${extra[@]}" ;;
+        *)
+            local flags=()
+            [ "$c" = fsdp ] && flags=(--fsdp_transformer_layer_cls_to_wrap "$(units "$w")")
+            ACCEL_LOG=plugin=debug "$rel/accel" launch -q --config_file "$out/$c.yaml" "${flags[@]}" \
+                "$prog" $(args "$w" "$b") "${extra[@]}" ;;
+    esac >"$log" 2>&1 || { cat "$log" >&2; echo "throughput.sh: $w under $c failed" >&2; exit 1; }
+}
+
+# --- competing load -----------------------------------------------------------
+hogs=()
+stop_hogs() { for p in "${hogs[@]}"; do kill "$p" 2>/dev/null || true; done; }
+trap stop_hogs EXIT
+if [ "$load" = 1 ]; then
+    for _ in $(seq "$(nproc)"); do python -c 'while True: pass' & hogs+=($!); done
+fi
+
+: >"$out/throughput.jsonl"
+for w in $workloads; do
+    echo "== $w: ${columns[*]} x $repeats (load=$load)"
+    for r in $(seq "$repeats"); do
+        for c in "${columns[@]}"; do
+            log="$out/$w.$c.$r.log"
+            run_one "$w" "$c" "$log"
+            python - "$w" "$c" "$r" "$log" "$(tokens_per_step "$w")" "$load" <<'PY' | tee -a "$out/throughput.jsonl"
+import json, re, sys
+w, c, r, log, tps, load = sys.argv[1:]
+text = open(log).read()
+sps = [float(x) for x in re.findall(r"([\d.]+) steps/s", text)]
+if not sps:
+    sys.exit(f"{log}: no steps/s line:\n{text}")
+row = {"workload": w, "column": c, "run": int(r), "load": int(load), "steps_per_s": sps[-1]}
+if int(tps):
+    row["tokens_per_s"] = round(sps[-1] * int(tps))
+# The ddp plugin's debug lines: the mean communication time per synced step
+# left after backward; the first rank's last line covers every sync.
+means = re.findall(r"mean ([\d.]+) ms over (\d+) syncs", text)
+if means:
+    syncs = max(int(n) for _, n in means)
+    row["comm_ms_per_step"] = next(float(m) for m, n in means if int(n) == syncs)
+print(json.dumps(row))
+PY
+        done
+    done
+done
+
+python - "$out/throughput.jsonl" "$load" <<'PY' | tee "$out/throughput.md"
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+load = sys.argv[2] == "1"
+names = {"ddp": "accel DDP", "ddp_no_overlap": "accel DDP, no overlap",
+         "fsdp": "accel FSDP FULL_SHARD", "zero3": "accel ZeRO-3", "peer": "Python Accelerate DDP",
+         "single": "one process, global batch"}
+work = {"mlp_small": "mlp h128 b32", "mlp_big": "mlp h1024 b256", "gpt2": "gpt2 6x384 b8 block128"}
+def med(w, c, key="steps_per_s"):
+    vals = [r[key] for r in rows if r["workload"] == w and r["column"] == c and key in r]
+    return statistics.median(vals) if vals else None
+print(f"2 CPU ranks{', one competing CPU-bound process per core' if load else ', quiet machine'}; "
+      "median steps/s of the runs (× Python Accelerate DDP; FSDP and ZeRO-3 also × accel DDP)\n")
+print("| workload | " + " | ".join(names.values()) + " | DDP all-reduce exposed after backward |")
+print("|---" * (len(names) + 2) + "|")
+for w in work:
+    if not any(r["workload"] == w for r in rows):
+        continue
+    peer, ddp = med(w, "peer"), med(w, "ddp")
+    def cell(c):
+        v = med(w, c)
+        text = f"{v:.2f} ({v / peer:.2f}×"
+        if c in ("fsdp", "zero3"):
+            text += f", {v / ddp:.2f}× DDP"
+        if c == "ddp":
+            text += f", {v / med(w, 'single'):.0%} of one process"
+        return text + ")"
+    on, off = med(w, "ddp", "comm_ms_per_step"), med(w, "ddp_no_overlap", "comm_ms_per_step")
+    exposed = f"{on:.1f} of {off:.1f} ms ({on / off:.0%})" if on is not None and off else "-"
+    print(f"| {work[w]} | " + " | ".join(cell(c) for c in names) + f" | {exposed} |")
+PY
+
+if [ "${UPDATE_BENCHMARKS:-0}" = 1 ]; then
+    python - "$out/throughput.md" "$load" <<'PY'
+import sys
+table, load = open(sys.argv[1]).read(), sys.argv[2]
+tag = "throughput-load" if load == "1" else "throughput"
+begin, end = f"<!-- {tag}: written by benches/throughput.sh -->", f"<!-- end {tag} -->"
+text = open("BENCHMARKS.md").read()
+block = f"{begin}\n{table}{end}"
+if begin in text:
+    a = text.index(begin)
+    b = text.index(end, a) + len(end)
+    text = text[:a] + block + text[b:]
+else:
+    text = text.rstrip("\n") + "\n\n" + block + "\n"
+open("BENCHMARKS.md", "w").write(text)
+PY
+fi
