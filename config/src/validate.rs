@@ -471,7 +471,11 @@ fn fsdp_key_name(raw: String, k: &Node, ctx: &mut Ctx) -> String {
         name = format!("fsdp_{name}");
     }
     if name == "fsdp_backward_prefetch_policy" {
-        ctx.warn(k.mark, "fsdp_config.fsdp_backward_prefetch_policy", "`fsdp_backward_prefetch_policy` is deprecated; read as `fsdp_backward_prefetch`");
+        ctx.warn(
+            k.mark,
+            "fsdp_config.fsdp_backward_prefetch_policy",
+            "`fsdp_backward_prefetch_policy` is deprecated; read as `fsdp_backward_prefetch`",
+        );
         name = "fsdp_backward_prefetch".into();
     }
     name
@@ -503,7 +507,13 @@ fn check_entries<'n>(
         }
         let kept = match keys.iter().find(|s| s.name == name) {
             Some(spec) => check_value(spec, &full, v, ctx).ok(),
-            None => unknown(ctx, k, v, &full, &did_you_mean(&name, keys.iter().map(|s| s.name))),
+            None => unknown(
+                ctx,
+                k,
+                v,
+                &full,
+                &did_you_mean(&name, keys.iter().map(|s| s.name)),
+            ),
         };
         match kept {
             Some(val) => {
@@ -529,7 +539,7 @@ fn check_accel(node: &Node, ctx: &mut Ctx) -> Result<Map<String, Value>, ()> {
         }
     };
     let entries = dedup("accel", entries, ctx);
-    check_entries("accel", ACCEL_KEYS, entries, ctx, |ctx, k, _, full, hint| {
+    let unknown = |ctx: &mut Ctx, k: &Node, _: &Node, full: &str, hint: &str| -> Option<Value> {
         ctx.err(
             k.mark,
             full,
@@ -539,7 +549,8 @@ fn check_accel(node: &Node, ctx: &mut Ctx) -> Result<Map<String, Value>, ()> {
             ),
         );
         None
-    })
+    };
+    check_entries("accel", ACCEL_KEYS, entries, ctx, unknown)
 }
 
 /// Validates a whole document. On success gives the config and the warnings;

@@ -49,7 +49,13 @@ fn sync_every(settings: &str) -> Result<u64, PluginError> {
 
 fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError> {
     let sync_every = sync_every(settings)?;
-    Ok(Replicated::into_box(ctx, LocalSgd { sync_every, steps: 0 }))
+    Ok(Replicated::into_box(
+        ctx,
+        LocalSgd {
+            sync_every,
+            steps: 0,
+        },
+    ))
 }
 
 /// The strategy's description in the plugin registry.
