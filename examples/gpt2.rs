@@ -450,22 +450,11 @@ fn evaluate(
             .iter()
             .map(|&k| eval.get(k))
             .collect::<Result<Vec<_>, _>>()?;
-        let ids = Tensor::stack(
-            &samples
-                .iter()
-                .map(|s| s["input_ids"].shallow_clone())
-                .collect::<Vec<_>>(),
-            0,
-        )
-        .to_device(device);
-        let labels = Tensor::stack(
-            &samples
-                .iter()
-                .map(|s| s["labels"].shallow_clone())
-                .collect::<Vec<_>>(),
-            0,
-        )
-        .to_device(device);
+        let stacked = |key: &str| {
+            let column: Vec<Tensor> = samples.iter().map(|s| s[key].shallow_clone()).collect();
+            Tensor::stack(&column, 0).to_device(device)
+        };
+        let (ids, labels) = (stacked("input_ids"), stacked("labels"));
         let vocab = model.config.vocab_size;
         check_ids(&ids, vocab, &|| {
             format!("--eval-data {}", eval.path().display())

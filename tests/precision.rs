@@ -224,8 +224,14 @@ fn optimizers_match_torch_optim_over_100_steps() {
     }
 }
 
-/// A one-process Accelerator with `mixed_precision` and a 2-parameter model.
-fn tiny(mp: &str, settings: Value) -> (Accelerator, tch::nn::VarStore) {
+/// A one-process Accelerator with `mixed_precision`, its 2-parameter model
+/// `fc` (weights 0.5), an optimizer, an input batch `x` and the weight `w`:
+/// `(acc, vs, opt, x, w)`.
+fn tiny(
+    mp: &str,
+    settings: Value,
+    optimizer: OptimizerConfig,
+) -> (Accelerator, tch::nn::VarStore, Optimizer, Tensor, Tensor) {
     let mut acc = Accelerator::builder()
         .mixed_precision(mp)
         .precision_settings(settings)
@@ -240,15 +246,16 @@ fn tiny(mp: &str, settings: Value) -> (Accelerator, tch::nn::VarStore) {
         }
     });
     acc.prepare_model(&mut vs).unwrap();
-    (acc, vs)
+    let opt = acc.prepare_optimizer(optimizer).unwrap();
+    let x = Tensor::ones([8, 4], (Kind::Float, tch::Device::Cpu));
+    let w = vs.variables()["fc.weight"].shallow_clone();
+    (acc, vs, opt, x, w)
 }
 
 #[test]
 fn fp16_skips_exactly_the_step_with_an_injected_inf_and_halves_the_scale() {
-    let (mut acc, vs) = tiny("fp16", json!({"init_scale": 1024.0, "growth_interval": 3}));
-    let mut opt = acc.prepare_optimizer(OptimizerConfig::sgd(0.1)).unwrap();
-    let x = Tensor::ones([8, 4], (Kind::Float, tch::Device::Cpu));
-    let w = vs.variables()["fc.weight"].shallow_clone();
+    let settings = json!({"init_scale": 1024.0, "growth_interval": 3});
+    let (mut acc, vs, mut opt, x, w) = tiny("fp16", settings, OptimizerConfig::sgd(0.1));
     let mut scales = Vec::new();
     for step in 0..6 {
         let before = snapshot(&vs);
@@ -273,10 +280,7 @@ fn fp16_skips_exactly_the_step_with_an_injected_inf_and_halves_the_scale() {
 
 #[test]
 fn a_non_finite_loss_without_fp16_is_counted() {
-    let (mut acc, vs) = tiny("no", json!({}));
-    let mut opt = acc.prepare_optimizer(OptimizerConfig::sgd(0.1)).unwrap();
-    let x = Tensor::ones([8, 4], (Kind::Float, tch::Device::Cpu));
-    let w = vs.variables()["fc.weight"].shallow_clone();
+    let (mut acc, _vs, mut opt, x, w) = tiny("no", json!({}), OptimizerConfig::sgd(0.1));
     for step in 0..4 {
         let mut loss = x.matmul(&w.tr()).square().mean(Kind::Float);
         if step == 1 {
@@ -294,10 +298,7 @@ fn a_non_finite_loss_without_fp16_is_counted() {
 
 #[test]
 fn bf16_autocast_yields_bf16_on_cpu_and_weights_stay_fp32() {
-    let (mut acc, vs) = tiny("bf16", json!({}));
-    let mut opt = acc.prepare_optimizer(OptimizerConfig::adamw(0.01)).unwrap();
-    let x = Tensor::ones([8, 4], (Kind::Float, tch::Device::Cpu));
-    let w = vs.variables()["fc.weight"].shallow_clone();
+    let (mut acc, vs, mut opt, x, w) = tiny("bf16", json!({}), OptimizerConfig::adamw(0.01));
     let out = acc.autocast(|| x.matmul(&w.tr())).unwrap();
     assert_eq!(out.kind(), Kind::BFloat16);
     assert_eq!(x.matmul(&w.tr()).kind(), Kind::Float, "autocast ended");

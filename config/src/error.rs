@@ -151,6 +151,16 @@ impl fmt::Display for ConfigError {
     }
 }
 
+/// Names in backticks, comma-separated: `` `a`, `b` ``, as messages and
+/// the reference list allowed values and candidates.
+pub fn quoted_list(names: &[&str]) -> String {
+    names
+        .iter()
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// "did you mean `x`?" for `word` among `candidates`, if one is close.
 pub fn suggest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
     let mut best: Option<Close<'a>> = None;

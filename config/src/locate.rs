@@ -185,28 +185,32 @@ mod tests {
     fn the_first_whole_key_path_a_message_names_wins() {
         let k = keys(FILE);
         let named = |m: &str| k.named_in(m).map(|(p, _)| p.to_owned());
-        assert_eq!(
-            named("plugin `accel-fsdp`: fsdp_config.fsdp_version must be 1 or 2, got 3"),
-            Some("fsdp_config.fsdp_version".into())
-        );
-        // Not a prefix of a longer key, not a suffix of a longer word.
-        assert_eq!(
-            named("fsdp_config.fsdp_version_x is odd"),
-            Some("fsdp_config.fsdp_version_x".into())
-        );
-        assert_eq!(
-            named("fsdp_config.fsdp_mixed_precision_policy.param_dtype bf16 needs mixed_precision: bf16"),
-            Some("fsdp_config.fsdp_mixed_precision_policy.param_dtype".into())
-        );
-        // The first mentioned, not the longest.
-        assert_eq!(
-            named("mixed_precision is fp16 but fsdp_config.fsdp_version is 1"),
-            Some("mixed_precision".into())
-        );
-        assert_eq!(
-            named("accel.plugins.accel-fsdp.bucket_mb must be positive."),
-            Some("accel.plugins.accel-fsdp.bucket_mb".into())
-        );
+        for (message, key) in [
+            (
+                "plugin `accel-fsdp`: fsdp_config.fsdp_version must be 1 or 2, got 3",
+                "fsdp_config.fsdp_version",
+            ),
+            // Not a prefix of a longer key, not a suffix of a longer word.
+            (
+                "fsdp_config.fsdp_version_x is odd",
+                "fsdp_config.fsdp_version_x",
+            ),
+            (
+                "fsdp_config.fsdp_mixed_precision_policy.param_dtype bf16 needs mixed_precision: bf16",
+                "fsdp_config.fsdp_mixed_precision_policy.param_dtype",
+            ),
+            // The first mentioned, not the longest.
+            (
+                "mixed_precision is fp16 but fsdp_config.fsdp_version is 1",
+                "mixed_precision",
+            ),
+            (
+                "accel.plugins.accel-fsdp.bucket_mb must be positive.",
+                "accel.plugins.accel-fsdp.bucket_mb",
+            ),
+        ] {
+            assert_eq!(named(message), Some(key.to_owned()), "{message}");
+        }
         assert_eq!(named("settings are not JSON"), None);
     }
 

@@ -645,17 +645,7 @@ mod tests {
 
     #[test]
     fn alias_bomb_is_an_error() {
-        let mut t = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
-        for i in 0..8 {
-            let prev = if i == 0 {
-                "a".to_string()
-            } else {
-                format!("l{}", i - 1)
-            };
-            t.push_str(&format!(
-                "l{i}: &l{i} [*{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}]\n"
-            ));
-        }
+        let t = accel_test_kit::yaml_alias_bomb(8);
         let e = parse(&t, Format::Yaml).unwrap_err();
         assert!(e.message.contains("more than"), "{}", e.message);
     }

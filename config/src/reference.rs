@@ -2,6 +2,7 @@
 //! `config/README.md` holds its output between two markers, and a test
 //! fails when they differ, so the documentation cannot drift from the keys.
 
+use crate::error::quoted_list;
 use crate::schema::{self, Builtin, KeySpec, Kind, Owner, Scope, TOP_LEVEL_KEYS};
 
 /// The line before the generated reference in `config/README.md`.
@@ -11,13 +12,6 @@ pub const END: &str = "<!-- end of generated reference -->";
 
 /// A key's type and allowed values, as the reference shows them.
 fn type_of(kind: Kind) -> String {
-    let listed = |values: &[&str]| {
-        values
-            .iter()
-            .map(|v| format!("`{v}`"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
     match kind {
         Kind::Bool => "bool".into(),
         Kind::YesNo => "bool (written `'yes'`/`'no'`)".into(),
@@ -30,16 +24,16 @@ fn type_of(kind: Kind) -> String {
         Kind::GpuIds => "`all` or `\"0,1,...\"`".into(),
         Kind::Enum { values, any_case } => {
             let case = if any_case { " *(any case)*" } else { "" };
-            format!("{}{case}", listed(values))
+            format!("{}{case}", quoted_list(values))
         }
         Kind::DistributedType => format!(
             "{}, or a value a strategy plugin claims; SageMaker: {}",
-            listed(schema::DISTRIBUTED_TYPES),
-            listed(schema::SAGEMAKER_DISTRIBUTED_TYPES)
+            quoted_list(schema::DISTRIBUTED_TYPES),
+            quoted_list(schema::SAGEMAKER_DISTRIBUTED_TYPES)
         ),
         Kind::ShardingStrategy => format!(
             "{} *(any case; 1–5: Accelerate's old numbers)*",
-            listed(schema::FSDP_SHARDING_STRATEGIES)
+            quoted_list(schema::FSDP_SHARDING_STRATEGIES)
         ),
         Kind::ReshardAfterForward => "bool (FSDP2) or a sharding strategy (FSDP1)".into(),
         Kind::Any => "any".into(),

@@ -451,39 +451,75 @@ fn check_section(
             return Err(());
         }
     };
+    let entries = dedup(path, entries, ctx);
+    check_entries(path, keys, entries, ctx, |ctx, k, v, full, hint| {
+        ctx.warn(
+            k.mark,
+            full,
+            format!("`{full}` is not a key accel knows in `{path}`{hint}; it is kept and passed to the plugin that owns `{path}`"),
+        );
+        Some(v.to_json())
+    })
+}
+
+/// `fsdp_config`'s key `raw` as the schema names it: Accelerate reads keys
+/// without the `fsdp_` prefix with it, and the deprecated
+/// `fsdp_backward_prefetch_policy` as `fsdp_backward_prefetch`.
+fn fsdp_key_name(raw: String, k: &Node, ctx: &mut Ctx) -> String {
+    let mut name = raw;
+    if !name.contains("fsdp") {
+        name = format!("fsdp_{name}");
+    }
+    if name == "fsdp_backward_prefetch_policy" {
+        ctx.warn(
+            k.mark,
+            "fsdp_config.fsdp_backward_prefetch_policy",
+            "`fsdp_backward_prefetch_policy` is deprecated; read as `fsdp_backward_prefetch`",
+        );
+        name = "fsdp_backward_prefetch".into();
+    }
+    name
+}
+
+/// Checks the entries of the map at `path` against `keys`: a null value is
+/// left out, a known key's value checked, and an unknown key handed to
+/// `unknown` with its full path and did-you-mean hint, which keeps a value
+/// for it (`Some`) or reports it as an error (`None`). Err when any entry
+/// failed.
+fn check_entries<'n>(
+    path: &str,
+    keys: &[KeySpec],
+    entries: Vec<(String, &'n Node, &'n Node)>,
+    ctx: &mut Ctx,
+    mut unknown: impl FnMut(&mut Ctx, &Node, &Node, &str, &str) -> Option<Value>,
+) -> Result<Map<String, Value>, ()> {
     let mut out = Map::new();
     let mut failed = false;
-    for (raw, k, v) in dedup(path, entries, ctx) {
-        let mut name = raw.clone();
-        if path == "fsdp_config" {
-            if !name.contains("fsdp") {
-                name = format!("fsdp_{name}");
-            }
-            if name == "fsdp_backward_prefetch_policy" {
-                ctx.warn(k.mark, "fsdp_config.fsdp_backward_prefetch_policy", "`fsdp_backward_prefetch_policy` is deprecated; read as `fsdp_backward_prefetch`");
-                name = "fsdp_backward_prefetch".into();
-            }
-        }
+    for (raw, k, v) in entries {
+        let name = if path == "fsdp_config" {
+            fsdp_key_name(raw, k, ctx)
+        } else {
+            raw
+        };
         let full = format!("{path}.{name}");
         if v.scalar() == Some(Scalar::Null) {
             continue;
         }
-        match keys.iter().find(|s| s.name == name) {
-            Some(spec) => match check_value(spec, &full, v, ctx) {
-                Ok(val) => {
-                    out.insert(name, val);
-                }
-                Err(()) => failed = true,
-            },
-            None => {
-                let hint = did_you_mean(&name, keys.iter().map(|s| s.name));
-                ctx.warn(
-                    k.mark,
-                    &full,
-                    format!("`{full}` is not a key accel knows in `{path}`{hint}; it is kept and passed to the plugin that owns `{path}`"),
-                );
-                out.insert(name, v.to_json());
+        let kept = match keys.iter().find(|s| s.name == name) {
+            Some(spec) => check_value(spec, &full, v, ctx).ok(),
+            None => unknown(
+                ctx,
+                k,
+                v,
+                &full,
+                &did_you_mean(&name, keys.iter().map(|s| s.name)),
+            ),
+        };
+        match kept {
+            Some(val) => {
+                out.insert(name, val);
             }
+            None => failed = true,
         }
     }
     if failed {
@@ -502,39 +538,19 @@ fn check_accel(node: &Node, ctx: &mut Ctx) -> Result<Map<String, Value>, ()> {
             return Err(());
         }
     };
-    let mut out = Map::new();
-    let mut failed = false;
-    for (name, k, v) in dedup("accel", entries, ctx) {
-        let full = format!("accel.{name}");
-        if v.scalar() == Some(Scalar::Null) {
-            continue;
-        }
-        match ACCEL_KEYS.iter().find(|s| s.name == name) {
-            Some(spec) => match check_value(spec, &full, v, ctx) {
-                Ok(val) => {
-                    out.insert(name, val);
-                }
-                Err(()) => failed = true,
-            },
-            None => {
-                let hint = did_you_mean(&name, ACCEL_KEYS.iter().map(|s| s.name));
-                ctx.err(
-                    k.mark,
-                    &full,
-                    format!(
-                        "unknown key `{full}`{hint}; the `accel` map holds: {}. Settings of a third-party plugin go under `accel.plugins.<plugin-name>`",
-                        one_of(&ACCEL_KEYS.iter().map(|s| s.name).collect::<Vec<_>>())
-                    ),
-                );
-                failed = true;
-            }
-        }
-    }
-    if failed {
-        Err(())
-    } else {
-        Ok(out)
-    }
+    let entries = dedup("accel", entries, ctx);
+    let unknown = |ctx: &mut Ctx, k: &Node, _: &Node, full: &str, hint: &str| -> Option<Value> {
+        ctx.err(
+            k.mark,
+            full,
+            format!(
+                "unknown key `{full}`{hint}; the `accel` map holds: {}. Settings of a third-party plugin go under `accel.plugins.<plugin-name>`",
+                one_of(&ACCEL_KEYS.iter().map(|s| s.name).collect::<Vec<_>>())
+            ),
+        );
+        None
+    };
+    check_entries("accel", ACCEL_KEYS, entries, ctx, unknown)
 }
 
 /// Validates a whole document. On success gives the config and the warnings;

@@ -1,8 +1,8 @@
 //! Malformed input gives a clear error naming file:line:col — never a panic.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use accel_config::{load_bytes, load_file, load_str, Format, LoadOptions, Origin};
+use accel_config::{load_bytes, load_file, load_str, Format, LoadOptions, Loaded, Origin};
 use proptest::prelude::*;
 
 fn tmpdir(name: &str) -> PathBuf {
@@ -21,13 +21,39 @@ fn err_of(text: &str) -> String {
         .to_string()
 }
 
+/// Loads YAML `text` as `name`; it must load.
+fn loads(text: &str, name: &str) -> Loaded {
+    load_str(text, name, Format::Yaml, &LoadOptions::default()).unwrap()
+}
+
+/// Each YAML text's error (as `cfg.yaml`) holds every one of its needles.
+fn errors_contain(cases: &[(&str, &[&str])]) {
+    for (text, needles) in cases {
+        let e = err_of(text);
+        for needle in *needles {
+            assert!(e.contains(needle), "{text:?}: {e}");
+        }
+    }
+}
+
+/// The error, as text, of loading the file or directory `path`.
+fn file_err(path: &Path) -> String {
+    load_file(path, &LoadOptions::default())
+        .unwrap_err()
+        .to_string()
+}
+
 #[test]
 fn invalid_yaml_names_line_and_column() {
     let e = err_of("distributed_type: NO\nfsdp_config:\n  a: [1, 2\n");
     assert!(e.starts_with("cfg.yaml:"), "{e}");
-    assert!(e.contains("invalid YAML"), "{e}");
-    let e = err_of("distributed_type: NO\n  bad indent: 1\n");
-    assert!(e.contains("cfg.yaml:2:"), "{e}");
+    errors_contain(&[
+        (
+            "distributed_type: NO\nfsdp_config:\n  a: [1, 2\n",
+            &["invalid YAML"],
+        ),
+        ("distributed_type: NO\n  bad indent: 1\n", &["cfg.yaml:2:"]),
+    ]);
 }
 
 #[test]
@@ -45,41 +71,35 @@ fn invalid_json_names_line_and_column() {
 
 #[test]
 fn json_text_in_a_yaml_file_works() {
-    let l = load_str(
-        "{\"distributed_type\": \"MULTI_CPU\", \"num_processes\": 2}",
-        "c.yaml",
-        Format::Yaml,
-        &LoadOptions::default(),
-    )
-    .unwrap();
+    let text = "{\"distributed_type\": \"MULTI_CPU\", \"num_processes\": 2}";
+    let l = loads(text, "c.yaml");
     assert_eq!(l.config.num_processes, Some(2));
 }
 
 #[test]
 fn wrong_types_name_the_expected_type() {
-    let e = err_of("distributed_type: NO\nuse_cpu: maybe\n");
-    assert!(
-        e.contains(
-            "cfg.yaml:2:10: error: `use_cpu` must be true or false, found the string \"maybe\""
+    errors_contain(&[
+        (
+            "distributed_type: NO\nuse_cpu: maybe\n",
+            &["cfg.yaml:2:10: error: `use_cpu` must be true or false, found the string \"maybe\""],
         ),
-        "{e}"
-    );
-    let e = err_of("distributed_type: MULTI_CPU\nnum_processes: two\n");
-    assert!(e.contains("cfg.yaml:2:16: error: `num_processes` must be an integer of at least 1, found the string \"two\""), "{e}");
-    let e = err_of("distributed_type: MULTI_CPU\nnum_processes: [1]\n");
-    assert!(
-        e.contains("must be an integer of at least 1, found a list"),
-        "{e}"
-    );
-    let e = err_of("distributed_type: FSDP\nfsdp_config: yes\n");
-    assert!(e.contains("`fsdp_config` must be a map"), "{e}");
-    let e = err_of("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: \"x\"\n");
-    assert!(
-        e.contains(
-            "cfg.yaml:3:15: error: `deepspeed_config.zero_stage` must be an integer from 0 to 3"
+        (
+            "distributed_type: MULTI_CPU\nnum_processes: two\n",
+            &["cfg.yaml:2:16: error: `num_processes` must be an integer of at least 1, found the string \"two\""],
         ),
-        "{e}"
-    );
+        (
+            "distributed_type: MULTI_CPU\nnum_processes: [1]\n",
+            &["must be an integer of at least 1, found a list"],
+        ),
+        (
+            "distributed_type: FSDP\nfsdp_config: yes\n",
+            &["`fsdp_config` must be a map"],
+        ),
+        (
+            "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: \"x\"\n",
+            &["cfg.yaml:3:15: error: `deepspeed_config.zero_stage` must be an integer from 0 to 3"],
+        ),
+    ]);
 }
 
 #[test]
@@ -110,32 +130,40 @@ fn negative_or_zero_counts() {
         assert!(e.contains("cfg.yaml:2:"), "{e}");
         assert!(e.contains(&format!("`{key}` must be an integer")), "{e}");
     }
-    let e = err_of("distributed_type: MULTI_CPU\nnum_processes: 0\n");
-    assert!(e.contains("cannot be zero or negative"), "{e}");
-    let e = err_of("distributed_type: MULTI_CPU\nnum_machines: 2\nmachine_rank: 2\n");
-    assert!(
-        e.contains("cfg.yaml:3:1: error: `machine_rank: 2` must be below `num_machines` (2)"),
-        "{e}"
-    );
+    errors_contain(&[
+        (
+            "distributed_type: MULTI_CPU\nnum_processes: 0\n",
+            &["cannot be zero or negative"],
+        ),
+        (
+            "distributed_type: MULTI_CPU\nnum_machines: 2\nmachine_rank: 2\n",
+            &["cfg.yaml:3:1: error: `machine_rank: 2` must be below `num_machines` (2)"],
+        ),
+    ]);
 }
 
 #[test]
 fn unknown_enum_values_list_the_allowed_ones() {
-    let e = err_of("distributed_type: MULTI_GPUS\n");
-    assert!(
-        e.contains(
-            "cfg.yaml:1:19: error: `distributed_type` must be one of: NO, MULTI_CPU, MULTI_GPU"
+    errors_contain(&[
+        (
+            "distributed_type: MULTI_GPUS\n",
+            &[
+                "cfg.yaml:1:19: error: `distributed_type` must be one of: NO, MULTI_CPU, MULTI_GPU",
+                "MULTI_NEURON",
+                "did you mean `MULTI_GPU`?",
+            ],
         ),
-        "{e}"
-    );
-    assert!(e.contains("MULTI_NEURON"), "{e}");
-    assert!(e.contains("did you mean `MULTI_GPU`?"), "{e}");
-    let e = err_of("distributed_type: NO\nmixed_precision: fp32\n");
-    assert!(
-        e.contains("`mixed_precision` must be one of: no, fp16, bf16, fp8; found \"fp32\""),
-        "{e}"
-    );
+        (
+            "distributed_type: NO\nmixed_precision: fp32\n",
+            &["`mixed_precision` must be one of: no, fp16, bf16, fp8; found \"fp32\""],
+        ),
+        (
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: LAYER\n",
+            &["TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP"],
+        ),
+    ]);
     // fp32 is full precision, `no`; not a misspelling of fp8
+    let e = err_of("distributed_type: NO\nmixed_precision: fp32\n");
     assert!(e.ends_with("(full precision is `no`)"), "{e}");
     for (written, meant) in [("bfloat16", "bf16"), ("half", "fp16"), ("fp61", "fp16")] {
         let e = err_of(&format!(
@@ -143,11 +171,6 @@ fn unknown_enum_values_list_the_allowed_ones() {
         ));
         assert!(e.ends_with(&format!("(did you mean `{meant}`?)")), "{e}");
     }
-    let e = err_of("distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: LAYER\n");
-    assert!(
-        e.contains("TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP"),
-        "{e}"
-    );
 }
 
 #[test]
@@ -175,59 +198,55 @@ fn plugin_claimed_distributed_types() {
     assert!(e.contains("claims: RING_ALLREDUCE"), "{e}");
     assert!(e.contains("did you mean `RING_ALLREDUCE`?"), "{e}");
     // without the plugin, the value is unknown
-    let e = err_of("distributed_type: RING_ALLREDUCE\n");
-    assert!(
-        e.contains("no plugin found on the plugin path claims another value"),
-        "{e}"
-    );
+    errors_contain(&[(
+        "distributed_type: RING_ALLREDUCE\n",
+        &["no plugin found on the plugin path claims another value"],
+    )]);
 }
 
 #[test]
 fn unknown_keys_are_all_listed_with_suggestions() {
-    let e = err_of("distributed_type: NO\nnum_proceses: 2\nmixed_precison: bf16\ntotally_new: 1\n");
-    assert!(
-        e.contains(
-            "cfg.yaml:2:1: error: unknown key `num_proceses` (did you mean `num_processes`?)"
-        ),
-        "{e}"
-    );
-    assert!(
-        e.contains(
-            "cfg.yaml:3:1: error: unknown key `mixed_precison` (did you mean `mixed_precision`?)"
-        ),
-        "{e}"
-    );
-    assert!(
-        e.contains("cfg.yaml:4:1: error: unknown key `totally_new`."),
-        "{e}"
-    );
+    errors_contain(&[(
+        "distributed_type: NO\nnum_proceses: 2\nmixed_precison: bf16\ntotally_new: 1\n",
+        &[
+            "cfg.yaml:2:1: error: unknown key `num_proceses` (did you mean `num_processes`?)",
+            "cfg.yaml:3:1: error: unknown key `mixed_precison` (did you mean `mixed_precision`?)",
+            "cfg.yaml:4:1: error: unknown key `totally_new`.",
+        ],
+    )]);
 }
 
 #[test]
 fn sagemaker_keys_in_a_cluster_config() {
-    let e = err_of("distributed_type: NO\nec2_instance_type: x\n");
-    assert!(e.contains("`ec2_instance_type` is a SageMaker key"), "{e}");
-    let e = err_of(
-        "compute_environment: AMAZON_SAGEMAKER\ndistributed_type: NO\nec2_instance_type: x\n",
-    );
-    assert!(e.contains("`iam_role_name` is missing"), "{e}");
+    errors_contain(&[
+        (
+            "distributed_type: NO\nec2_instance_type: x\n",
+            &["`ec2_instance_type` is a SageMaker key"],
+        ),
+        (
+            "compute_environment: AMAZON_SAGEMAKER\ndistributed_type: NO\nec2_instance_type: x\n",
+            &["`iam_role_name` is missing"],
+        ),
+    ]);
 }
 
 #[test]
 fn empty_file_and_comment_only_file() {
-    for text in ["", "\n\n", "# just a comment\n"] {
-        let e = err_of(text);
-        assert!(e.contains("cfg.yaml:1:1: error: the file is empty"), "{e}");
-    }
-    let e = err_of("- a\n- b\n");
-    assert!(
-        e.contains("a config file is a map of `key: value` lines, but this one holds a list"),
-        "{e}"
-    );
-    let e = err_of("just words\n");
-    assert!(e.contains("but this one holds the string"), "{e}");
-    let e = err_of("mixed_precision: bf16\n");
-    assert!(e.contains("`distributed_type` is missing"), "{e}");
+    let empty: &[&str] = &["cfg.yaml:1:1: error: the file is empty"];
+    errors_contain(&[
+        ("", empty),
+        ("\n\n", empty),
+        ("# just a comment\n", empty),
+        (
+            "- a\n- b\n",
+            &["a config file is a map of `key: value` lines, but this one holds a list"],
+        ),
+        ("just words\n", &["but this one holds the string"]),
+        (
+            "mixed_precision: bf16\n",
+            &["`distributed_type` is missing"],
+        ),
+    ]);
 }
 
 #[test]
@@ -255,9 +274,7 @@ fn random_bytes_file() {
         .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
         .collect();
     std::fs::write(&p, &bytes).unwrap();
-    let e = load_file(&p, &LoadOptions::default())
-        .unwrap_err()
-        .to_string();
+    let e = file_err(&p);
     assert!(e.contains("noise.yaml:"), "{e}");
     assert!(e.contains(": error: "), "{e}");
 }
@@ -265,31 +282,27 @@ fn random_bytes_file() {
 #[test]
 fn a_directory_or_a_missing_file() {
     let d = tmpdir("dir");
-    let e = load_file(&d, &LoadOptions::default())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains(":1:1: error: this is a directory, not a config file"),
-        "{e}"
-    );
-    let e = load_file(&d.join("nope.yaml"), &LoadOptions::default())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("nope.yaml:1:1: error: no such config file"),
-        "{e}"
-    );
+    for (path, needle) in [
+        (
+            d.clone(),
+            ":1:1: error: this is a directory, not a config file",
+        ),
+        (
+            d.join("nope.yaml"),
+            "nope.yaml:1:1: error: no such config file",
+        ),
+    ] {
+        let e = file_err(&path);
+        assert!(e.contains(needle), "{e}");
+    }
 }
 
 #[test]
 fn legacy_keys_are_migrated_with_warnings() {
-    let l = load_str(
+    let l = loads(
         "distributed_type: TPU\nfp16: true\ndynamo_backend: inductor\n",
         "old.yaml",
-        Format::Yaml,
-        &LoadOptions::default(),
-    )
-    .unwrap();
+    );
     assert_eq!(l.config.distributed_type.unwrap().as_str(), "XLA");
     assert_eq!(
         l.config.mixed_precision,
@@ -305,25 +318,16 @@ fn legacy_keys_are_migrated_with_warnings() {
         .iter()
         .all(|w| w.to_string().starts_with("old.yaml:")));
     // `dynamo_backend: NO` becomes no dynamo config at all
-    let l = load_str(
-        "distributed_type: NO\ndynamo_backend: 'NO'\n",
-        "old.yaml",
-        Format::Yaml,
-        &LoadOptions::default(),
-    )
-    .unwrap();
+    let l = loads("distributed_type: NO\ndynamo_backend: 'NO'\n", "old.yaml");
     assert_eq!(l.config.dynamo_config, None);
 }
 
 #[test]
 fn fsdp_keys_get_their_prefix() {
-    let l = load_str(
+    let l = loads(
         "distributed_type: FSDP\nfsdp_config:\n  sharding_strategy: shard_grad_op\n  version: 2\n",
         "f.yaml",
-        Format::Yaml,
-        &LoadOptions::default(),
-    )
-    .unwrap();
+    );
     let f = l.config.fsdp_config.unwrap();
     assert_eq!(f["fsdp_sharding_strategy"], "SHARD_GRAD_OP");
     assert_eq!(f["fsdp_version"], 2);
@@ -331,13 +335,7 @@ fn fsdp_keys_get_their_prefix() {
 
 #[test]
 fn num_processes_is_one_without_distribution() {
-    let l = load_str(
-        "distributed_type: NO\nnum_processes: 4\n",
-        "n.yaml",
-        Format::Yaml,
-        &LoadOptions::default(),
-    )
-    .unwrap();
+    let l = loads("distributed_type: NO\nnum_processes: 4\n", "n.yaml");
     assert_eq!(l.config.num_processes, Some(1));
     assert!(l.warnings[0]
         .to_string()
@@ -351,15 +349,7 @@ fn hostile_yaml_is_bounded() {
         "[".repeat(5000)
     );
     assert!(err_of(&deep).contains("cfg.yaml:"));
-    let mut bomb = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
-    for i in 0..9 {
-        let prev = if i == 0 {
-            "a".to_string()
-        } else {
-            format!("b{}", i - 1)
-        };
-        bomb.push_str(&format!("b{i}: &b{i} [*{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}, *{prev}]\n"));
-    }
+    let bomb = accel_test_kit::yaml_alias_bomb(9);
     assert!(err_of(&bomb).contains("more than"));
 }
 

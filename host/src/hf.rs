@@ -1068,18 +1068,20 @@ pub(crate) fn save_with(
 mod tests {
     use super::*;
 
+    /// A named tensor, as the model and checkpoint lists hold them.
+    fn named(name: &str, t: Tensor) -> (String, Tensor) {
+        (name.to_owned(), t)
+    }
+
     fn model() -> Vec<(String, Tensor)> {
         vec![
-            (
-                "a.weight".into(),
+            named(
+                "a.weight",
                 Tensor::arange(12, (Kind::Float, Device::Cpu)).view([3, 4]),
             ),
-            (
-                "a.bias".into(),
-                Tensor::ones([3], (Kind::Float, Device::Cpu)),
-            ),
-            (
-                "b.weight".into(),
+            named("a.bias", Tensor::ones([3], (Kind::Float, Device::Cpu))),
+            named(
+                "b.weight",
                 Tensor::zeros([4, 4], (Kind::Float, Device::Cpu)),
             ),
         ]
@@ -1152,20 +1154,12 @@ mod tests {
 
     #[test]
     fn strict_load_lists_every_problem_and_changes_nothing() {
+        let f32 = (Kind::Float, Device::Cpu);
         let dir = tempfile::tempdir().unwrap();
         let stored = vec![
-            (
-                "a.weight".to_owned(),
-                Tensor::zeros([4, 3], (Kind::Float, Device::Cpu)),
-            ),
-            (
-                "extra".to_owned(),
-                Tensor::zeros([2], (Kind::Float, Device::Cpu)),
-            ),
-            (
-                "b.weight".to_owned(),
-                Tensor::ones([4, 4], (Kind::Float, Device::Cpu)),
-            ),
+            named("a.weight", Tensor::zeros([4, 3], f32)),
+            named("extra", Tensor::zeros([2], f32)),
+            named("b.weight", Tensor::ones([4, 4], f32)),
         ];
         save(dir.path(), &stored, 1 << 20).unwrap();
         let ck = Checkpoint::open(dir.path()).unwrap();
@@ -1181,18 +1175,12 @@ mod tests {
         assert!(e.contains("model.safetensors"), "{e}");
         // Integers are no weights; fp16 is converted.
         let ints = vec![
-            (
-                "a.weight".to_owned(),
+            named(
+                "a.weight",
                 Tensor::zeros([3, 4], (Kind::Int64, Device::Cpu)),
             ),
-            (
-                "a.bias".to_owned(),
-                Tensor::ones([3], (Kind::Half, Device::Cpu)),
-            ),
-            (
-                "b.weight".to_owned(),
-                Tensor::ones([4, 4], (Kind::Float, Device::Cpu)),
-            ),
+            named("a.bias", Tensor::ones([3], (Kind::Half, Device::Cpu))),
+            named("b.weight", Tensor::ones([4, 4], f32)),
         ];
         save(dir.path(), &ints, 1 << 20).unwrap();
         let e = Checkpoint::open(dir.path())
@@ -1206,10 +1194,7 @@ mod tests {
         );
         assert!(!e.contains("a.bias"), "{e}");
         save(dir.path(), &ints[1..], 1 << 20).unwrap();
-        let half = vec![(
-            "a.bias".to_owned(),
-            Tensor::zeros([3], (Kind::Float, Device::Cpu)),
-        )];
+        let half = vec![named("a.bias", Tensor::zeros([3], f32))];
         let options = LoadOptions {
             strict: false,
             ..LoadOptions::default()
@@ -1218,27 +1203,13 @@ mod tests {
             .unwrap()
             .load_into(&half, &options)
             .unwrap();
-        assert!(half[0]
-            .1
-            .equal(&Tensor::ones([3], (Kind::Float, Device::Cpu))));
+        assert!(half[0].1.equal(&Tensor::ones([3], f32)));
         save(dir.path(), &stored, 1 << 20).unwrap();
         let ck = Checkpoint::open(dir.path()).unwrap();
-        assert!(target[2]
-            .1
-            .equal(&Tensor::zeros([4, 4], (Kind::Float, Device::Cpu))));
+        assert!(target[2].1.equal(&Tensor::zeros([4, 4], f32)));
         // Not strict: what fits is loaded, the rest reported.
-        let report = ck
-            .load_into(
-                &target,
-                &LoadOptions {
-                    strict: false,
-                    ..LoadOptions::default()
-                },
-            )
-            .unwrap();
-        assert!(target[2]
-            .1
-            .equal(&Tensor::ones([4, 4], (Kind::Float, Device::Cpu))));
+        let report = ck.load_into(&target, &options).unwrap();
+        assert!(target[2].1.equal(&Tensor::ones([4, 4], f32)));
         assert_eq!(report.loaded.len(), 1);
         assert!(report.problems().unwrap().contains("a.bias"));
     }

@@ -27,6 +27,23 @@ pub fn cases(n: u32) -> ProptestConfig {
     }
 }
 
+/// A YAML "billion laughs" document: a list of ten scalars under `a`, then
+/// `levels` anchored lists of ten aliases of the one before, so expanding
+/// the last would make 10^(levels+1) scalars. A parser must refuse it, not
+/// expand it.
+pub fn yaml_alias_bomb(levels: usize) -> String {
+    let mut text = String::from("a: &a [x, x, x, x, x, x, x, x, x, x]\n");
+    for i in 0..levels {
+        let prev = match i {
+            0 => "a".to_string(),
+            _ => format!("l{}", i - 1),
+        };
+        let aliases = vec![format!("*{prev}"); 10].join(", ");
+        text.push_str(&format!("l{i}: &l{i} [{aliases}]\n"));
+    }
+    text
+}
+
 /// A small deterministic random stream (splitmix64) from a seed. Fuzz tests
 /// let proptest draw the seed and draw the rest from here: proptest's
 /// composed strategies cost milliseconds a case in a debug build, this costs

@@ -388,19 +388,12 @@ fn work(mut trackers: Vec<Active>, rx: mpsc::Receiver<Msg>) {
                 let _ = reply.send(errors.take());
             }
             Msg::Run(job) => job(&mut trackers),
-            Msg::Stop {
-                finish: true,
-                reply,
-            } => {
-                each(&mut trackers, &mut errors, "finish", None, &finish);
-                let _ = reply.send(errors.take());
-                return;
-            }
-            Msg::Stop {
-                finish: false,
-                reply,
-            } => {
-                each(&mut trackers, &mut errors, "flush", None, &flush);
+            Msg::Stop { finish: end, reply } => {
+                if end {
+                    each(&mut trackers, &mut errors, "finish", None, &finish);
+                } else {
+                    each(&mut trackers, &mut errors, "flush", None, &flush);
+                }
                 let _ = reply.send(errors.take());
                 return;
             }

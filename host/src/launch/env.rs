@@ -183,23 +183,30 @@ mod tests {
 
     #[test]
     fn process_manager_variables_are_mapped() {
-        let ompi = [
+        let ompi: &[(&str, &str)] = &[
             ("OMPI_COMM_WORLD_RANK", "5"),
             ("OMPI_COMM_WORLD_SIZE", "8"),
             ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
             ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
         ];
-        let env = rank_env_from_process_manager(&get(&ompi)).unwrap();
-        assert!(env.contains(&("RANK".into(), "5".into())));
-        assert!(env.contains(&("GROUP_RANK".into(), "1".into())));
-        let slurm = [
+        let slurm: &[(&str, &str)] = &[
             ("SLURM_PROCID", "3"),
             ("SLURM_NTASKS", "4"),
             ("SLURM_LOCALID", "1"),
             ("SLURM_NTASKS_PER_NODE", "2(x2)"),
         ];
-        let env = rank_env_from_process_manager(&get(&slurm)).unwrap();
-        assert!(env.contains(&("LOCAL_WORLD_SIZE".into(), "2".into())));
+        for (vars, expected) in [
+            (ompi, &[("RANK", "5"), ("GROUP_RANK", "1")][..]),
+            (slurm, &[("LOCAL_WORLD_SIZE", "2")][..]),
+        ] {
+            let env = rank_env_from_process_manager(&get(vars)).unwrap();
+            for (k, v) in expected {
+                assert!(
+                    env.contains(&(k.to_string(), v.to_string())),
+                    "{k}={v}: {env:?}"
+                );
+            }
+        }
         assert!(rank_env_from_process_manager(&get(&[])).is_none());
     }
 }

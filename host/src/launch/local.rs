@@ -10,25 +10,15 @@ use super::{
 use accel_rendezvous::{Client, Server};
 use accel_sdk::{
     abi_stable::std_types::{RVec, Tuple2},
-    Component, ErrorKind, LaunchOutcome, LaunchSpec, Launcher, LauncherBox, PluginError,
-    PluginResult, ProcessPlan,
+    ErrorKind, LaunchOutcome, LaunchSpec, Launcher, PluginError, PluginResult, ProcessPlan,
 };
 use std::{sync::Arc, time::Duration};
 
-struct LocalLauncher;
-
-fn make(_settings: &str) -> Result<LauncherBox, PluginError> {
-    Ok(accel_sdk::into_launcher(LocalLauncher))
-}
-
-inventory::submit! {
-    Component::launcher(
-        "local",
-        "starts the ranks itself, torchrun-style; hosts the rendezvous store",
-        &["local"],
-        make,
-    )
-}
+builtin_launcher!(
+    LocalLauncher,
+    "local",
+    "starts the ranks itself, torchrun-style; hosts the rendezvous store"
+);
 
 fn err(message: impl Into<String>) -> PluginError {
     PluginError::new(ErrorKind::Other, "accel", message)

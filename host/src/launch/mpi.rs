@@ -12,25 +12,15 @@ use super::{
 use accel_rendezvous::Client;
 use accel_sdk::{
     abi_stable::std_types::{RResult, RVec, Tuple2},
-    Component, ErrorKind, LaunchOutcome, LaunchSpec, Launcher, LauncherBox, PluginError,
-    PluginResult, ProcessPlan,
+    ErrorKind, LaunchOutcome, LaunchSpec, Launcher, PluginError, PluginResult, ProcessPlan,
 };
 use std::{process::Command, time::Duration};
 
-struct MpiLauncher;
-
-fn make(_settings: &str) -> Result<LauncherBox, PluginError> {
-    Ok(accel_sdk::into_launcher(MpiLauncher))
-}
-
-inventory::submit! {
-    Component::launcher(
-        "mpi",
-        "mpirun (OpenMPI) / mpiexec (MPICH), with a hostfile for several machines",
-        &["mpi"],
-        make,
-    )
-}
+builtin_launcher!(
+    MpiLauncher,
+    "mpi",
+    "mpirun (OpenMPI) / mpiexec (MPICH), with a hostfile for several machines"
+);
 
 /// Which MPI implementation's command line to build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -252,17 +242,23 @@ mod tests {
         }
     }
 
+    /// The command line that starts [`spec`]'s job, as one string.
+    fn command_line(flavor: Flavor, hostfile: Option<&str>, as_root: bool, cores: usize) -> String {
+        let hostfile = hostfile.map(std::path::Path::new);
+        command(
+            &spec(),
+            flavor,
+            hostfile,
+            "/bin/accel".as_ref(),
+            as_root,
+            cores,
+        )
+        .join(" ")
+    }
+
     #[test]
     fn openmpi_command() {
-        let cmd = command(
-            &spec(),
-            Flavor::OpenMpi,
-            None,
-            "/bin/accel".as_ref(),
-            true,
-            2,
-        );
-        let text = cmd.join(" ");
+        let text = command_line(Flavor::OpenMpi, None, true, 2);
         assert!(
             text.starts_with("mpirun --np 4 --allow-run-as-root --oversubscribe --bind-to none"),
             "{text}"
@@ -303,15 +299,7 @@ mod tests {
 
     #[test]
     fn mpich_command_with_hostfile() {
-        let cmd = command(
-            &spec(),
-            Flavor::Mpich,
-            Some("hosts".as_ref()),
-            "/bin/accel".as_ref(),
-            false,
-            8,
-        );
-        let text = cmd.join(" ");
+        let text = command_line(Flavor::Mpich, Some("hosts"), false, 8);
         assert!(
             text.starts_with("mpiexec -n 4 -f hosts -genv ACCELERATE_MIXED_PRECISION bf16"),
             "{text}"

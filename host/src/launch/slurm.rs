@@ -25,20 +25,15 @@ use super::{
 use accel_rendezvous::Client;
 use accel_sdk::{
     abi_stable::std_types::{RResult, RVec, Tuple2},
-    Component, LaunchOutcome, LaunchSpec, Launcher, LauncherBox, PluginError, PluginResult,
-    ProcessPlan,
+    LaunchOutcome, LaunchSpec, Launcher, PluginError, PluginResult, ProcessPlan,
 };
 use std::{process::Command, time::Duration};
 
-struct SlurmLauncher;
-
-fn make(_settings: &str) -> Result<LauncherBox, PluginError> {
-    Ok(accel_sdk::into_launcher(SlurmLauncher))
-}
-
-inventory::submit! {
-    Component::launcher("slurm", "srun, inside or outside an allocation", &["slurm"], make)
-}
+builtin_launcher!(
+    SlurmLauncher,
+    "slurm",
+    "srun, inside or outside an allocation"
+);
 
 /// The store key under which a rank started by srun records its Slurm job
 /// id (for the launcher's message when Slurm ends the job).

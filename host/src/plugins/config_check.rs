@@ -14,7 +14,9 @@
 
 use super::{PluginSet, SelectError};
 use accel_config::{
-    error::close_matches, schema::section_for_distributed_type, Config, PluginProblem,
+    error::{close_matches, quoted_list},
+    schema::section_for_distributed_type,
+    Config, PluginProblem,
 };
 use accel_sdk::{registry::LAUNCHING_KEY, PluginKind};
 use serde_json::Value;
@@ -125,17 +127,14 @@ fn unread_plugin_sections(set: &PluginSet, config: &Config) -> Vec<PluginProblem
                     " (a library of that name was not loaded: {rejected})"
                 ));
             }
-            let quoted = |names: &[&str]| {
-                names
-                    .iter()
-                    .map(|n| format!("`{n}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            };
             match close_matches(name, installed.iter().copied()).as_slice() {
-                [] => message.push_str(&format!("; installed plugins: {}", quoted(&installed))),
+                [] => {
+                    message.push_str(&format!("; installed plugins: {}", quoted_list(&installed)))
+                }
                 [one] => message.push_str(&format!("; did you mean `{one}`?")),
-                several => message.push_str(&format!("; did you mean one of {}?", quoted(several))),
+                several => {
+                    message.push_str(&format!("; did you mean one of {}?", quoted_list(several)))
+                }
             }
             PluginProblem::warning(Some(&key), message)
         })

@@ -43,11 +43,11 @@ pub const DEFAULT_HTTP: HttpSettings = HttpSettings {
 /// The settings JSON, parsed and type-checked (nothing resolved yet).
 #[derive(Debug, Clone, Default)]
 pub struct Settings {
+    /// `tracking_uri` (or `init_kwargs.tracking_uri`).
+    pub tracking_uri: Option<String>,
     /// `logging_dir` (default `.`): the file store goes to
     /// `<logging_dir>/mlruns`, the spool to `<logging_dir>/mlflow-spool`.
     pub logging_dir: PathBuf,
-    /// `tracking_uri` (or `init_kwargs.tracking_uri`).
-    pub tracking_uri: Option<String>,
     /// `spool_dir`.
     pub spool_dir: Option<PathBuf>,
     /// `init_kwargs.experiment_name`.
@@ -127,8 +127,8 @@ impl Settings {
         let map = settings::settings_object(PLUGIN, json)?;
         let top = Keys::new(PLUGIN, &map);
         let mut s = Settings {
-            logging_dir: top.logging_dir()?,
             tracking_uri: top.string("tracking_uri")?,
+            logging_dir: top.logging_dir()?,
             spool_dir: top.string("spool_dir")?.map(PathBuf::from),
             max_param_len: DEFAULT_MAX_PARAM_LENGTH,
             http: DEFAULT_HTTP,
@@ -469,17 +469,12 @@ mod tests {
         let err =
             resolve("{}", &[("MLFLOW_TRACKING_URI", "sqlite:///db.sqlite")], "p").unwrap_err();
         assert_eq!(err.kind, accel_sdk::ErrorKind::Config);
-        assert!(
-            err.message
-                .contains("\"sqlite:///db.sqlite\" is not supported"),
-            "{}",
-            err.message
-        );
-        assert!(
-            err.message.contains("mlflow server --backend-store-uri"),
-            "{}",
-            err.message
-        );
+        for needle in [
+            "\"sqlite:///db.sqlite\" is not supported",
+            "mlflow server --backend-store-uri",
+        ] {
+            assert!(err.message.contains(needle), "{}", err.message);
+        }
     }
 
     #[test]

@@ -18,7 +18,7 @@ pub const DT_FLOAT: i32 = 1;
 pub const DT_STRING: i32 = 7;
 
 /// `tensorflow.Event`: one record of an event file.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Event {
     /// Seconds since the Unix epoch.
     #[prost(double, tag = "1")]
@@ -46,7 +46,7 @@ pub mod event {
 }
 
 /// `tensorflow.Summary`: a list of tagged values.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Summary {
     /// `value = 1`.
     #[prost(message, repeated, tag = "1")]
@@ -56,7 +56,7 @@ pub struct Summary {
 /// Nested messages of [`Summary`].
 pub mod summary {
     /// `tensorflow.Summary.Value`: one tagged value.
-    #[derive(Clone, PartialEq, prost::Message)]
+    #[derive(Clone, PartialEq, ::prost::Message)]
     pub struct Value {
         /// `tag = 1`: the series name.
         #[prost(string, tag = "1")]
@@ -70,7 +70,7 @@ pub mod summary {
     }
 
     /// `tensorflow.Summary.Image`.
-    #[derive(Clone, PartialEq, prost::Message)]
+    #[derive(Clone, PartialEq, ::prost::Message)]
     pub struct Image {
         /// `height = 1`.
         #[prost(int32, tag = "1")]
@@ -110,7 +110,7 @@ pub mod summary {
 
 /// `tensorflow.HistogramProto`: bucket `i` holds the values in
 /// `(bucket_limit[i - 1], bucket_limit[i]]`.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct HistogramProto {
     /// `min = 1`.
     #[prost(double, tag = "1")]
@@ -136,7 +136,7 @@ pub struct HistogramProto {
 }
 
 /// `tensorflow.SummaryMetadata`.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct SummaryMetadata {
     /// `plugin_data = 1`.
     #[prost(message, optional, tag = "1")]
@@ -144,7 +144,7 @@ pub struct SummaryMetadata {
 }
 
 /// `tensorflow.SummaryMetadata.PluginData`.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct PluginData {
     /// `plugin_name = 1`: `scalars`, `text`, `hparams`, ...
     #[prost(string, tag = "1")]
@@ -155,7 +155,7 @@ pub struct PluginData {
 }
 
 /// `tensorflow.TensorProto`.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct TensorProto {
     /// `dtype = 1` (a `tensorflow.DataType`).
     #[prost(int32, tag = "1")]
@@ -172,7 +172,7 @@ pub struct TensorProto {
 }
 
 /// `tensorflow.TensorShapeProto`; no dimensions is a scalar.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct TensorShapeProto {
     /// `dim = 2`.
     #[prost(message, repeated, tag = "2")]
@@ -180,7 +180,7 @@ pub struct TensorShapeProto {
 }
 
 /// `tensorflow.TensorShapeProto.Dim`.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Dim {
     /// `size = 1`.
     #[prost(int64, tag = "1")]
@@ -189,7 +189,7 @@ pub struct Dim {
 
 /// `tensorboard.hparams.HParamsPluginData`: the `content` of an hparams
 /// summary's plugin data.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct HParamsPluginData {
     /// `version = 1`: always 0.
     #[prost(int32, tag = "1")]
@@ -217,7 +217,7 @@ pub mod hparams_plugin_data {
 }
 
 /// `tensorboard.hparams.Experiment`.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Experiment {
     /// `time_created_secs = 3`.
     #[prost(double, tag = "3")]
@@ -237,7 +237,7 @@ pub const DATA_TYPE_FLOAT64: i32 = 3;
 pub const STATUS_SUCCESS: i32 = 1;
 
 /// `tensorboard.hparams.HParamInfo`.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct HParamInfo {
     /// `name = 1`.
     #[prost(string, tag = "1")]
@@ -248,7 +248,7 @@ pub struct HParamInfo {
 }
 
 /// `tensorboard.hparams.SessionStartInfo`.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct SessionStartInfo {
     /// `hparams = 1`: `map<string, google.protobuf.Value>`.
     #[prost(btree_map = "string, message", tag = "1")]
@@ -259,7 +259,7 @@ pub struct SessionStartInfo {
 }
 
 /// `tensorboard.hparams.SessionEndInfo`.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct SessionEndInfo {
     /// `status = 1` (a `tensorboard.hparams.Status`).
     #[prost(int32, tag = "1")]
@@ -270,7 +270,7 @@ pub struct SessionEndInfo {
 }
 
 /// `google.protobuf.Value`, without the struct and list kinds.
-#[derive(Clone, PartialEq, prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct ProtoValue {
     /// `number_value = 2`, `string_value = 3` or `bool_value = 4`.
     #[prost(oneof = "proto_value::Kind", tags = "2, 3, 4")]

@@ -80,12 +80,12 @@ pub struct Settings {
     pub entity: Option<String>,
     /// `init_kwargs.project`.
     pub project: Option<String>,
+    /// `init_kwargs.tags`.
+    pub tags: Option<Vec<String>>,
     /// `init_kwargs.name`: the display name.
     pub name: Option<String>,
     /// `init_kwargs.id`: the run id.
     pub id: Option<String>,
-    /// `init_kwargs.tags`.
-    pub tags: Option<Vec<String>>,
     /// `init_kwargs.notes`.
     pub notes: Option<String>,
     /// `init_kwargs.group`.

@@ -48,21 +48,22 @@ fn sync_every(settings: &str) -> Result<u64, PluginError> {
 }
 
 fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError> {
-    let replica = LocalSgd {
-        sync_every: sync_every(settings)?,
-        steps: 0,
-    };
-    Ok(Replicated::into_box(ctx, replica))
+    let sync_every = sync_every(settings)?;
+    Ok(Replicated::into_box(
+        ctx,
+        LocalSgd {
+            sync_every,
+            steps: 0,
+        },
+    ))
 }
 
+/// The strategy's description in the plugin registry.
+const DESCRIPTION: &str = "Local SGD: ranks step alone and average parameters every k steps";
+
 accel_sdk::inventory::submit! {
-    Component::strategy(
-        "local-sgd",
-        "Local SGD: ranks step alone and average parameters every k steps",
-        &["LOCAL_SGD"],
-        make,
-    )
-    .with_validator(|settings| sync_every(settings).map(|_| ()))
+    Component::strategy("local-sgd", DESCRIPTION, &["LOCAL_SGD"], make)
+        .with_validator(|settings| sync_every(settings).map(|_| ()))
 }
 
 accel_sdk::export_plugin!();
