@@ -22,6 +22,7 @@
 # Usage: bash benches/throughput.sh [OUT_DIR]   (needs scripts/bootstrap.sh)
 #   env: REPEATS=3 LOAD=0|1 GPT2_STEPS=20 MLP_SMALL_STEPS=1500 MLP_BIG_STEPS=100
 #        WORKLOADS="mlp_small mlp_big gpt2" UPDATE_BENCHMARKS=0|1
+#        BENCH_COLUMNS="ddp ddp_no_overlap fsdp zero3 peer single"
 # Writes OUT_DIR/throughput.jsonl (one object per run), OUT_DIR/throughput.md
 # (the table, also printed) and, with UPDATE_BENCHMARKS=1, the block between
 # the throughput markers of BENCHMARKS.md (`throughput` or `throughput-load`).
@@ -66,7 +67,7 @@ fsdp_config:
 config zero3 "distributed_type: DEEPSPEED
 deepspeed_config:
   zero_stage: 3"
-columns=(ddp ddp_no_overlap fsdp zero3 peer single)
+read -r -a columns <<<"${BENCH_COLUMNS:-ddp ddp_no_overlap fsdp zero3 peer single}"
 
 # --- workloads ------------------------------------------------------------------
 # args WORKLOAD BATCH: the program's arguments (accel and peer take the same).
@@ -162,15 +163,17 @@ print("|---" * (len(names) + 2) + "|")
 for w in work:
     if not any(r["workload"] == w for r in rows):
         continue
-    peer, ddp = med(w, "peer"), med(w, "ddp")
+    peer, ddp, single = med(w, "peer"), med(w, "ddp"), med(w, "single")
     def cell(c):
         v = med(w, c)
-        text = f"{v:.2f} ({v / peer:.2f}×"
-        if c in ("fsdp", "zero3"):
-            text += f", {v / ddp:.2f}× DDP"
-        if c == "ddp":
-            text += f", {v / med(w, 'single'):.0%} of one process"
-        return text + ")"
+        if v is None:
+            return "-"
+        ratios = [f"{v / peer:.2f}×"] if peer and c != "peer" else []
+        if c in ("fsdp", "zero3") and ddp:
+            ratios.append(f"{v / ddp:.2f}× DDP")
+        if c == "ddp" and single:
+            ratios.append(f"{v / single:.0%} of one process")
+        return f"{v:.2f}" + (f" ({', '.join(ratios)})" if ratios else "")
     on, off = med(w, "ddp", "comm_ms_per_step"), med(w, "ddp_no_overlap", "comm_ms_per_step")
     exposed = f"{on:.1f} of {off:.1f} ms ({on / off:.0%})" if on is not None and off else "-"
     print(f"| {work[w]} | " + " | ".join(cell(c) for c in names) + f" | {exposed} |")
