@@ -71,6 +71,6 @@ mod plan;
 pub use config_keys::{check_keys, report_warnings, validate_parsed};
 pub use engine::Sharded;
 pub use plan::{
-    dtype_name, precision_dtype, refuse_unsupported, BackwardPrefetch, EngineSettings, Overlap,
-    Plan, WrapPolicy, ESTIMATED_STATE_SLOTS, MAX_REDUCING,
+    dtype_name, machine_memory, memory_may_be_the_limit, precision_dtype, refuse_unsupported,
+    BackwardPrefetch, EngineSettings, Overlap, Plan, WrapPolicy, ESTIMATED_STATE_SLOTS,
 };

@@ -62,7 +62,7 @@ pub fn plan(s: &Settings) -> Plan {
         overrides: RunOverrides::default(),
         param_dtype: s.param_dtype,
         reduce_dtype: s.reduce_dtype,
-        release_freed_memory: false,
+        release_freed_memory: None,
         overlap: Overlap {
             forward_prefetch: s.forward_prefetch,
             backward_prefetch: s.backward_prefetch,

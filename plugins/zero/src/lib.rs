@@ -71,7 +71,7 @@ fn plan(s: &settings::Settings) -> Plan {
         },
         param_dtype: s.param_dtype,
         reduce_dtype: s.reduce_dtype,
-        release_freed_memory: false,
+        release_freed_memory: None,
         // DeepSpeed's stage 3 prefetches the next modules in forward and
         // backward by the order it traced, and `overlap_comm` (its default
         // at stage 3) reduces during backward.

@@ -78,7 +78,7 @@ impl Sharded {
     /// on a small gpt2; hence the threshold (BENCHMARKS.md has both
     /// figures). CUDA memory is the caching allocator's: nothing to do.
     pub(super) fn release_freed(&mut self) {
-        if !self.plan.release_freed_memory
+        if !self.release
             || self.compute_device() != Device::Cpu && self.chunk_device() != Device::Cpu
         {
             return;

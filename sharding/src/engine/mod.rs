@@ -3,7 +3,7 @@
 //! in a step lives in the submodules.
 
 use crate::layout::{check_units, chunk_len};
-use crate::plan::{dtype_name, Plan, WrapPolicy};
+use crate::plan::{dtype_name, machine_memory, memory_may_be_the_limit, Plan, WrapPolicy};
 use accel_sdk::tch::{Device, Kind, Tensor};
 use accel_sdk::{
     abi_stable::std_types::{RSliceMut, RVec},
@@ -64,6 +64,9 @@ pub struct Sharded {
     reducing: VecDeque<overlap::Reducing>,
     /// What was started early in this backward (logged at its end).
     counts: overlap::Counts,
+    /// Whether freed host memory is handed back during the step (the
+    /// plan's `release_freed_memory`, decided at prepare when unset).
+    release: bool,
     /// Resident bytes beside the heap's live ones just after the last
     /// [`Sharded::release_freed`] trim (code, stacks, mappings): the part of
     /// the slack a trim cannot give back.
@@ -92,6 +95,7 @@ impl Sharded {
             prefetched: BTreeMap::new(),
             reducing: VecDeque::new(),
             counts: overlap::Counts::default(),
+            release: false,
             untrimmable: None,
         }
     }
@@ -215,6 +219,11 @@ impl Sharded {
                 })
                 .collect();
         }
+        let whole = self.numels.iter().sum::<i64>() as u64 * self.master.elt_size_in_bytes() as u64;
+        self.release = self.plan.release_freed_memory.unwrap_or_else(|| {
+            self.plan.shard_params
+                && memory_may_be_the_limit(whole, self.ctx.local_world_size(), machine_memory())
+        });
         self.cast_params();
         self.units = units
             .iter()

@@ -5,7 +5,7 @@
 //! land exactly as the blocking ones would.
 
 use super::Sharded;
-use crate::plan::{BackwardPrefetch, MAX_REDUCING};
+use crate::plan::BackwardPrefetch;
 use accel_sdk::tch::Tensor;
 use accel_sdk::{
     params::bytes,
@@ -137,8 +137,9 @@ impl Sharded {
     }
 
     /// Starts the reduce-scatter of `input` (unit gradients, laid out by
-    /// [`Sharded::reduce_input`]) of the parameters `idx` into a new buffer;
-    /// with more than [`MAX_REDUCING`] in flight, the oldest lands first.
+    /// [`Sharded::reduce_input`]) of the parameters `idx` into a new buffer,
+    /// left in flight until the next unit's reduce-scatter (or the end of
+    /// backward) lands it.
     pub(super) fn start_reduce(
         &mut self,
         idx: Vec<usize>,
@@ -161,9 +162,6 @@ impl Sharded {
             input,
         });
         self.note_peak(0);
-        while self.reducing.len() > MAX_REDUCING {
-            self.land_oldest_reduce()?;
-        }
         Ok(())
     }
 

@@ -102,6 +102,12 @@ impl Sharded {
         u: usize,
         overlap: bool,
     ) -> Result<(), PluginError> {
+        if overlap {
+            // The one in flight has had this unit's backward to run: it
+            // lands before this unit's gradients are laid out, so one
+            // unit's whole gradients wait to be reduced at a time.
+            self.land_reduces()?;
+        }
         let Some((idx, input)) = self.reduce_input(u)? else {
             return Ok(());
         };
