@@ -6,7 +6,12 @@
 #      vs one raw MPI all-reduce (2 ranks);
 #   3. mlp under `accel launch` vs the same MLP under Python Accelerate
 #      (torchrun, 2 gloo ranks), and a raw single-process tch loop, for
-#      hidden 128 / batch 32 and hidden 1024 / batch 256.
+#      hidden 128 / batch 32 and hidden 1024 / batch 256;
+#   4. the one-run throughput table (`throughput.sh`): mlp small and big and
+#      gpt2 under accel DDP (overlap on/off), FSDP FULL_SHARD and ZeRO-3 vs
+#      Python Accelerate DDP and one process, with DDP's exposed
+#      all-reduce; quiet, then with one competing process per core
+#      (`UPDATE_BENCHMARKS=1` writes both tables into BENCHMARKS.md).
 # Usage: bash benches/run.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
 source "$(dirname "$0")/common.sh" target/bench-results "${1:-}"
 cargo build --release -q -p accel -p accel-ddp -p accel-examples -p accel-benches
@@ -46,3 +51,8 @@ diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, p))
 print(json.dumps({"steps": len(a), "loss_max_rel_diff": diff, "first": [a[0], p[0]], "last": [a[-1], p[-1]]}))
 PY
 done
+
+echo "== throughput, one run: quiet, then with one competing process per core"
+bash benches/throughput.sh "$out/throughput"
+LOAD=1 REPEATS=${LOAD_REPEATS:-2} BENCH_COLUMNS="ddp peer" WORKLOADS="mlp_small gpt2" \
+    bash benches/throughput.sh "$out/throughput-load"

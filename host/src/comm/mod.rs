@@ -41,17 +41,20 @@ pub fn collective_timeout(seconds: Option<f64>) -> Duration {
 }
 
 /// How long a wait spins (tests back to back) before it yields the core.
-const SPIN: Duration = Duration::from_millis(10);
+const SPIN: Duration = Duration::from_micros(200);
 /// How long it yields between tests before it starts sleeping.
-const YIELD: Duration = Duration::from_millis(50);
+const YIELD: Duration = Duration::from_millis(1);
 /// The longest sleep between two tests of a waiting collective.
 const MAX_NAP: Duration = Duration::from_millis(10);
 
 /// The pause between two tests of a collective that has been waited on for
-/// `waited` (of `timeout`): a spin for the first 10 ms, then yields, then
-/// sleeps of at most a 20th of the time waited so far (so a collective
-/// that completes during a sleep is seen at most 5 % late) and 10 ms: a
-/// waiting rank does not burn the core the others need.
+/// `waited` (of `timeout`): a spin for the first 0.2 ms (a fast collective
+/// is not slowed), then yields until 1 ms, then sleeps of at most a 20th of
+/// the time waited so far (so a collective that completes during a sleep is
+/// seen at most 5 % late) and 10 ms: a waiting rank does not burn the core
+/// the others need (with 10 ms of spinning and 50 of yielding, a rank
+/// waiting for a gpt2 all-reduce took half the CPU a competing job left
+/// the ranks; BENCHMARKS.md).
 pub(crate) fn pause(waited: Duration, timeout: Duration) {
     if waited < SPIN {
         std::hint::spin_loop();
