@@ -167,6 +167,29 @@ pub(crate) fn unknown_handle(handle: u64) -> CommError {
     )
 }
 
+/// Checks that `whole` (an all-gather's output, a reduce-scatter's input,
+/// named `what`) has `size` times the elements of `part`.
+pub(crate) fn expect_world_multiple(
+    op: &'static str,
+    what: &str,
+    whole: &Tensor,
+    part: &Tensor,
+    size: u32,
+) -> Result<(), CommError> {
+    if whole.numel() == part.numel() * size as usize {
+        Ok(())
+    } else {
+        Err(CommError::new(
+            op,
+            format!(
+                "{what} has {} elements, expected {size} x {}",
+                whole.numel(),
+                part.numel()
+            ),
+        ))
+    }
+}
+
 /// Copies a collective's stand-in buffer `work` back into `t` (converting
 /// kind and shape) when it is not `t`'s own storage.
 pub(crate) fn write_back(t: &mut Tensor, work: &Tensor) {

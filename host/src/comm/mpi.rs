@@ -57,7 +57,7 @@
 //! glibc's `on_exit(3)`; on other C libraries only `atexit` exists, the
 //! status is unknown and the handler always finalises.
 
-use super::{pause, seconds, write_back, CommError, Communicator};
+use super::{expect_world_multiple, pause, seconds, write_back, CommError, Communicator};
 use accel_rendezvous::Client;
 use accel_sdk::ReduceOp;
 use mpi::{
@@ -784,19 +784,10 @@ impl Mpi {
         output: &Tensor,
         background: bool,
     ) -> Result<u64, CommError> {
-        let expected = input.numel() * self.size as usize;
-        if output.numel() != expected {
-            return Err(CommError::new(
-                "all_gather",
-                format!(
-                    "output has {} elements, expected {expected}",
-                    output.numel()
-                ),
-            ));
-        }
+        expect_world_multiple("all_gather", "output", output, input, self.size)?;
         let send = work_buffer("all_gather", input)?;
         let count = self.start("all_gather")?;
-        let n = expected as i64;
+        let n = output.numel() as i64;
         let recv = self.take_scratch(send.kind(), n);
         let request = with_slices!("all_gather", &send, &recv.narrow(0, 0, n), |s, r| self
             .with_world(|w| raw(w.immediate_all_gather_into(StaticScope, s, r))));
@@ -813,17 +804,7 @@ impl Mpi {
         op: ReduceOp,
         background: bool,
     ) -> Result<u64, CommError> {
-        if input.numel() != output.numel() * self.size as usize {
-            return Err(CommError::new(
-                "reduce_scatter",
-                format!(
-                    "input has {} elements, expected {} x {}",
-                    input.numel(),
-                    self.size,
-                    output.numel()
-                ),
-            ));
-        }
+        expect_world_multiple("reduce_scatter", "input", input, output, self.size)?;
         let send = work_buffer("reduce_scatter", input)?;
         let count = self.start("reduce_scatter")?;
         let n = output.numel() as i64;

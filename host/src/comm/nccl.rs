@@ -18,7 +18,7 @@
 //! [`Communicator::wait`] polls the event recorded after it, with the
 //! deadline of every collective. Not run on a GPU in accel's test suite.
 
-use super::{pause, seconds, write_back, CommError, Communicator};
+use super::{expect_world_multiple, pause, seconds, write_back, CommError, Communicator};
 use crate::launch::detect::IdStore;
 use accel_rendezvous::{torch::TorchStoreClient, Client, Server, StoreError};
 use accel_sdk::ReduceOp;
@@ -167,6 +167,15 @@ fn cuda_contiguous(op: &'static str, t: &Tensor) -> Result<Tensor, CommError> {
             format!("NCCL collectives take CUDA tensors, got one on {d:?}"),
         )),
     }
+}
+
+/// Contiguous CUDA stand-ins for a collective's input and output.
+fn cuda_pair(
+    op: &'static str,
+    input: &Tensor,
+    output: &Tensor,
+) -> Result<(Tensor, Tensor), CommError> {
+    Ok((cuda_contiguous(op, input)?, cuda_contiguous(op, output)?))
 }
 
 impl Nccl {
@@ -324,44 +333,6 @@ impl Nccl {
         }
     }
 
-    /// The send and receive buffers of an all-gather of `input` into
-    /// `output` (`world_size` times its size).
-    fn gather_buffers(
-        &self,
-        input: &Tensor,
-        output: &Tensor,
-    ) -> Result<(Tensor, Tensor), CommError> {
-        if output.numel() != input.numel() * self.size as usize {
-            return Err(CommError::new(
-                "all_gather",
-                "output is not world_size x input",
-            ));
-        }
-        Ok((
-            cuda_contiguous("all_gather", input)?,
-            cuda_contiguous("all_gather", output)?,
-        ))
-    }
-
-    /// The send and receive buffers of a reduce-scatter of `input`
-    /// (`world_size` times the size of `output`) into `output`.
-    fn scatter_buffers(
-        &self,
-        input: &Tensor,
-        output: &Tensor,
-    ) -> Result<(Tensor, Tensor), CommError> {
-        if input.numel() != output.numel() * self.size as usize {
-            return Err(CommError::new(
-                "reduce_scatter",
-                "input is not world_size x output",
-            ));
-        }
-        Ok((
-            cuda_contiguous("reduce_scatter", input)?,
-            cuda_contiguous("reduce_scatter", output)?,
-        ))
-    }
-
     /// Enqueues `call` from `send` into `recv` (contiguous CUDA buffers of
     /// the sizes NCCL expects) on `stream` (null: the default stream).
     fn enqueue(
@@ -484,7 +455,8 @@ impl Communicator for Nccl {
     }
 
     fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
-        let (send, recv) = self.gather_buffers(input, output)?;
+        expect_world_multiple("all_gather", "output", output, input, self.size)?;
+        let (send, recv) = cuda_pair("all_gather", input, output)?;
         self.run(Call::AllGather, &send, &recv, output)
     }
 
@@ -494,7 +466,8 @@ impl Communicator for Nccl {
         output: &mut Tensor,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let (send, recv) = self.scatter_buffers(input, output)?;
+        expect_world_multiple("reduce_scatter", "input", input, output, self.size)?;
+        let (send, recv) = cuda_pair("reduce_scatter", input, output)?;
         self.run(Call::ReduceScatter(op), &send, &recv, output)
     }
 
@@ -504,7 +477,8 @@ impl Communicator for Nccl {
     }
 
     fn all_gather_start(&self, input: &Tensor, output: &Tensor) -> Result<u64, CommError> {
-        let (send, recv) = self.gather_buffers(input, output)?;
+        expect_world_multiple("all_gather", "output", output, input, self.size)?;
+        let (send, recv) = cuda_pair("all_gather", input, output)?;
         self.start_on_side_stream(Call::AllGather, send, recv, output)
     }
 
@@ -514,7 +488,8 @@ impl Communicator for Nccl {
         output: &Tensor,
         op: ReduceOp,
     ) -> Result<u64, CommError> {
-        let (send, recv) = self.scatter_buffers(input, output)?;
+        expect_world_multiple("reduce_scatter", "input", input, output, self.size)?;
+        let (send, recv) = cuda_pair("reduce_scatter", input, output)?;
         self.start_on_side_stream(Call::ReduceScatter(op), send, recv, output)
     }
 
