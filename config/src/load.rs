@@ -96,6 +96,22 @@ pub fn load_str(
     )
 }
 
+/// Config text in YAML (JSON is YAML too) with the default options, as
+/// [`load_str`] loads it (warnings dropped):
+///
+/// ```
+/// let c: accel_config::Config = "distributed_type: MULTI_CPU\nnum_processes: 2\n".parse()?;
+/// assert_eq!(c.num_processes, Some(2));
+/// # Ok::<(), accel_config::ConfigError>(())
+/// ```
+impl std::str::FromStr for Config {
+    type Err = ConfigError;
+
+    fn from_str(text: &str) -> Result<Config, ConfigError> {
+        load_str(text, "<string>", Format::Yaml, &LoadOptions::default()).map(|l| l.config)
+    }
+}
+
 /// Loads config bytes, naming `origin` in messages.
 pub fn load_bytes(
     bytes: &[u8],

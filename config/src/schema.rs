@@ -1022,17 +1022,15 @@ impl MixedPrecision {
 pub type Section = Map<String, Value>;
 
 /// Settings in the `accel:` namespace.
+#[serde_with::skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct AccelSection {
     /// Extra directories to search for plugins (before `ACCEL_PLUGIN_DIR`'s defaults).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plugin_dir: Option<Vec<String>>,
     /// The strategy plugin to use when several claim the `distributed_type`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub strategy: Option<String>,
     /// The launcher plugin (`local`, `mpi`, `slurm`, or a third-party one).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub launcher: Option<String>,
     /// Seconds a collective may wait for the other ranks before this rank
     /// fails, naming the collective (Accelerate's
@@ -1040,13 +1038,10 @@ pub struct AccelSection {
     /// when unset). `accel launch` also ends a job with a rank stopped or
     /// making no progress for this long. `--collective_timeout`,
     /// `ACCEL_COLLECTIVE_TIMEOUT`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub collective_timeout: Option<f64>,
     /// Tracker plugins to log to (`tensorboard`, `wandb`, `jsonl`, ...).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trackers: Option<Vec<String>>,
     /// Free-form settings per plugin name; each plugin validates its own.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plugins: Option<Map<String, Value>>,
 }
 
@@ -1089,101 +1084,58 @@ mod yes_no {
 /// A config file's content, typed: Accelerate's `ClusterConfig` and
 /// `SageMakerConfig` in one struct. A field is `None` when the file does not
 /// set it (writing leaves it out, as Accelerate's `to_dict` does).
+#[serde_with::skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 #[allow(missing_docs)]
 pub struct Config {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compute_environment: Option<ComputeEnvironment>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub distributed_type: Option<DistributedType>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mixed_precision: Option<MixedPrecision>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub use_cpu: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub debug: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enable_cpu_affinity: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_machines: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_ids: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dynamo_config: Option<Section>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_processes: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub machine_rank: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub main_process_ip: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub main_process_port: Option<u16>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdzv_backend: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub same_network: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub main_training_function: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fp8_config: Option<Section>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deepspeed_config: Option<Section>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fsdp_config: Option<Section>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tp_config: Option<Section>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub megatron_lm_config: Option<Section>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ipex_config: Option<Section>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mpirun_config: Option<Section>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parallelism_config: Option<Section>,
-    #[serde(default, skip_serializing_if = "Option::is_none", with = "yes_no")]
+    #[serde(with = "yes_no")]
     pub downcast_bf16: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpu_name: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpu_zone: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpu_use_cluster: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpu_use_sudo: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command_file: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub commands: Option<Vec<String>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpu_vm: Option<Vec<String>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpu_env: Option<Vec<String>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ec2_instance_type: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub iam_role_name: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_uri: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub region: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_job_name: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pytorch_version: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transformers_version: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub py_version: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sagemaker_inputs_file: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sagemaker_metrics_file: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub additional_args: Option<Map<String, Value>>,
-    #[serde(default, skip_serializing_if = "accel_is_empty")]
+    #[serde(skip_serializing_if = "accel_is_empty")]
     pub accel: Option<AccelSection>,
 }
 

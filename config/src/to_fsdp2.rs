@@ -175,19 +175,12 @@ pub fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::load::load_str;
-
-    fn load(text: &str) -> Config {
-        load_str(text, "t", Format::Yaml, &LoadOptions::default())
-            .unwrap()
-            .config
-    }
 
     #[test]
     fn sharding_strategy_becomes_reshard_after_forward() {
-        let c = load(
-            "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_sync_module_states: true\n",
-        );
+        let c: Config = "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_sync_module_states: true\n"
+            .parse()
+            .unwrap();
         let (out, warning) = convert(&c).unwrap();
         assert!(warning.is_none());
         let fsdp = out.section("fsdp_config").unwrap();
@@ -200,11 +193,11 @@ mod tests {
 
     #[test]
     fn fsdp2_and_fsdp_less_configs_are_left_alone() {
-        let c = load("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n");
+        let c: Config = "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n".parse().unwrap();
         let (out, warning) = convert(&c).unwrap();
         assert_eq!(out, c);
         assert!(warning.unwrap().contains("already specifies FSDP2"));
-        let c = load("distributed_type: MULTI_CPU\n");
+        let c: Config = "distributed_type: MULTI_CPU\n".parse().unwrap();
         assert!(convert(&c).unwrap().1.unwrap().contains("No FSDP config"));
     }
 }

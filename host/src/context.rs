@@ -239,7 +239,11 @@ mod tests {
         let err = ctx
             .all_gather(TensorRef::new(&t), TensorMut::new(&mut wrong))
             .unwrap_err();
-        assert!(err.message.contains("expected 3"), "{err}");
+        assert!(
+            err.message
+                .contains("output has 2 elements, expected 1 x 3"),
+            "{err}"
+        );
         assert_eq!(err.kind, ErrorKind::Communication);
     }
 }

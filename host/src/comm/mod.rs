@@ -93,7 +93,68 @@ impl CommError {
     }
 }
 
-/// Collectives over the ranks of a job.
+/// One collective, from an input tensor into an output tensor (the same
+/// tensor for the in-place all-reduce and broadcast). Every communicator
+/// runs these; [`Communicator`]'s named calls are made of them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Collective {
+    /// Reduces over all ranks, in place.
+    AllReduce(ReduceOp),
+    /// Copies this rank's tensor to every rank, in place.
+    Broadcast(u32),
+    /// Every rank's input (same size everywhere), concatenated flat in rank
+    /// order into the output (`world_size` times the input's elements).
+    AllGather,
+    /// Reduces the input (`world_size` times the output's elements) and
+    /// leaves chunk `rank` in the output.
+    ReduceScatter(ReduceOp),
+}
+
+impl Collective {
+    /// Its name in messages (`all_reduce`, `broadcast`, `all_gather`,
+    /// `reduce_scatter`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce(_) => "all_reduce",
+            Collective::Broadcast(_) => "broadcast",
+            Collective::AllGather => "all_gather",
+            Collective::ReduceScatter(_) => "reduce_scatter",
+        }
+    }
+
+    /// Checks the root and the sizes of `input` and `output` against a
+    /// world of `size` ranks: a broadcast's root is a rank, an all-gather's
+    /// output and a reduce-scatter's input hold `size` times the other.
+    pub(crate) fn check(self, input: &Tensor, output: &Tensor, size: u32) -> Result<(), CommError> {
+        let (what, whole, part) = match self {
+            Collective::Broadcast(root) if root >= size => {
+                return Err(CommError::new(
+                    self.name(),
+                    format!("root {root} is not a rank of this {size}-rank job"),
+                ))
+            }
+            Collective::AllGather => ("output", output, input),
+            Collective::ReduceScatter(_) => ("input", input, output),
+            _ => return Ok(()),
+        };
+        if whole.numel() == part.numel() * size as usize {
+            Ok(())
+        } else {
+            Err(CommError::new(
+                self.name(),
+                format!(
+                    "{what} has {} elements, expected {size} x {}",
+                    whole.numel(),
+                    part.numel()
+                ),
+            ))
+        }
+    }
+}
+
+/// Collectives over the ranks of a job. A communicator runs (and may start)
+/// a [`Collective`]; the named calls below are made of those two and are
+/// the same for every communicator.
 pub trait Communicator: Send + Sync {
     /// Short name (`single`, `mpi`, `nccl`).
     fn name(&self) -> &'static str;
@@ -101,54 +162,28 @@ pub trait Communicator: Send + Sync {
     fn rank(&self) -> u32;
     /// Ranks in the job.
     fn world_size(&self) -> u32;
-    /// Reduces `tensor` over all ranks, in place.
-    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CommError>;
-    /// Copies rank `root`'s `tensor` to every rank, in place.
-    fn broadcast(&self, tensor: &mut Tensor, root: u32) -> Result<(), CommError>;
-    /// Every rank's `input` (same size everywhere), concatenated flat in rank
-    /// order into `output` (`world_size * input.numel()` elements).
-    fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError>;
-    /// Reduces `input` (`world_size * output.numel()` elements) and leaves
-    /// chunk `rank` in `output`.
-    fn reduce_scatter(
-        &self,
-        input: &Tensor,
-        output: &mut Tensor,
-        op: ReduceOp,
-    ) -> Result<(), CommError>;
+    /// Runs `collective` from `input` into `output` (shallow clones share
+    /// the storage the result is written to) and waits for it.
+    fn run(&self, collective: Collective, input: &Tensor, output: &Tensor)
+        -> Result<(), CommError>;
     /// Waits for every rank.
     fn barrier(&self) -> Result<(), CommError>;
-    /// Starts [`Communicator::all_reduce`] of `tensor` (in place) and
-    /// returns a handle for [`Communicator::wait`] without waiting for it;
-    /// the communicator keeps a reference to `tensor` until then, and
-    /// nothing may touch it. Handles are never 0. By default the whole
-    /// all-reduce runs here and the handle is 0: nothing is left in flight.
-    fn all_reduce_start(&self, tensor: &Tensor, op: ReduceOp) -> Result<u64, CommError> {
-        self.all_reduce(&mut tensor.shallow_clone(), op)?;
-        Ok(0)
-    }
-    /// Starts [`Communicator::all_gather`] of `input` into `output` and
-    /// returns a handle for [`Communicator::wait`], as
-    /// [`Communicator::all_reduce_start`] does (both tensors stay the
-    /// communicator's until then).
-    fn all_gather_start(&self, input: &Tensor, output: &Tensor) -> Result<u64, CommError> {
-        self.all_gather(input, &mut output.shallow_clone())?;
-        Ok(0)
-    }
-    /// Starts [`Communicator::reduce_scatter`] of `input` into `output` and
-    /// returns a handle for [`Communicator::wait`], as
-    /// [`Communicator::all_reduce_start`] does.
-    fn reduce_scatter_start(
+    /// Starts `collective` and returns a handle for [`Communicator::wait`]
+    /// without waiting for it; the communicator keeps a reference to both
+    /// tensors until then, and nothing may touch them. Handles are never 0.
+    /// By default the whole collective runs here and the handle is 0:
+    /// nothing is left in flight.
+    fn start(
         &self,
+        collective: Collective,
         input: &Tensor,
         output: &Tensor,
-        op: ReduceOp,
     ) -> Result<u64, CommError> {
-        self.reduce_scatter(input, &mut output.shallow_clone(), op)?;
+        self.run(collective, input, output)?;
         Ok(0)
     }
     /// Waits (at most the collective timeout) for the collective `handle`
-    /// of one of the `*_start` calls and leaves its result in its output
+    /// of [`Communicator::start`] and leaves its result in its output
     /// tensor. Each handle is waited on once; 0 is always complete.
     fn wait(&self, handle: u64) -> Result<(), CommError> {
         if handle == 0 {
@@ -156,6 +191,50 @@ pub trait Communicator: Send + Sync {
         } else {
             Err(unknown_handle(handle))
         }
+    }
+
+    /// Reduces `tensor` over all ranks, in place.
+    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
+        self.run(Collective::AllReduce(op), tensor, tensor)
+    }
+    /// Copies rank `root`'s `tensor` to every rank, in place.
+    fn broadcast(&self, tensor: &mut Tensor, root: u32) -> Result<(), CommError> {
+        self.run(Collective::Broadcast(root), tensor, tensor)
+    }
+    /// Every rank's `input` (same size everywhere), concatenated flat in rank
+    /// order into `output` (`world_size * input.numel()` elements).
+    fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
+        self.run(Collective::AllGather, input, output)
+    }
+    /// Reduces `input` (`world_size * output.numel()` elements) and leaves
+    /// chunk `rank` in `output`.
+    fn reduce_scatter(
+        &self,
+        input: &Tensor,
+        output: &mut Tensor,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.run(Collective::ReduceScatter(op), input, output)
+    }
+    /// Starts [`Communicator::all_reduce`] of `tensor` (in place): the
+    /// handle of [`Communicator::start`].
+    fn all_reduce_start(&self, tensor: &Tensor, op: ReduceOp) -> Result<u64, CommError> {
+        self.start(Collective::AllReduce(op), tensor, tensor)
+    }
+    /// Starts [`Communicator::all_gather`] of `input` into `output`: the
+    /// handle of [`Communicator::start`].
+    fn all_gather_start(&self, input: &Tensor, output: &Tensor) -> Result<u64, CommError> {
+        self.start(Collective::AllGather, input, output)
+    }
+    /// Starts [`Communicator::reduce_scatter`] of `input` into `output`:
+    /// the handle of [`Communicator::start`].
+    fn reduce_scatter_start(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<u64, CommError> {
+        self.start(Collective::ReduceScatter(op), input, output)
     }
 }
 
@@ -165,29 +244,6 @@ pub(crate) fn unknown_handle(handle: u64) -> CommError {
         "wait",
         format!("no collective in flight has handle {handle} (each is waited on once)"),
     )
-}
-
-/// Checks that `whole` (an all-gather's output, a reduce-scatter's input,
-/// named `what`) has `size` times the elements of `part`.
-pub(crate) fn expect_world_multiple(
-    op: &'static str,
-    what: &str,
-    whole: &Tensor,
-    part: &Tensor,
-    size: u32,
-) -> Result<(), CommError> {
-    if whole.numel() == part.numel() * size as usize {
-        Ok(())
-    } else {
-        Err(CommError::new(
-            op,
-            format!(
-                "{what} has {} elements, expected {size} x {}",
-                whole.numel(),
-                part.numel()
-            ),
-        ))
-    }
 }
 
 /// Copies a collective's stand-in buffer `work` back into `t` (converting
@@ -203,22 +259,6 @@ pub(crate) fn write_back(t: &mut Tensor, work: &Tensor) {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SingleProcess;
 
-fn copy_into(op: &'static str, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
-    if input.numel() != output.numel() {
-        return Err(CommError::new(
-            op,
-            format!(
-                "output has {} elements, expected {} (world size 1)",
-                output.numel(),
-                input.numel()
-            ),
-        ));
-    }
-    let src = input.reshape(output.size());
-    tch::no_grad(|| output.copy_(&src));
-    Ok(())
-}
-
 impl Communicator for SingleProcess {
     fn name(&self) -> &'static str {
         "single"
@@ -229,29 +269,17 @@ impl Communicator for SingleProcess {
     fn world_size(&self) -> u32 {
         1
     }
-    fn all_reduce(&self, _tensor: &mut Tensor, _op: ReduceOp) -> Result<(), CommError> {
-        Ok(())
-    }
-    fn broadcast(&self, _tensor: &mut Tensor, root: u32) -> Result<(), CommError> {
-        if root == 0 {
-            Ok(())
-        } else {
-            Err(CommError::new(
-                "broadcast",
-                format!("from rank {root}, but the world has 1 process"),
-            ))
-        }
-    }
-    fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
-        copy_into("all_gather", input, output)
-    }
-    fn reduce_scatter(
+    fn run(
         &self,
+        collective: Collective,
         input: &Tensor,
-        output: &mut Tensor,
-        _op: ReduceOp,
+        output: &Tensor,
     ) -> Result<(), CommError> {
-        copy_into("reduce_scatter", input, output)
+        collective.check(input, output, 1)?;
+        // All-reduce and broadcast: in place, nothing to do; all-gather and
+        // reduce-scatter: the output is the input.
+        write_back(&mut output.shallow_clone(), input);
+        Ok(())
     }
     fn barrier(&self) -> Result<(), CommError> {
         Ok(())

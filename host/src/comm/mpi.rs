@@ -57,7 +57,7 @@
 //! glibc's `on_exit(3)`; on other C libraries only `atexit` exists, the
 //! status is unknown and the handler always finalises.
 
-use super::{expect_world_multiple, pause, seconds, write_back, CommError, Communicator};
+use super::{pause, seconds, write_back, Collective, CommError, Communicator};
 use accel_rendezvous::Client;
 use accel_sdk::ReduceOp;
 use mpi::{
@@ -174,42 +174,16 @@ struct InFlight {
     result: Landing,
 }
 
-/// Where a collective in flight leaves its result: the caller's tensor (a
-/// shallow clone: its storage lives on), the buffer MPI sends from (that
-/// tensor itself when it is a contiguous CPU tensor of an MPI kind), and
-/// the kept buffer it receives into (its first elements).
-enum Landing {
-    /// The reduced `send` lands in `tensor` (averaged for `Avg`).
-    AllReduce {
-        op: ReduceOp,
-        tensor: Tensor,
-        send: Tensor,
-        recv: Tensor,
-    },
-    /// Every rank's `send`, in rank order, lands in `output`.
-    AllGather {
-        output: Tensor,
-        send: Tensor,
-        recv: Tensor,
-    },
-    /// This rank's block of the reduced `send` lands in `output`.
-    ReduceScatter {
-        op: ReduceOp,
-        output: Tensor,
-        send: Tensor,
-        recv: Tensor,
-    },
-}
-
-impl Landing {
-    /// The collective's name, for messages.
-    fn op(&self) -> &'static str {
-        match self {
-            Landing::AllReduce { .. } => "all_reduce",
-            Landing::AllGather { .. } => "all_gather",
-            Landing::ReduceScatter { .. } => "reduce_scatter",
-        }
-    }
+/// Where a collective in flight leaves its result: the caller's output
+/// tensor (a shallow clone: its storage lives on; for an all-reduce, its
+/// tensor), the buffer MPI sends from (that tensor itself when it is a
+/// contiguous CPU tensor of an MPI kind), and the kept buffer it receives
+/// into (its first elements).
+struct Landing {
+    collective: Collective,
+    output: Tensor,
+    send: Tensor,
+    recv: Tensor,
 }
 
 /// At most this many receive buffers are kept (the smallest go first).
@@ -422,9 +396,9 @@ impl Mpi {
         self.timeout
     }
 
-    /// Starts collective `op`: its count, or the error of an earlier
+    /// Numbers collective `op`: its count, or the error of an earlier
     /// timeout (the communicator is unusable after one).
-    fn start(&self, op: &'static str) -> Result<u64, CommError> {
+    fn number(&self, op: &'static str) -> Result<u64, CommError> {
         if let Some(why) = self
             .broken
             .lock()
@@ -437,29 +411,6 @@ impl Mpi {
             ));
         }
         Ok(self.started.fetch_add(1, Ordering::Relaxed) + 1)
-    }
-
-    /// Waits for `request` (collective number `count`, `op`) until the
-    /// timeout. On timeout MPI keeps `buffers` (leaked: MPI may still write
-    /// them) and the communicator is marked unusable.
-    fn wait_request<D: ?Sized>(
-        &self,
-        op: &'static str,
-        count: u64,
-        request: Request<'static, D, StaticScope>,
-        buffers: &[&Tensor],
-    ) -> Result<(), CommError> {
-        // SAFETY: the request is tested until it completes; after a timeout
-        // MPI keeps it, and its buffers are leaked below.
-        let mut raw = RawRequest(unsafe { request.into_raw() }.0);
-        self.wait_until(op, count, || self.test(&mut raw))
-            .inspect_err(|_| {
-                // MPI cannot cancel a collective: it owns the buffers until
-                // the process ends.
-                for b in buffers {
-                    std::mem::forget(b.shallow_clone());
-                }
-            })
     }
 
     /// Whether `request` completed (MPI_Test, which also progresses every
@@ -563,13 +514,14 @@ impl Mpi {
     /// for `Avg`) and keeps its receive buffer for the next one.
     fn finish(&self, landing: Landing) {
         let size = i64::from(self.size);
-        let recv = match landing {
-            Landing::AllReduce {
-                op,
-                mut tensor,
-                send,
-                recv,
-            } => {
+        let Landing {
+            collective,
+            mut output,
+            send,
+            recv,
+        } = landing;
+        match collective {
+            Collective::AllReduce(op) => {
                 let mut out = send.view([-1]);
                 let result = recv.narrow(0, 0, out.numel() as i64);
                 tch::no_grad(|| match op {
@@ -583,32 +535,24 @@ impl Mpi {
                         out.copy_(&result);
                     }
                 });
-                write_back(&mut tensor, &send);
-                recv
+                write_back(&mut output, &send);
             }
-            Landing::AllGather {
-                mut output,
-                send,
-                recv,
-            } => {
+            Collective::AllGather => {
                 write_back(&mut output, &recv.narrow(0, 0, send.numel() as i64 * size));
-                recv
             }
-            Landing::ReduceScatter {
-                op,
-                mut output,
-                send,
-                recv,
-            } => {
+            Collective::ReduceScatter(op) => {
                 let block = recv.narrow(0, 0, send.numel() as i64 / size);
                 if op == ReduceOp::Avg {
                     write_back(&mut output, &(block / size as f64));
                 } else {
                     write_back(&mut output, &block);
                 }
-                recv
             }
-        };
+            Collective::Broadcast(_) => {
+                let n = output.numel() as i64;
+                write_back(&mut output, &recv.narrow(0, 0, n));
+            }
+        }
         let mut kept = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         kept.push(recv);
         if kept.len() > KEPT_BUFFERS {
@@ -679,8 +623,8 @@ fn work_buffer(op: &'static str, t: &Tensor) -> Result<Tensor, CommError> {
 
 /// Runs `$body` with `$a` seen as a shared slice and `$b` (same kind) as a
 /// mutable slice of their element type, both `'static`: MPI may hold them
-/// past this call (see [`Mpi::wait_request`], which leaks them on a
-/// timeout, and the all-reduces in flight, whose table holds them).
+/// past this call (the table of collectives in flight holds both tensors
+/// until the collective completes, and for good after a timeout).
 macro_rules! with_slices {
     ($op:expr, $a:expr, $b:expr, |$sa:ident, $sb:ident| $body:expr) => {{
         let (a, b): (&Tensor, &Tensor) = ($a, $b);
@@ -688,11 +632,9 @@ macro_rules! with_slices {
             ($t:ty) => {{
                 // SAFETY: `a` and `b` are distinct contiguous CPU tensors of
                 // this element type. The slices are used only by the
-                // collective in `$body`, which either completes before
-                // `$body` returns or, after a timeout, keeps both tensors
-                // alive (leaked) for the rest of the process, or (an
-                // all-reduce started) stays in the table of those in
-                // flight, which holds both tensors, until it completes.
+                // collective started in `$body`, which stays in the table
+                // of those in flight, holding both tensors, until it
+                // completes (after a timeout, for the rest of the process).
                 // An empty tensor may have no data pointer at all: its
                 // slice is the empty one (MPI moves nothing).
                 let $sa: &'static [$t] = if a.numel() == 0 {
@@ -750,76 +692,45 @@ impl Mpi {
         count
     }
 
-    /// Starts an all-reduce of `tensor`: its handle.
-    fn start_all_reduce(
+    /// Starts `collective` from `input` into `output`: its handle. The
+    /// input is sent straight from the tensor's memory when it is a
+    /// contiguous CPU tensor of an MPI kind, received into a kept buffer
+    /// (a broadcast's root copies its tensor there first), and written into
+    /// `output` (averaged on the way) in one pass by `wait`.
+    fn start_collective(
         &self,
-        tensor: &Tensor,
-        op: ReduceOp,
-        background: bool,
-    ) -> Result<u64, CommError> {
-        // Sent straight from the tensor's memory when it is a contiguous CPU
-        // tensor of an MPI kind, received into a kept buffer, and written
-        // back (averaged on the way) in one pass by `wait`.
-        let send = work_buffer("all_reduce", tensor)?;
-        let count = self.start("all_reduce")?;
-        let n = send.numel() as i64;
-        let recv = self.take_scratch(send.kind(), n);
-        let request = with_slices!("all_reduce", &send, &recv.narrow(0, 0, n), |s, r| self
-            .with_world(|w| raw(w.immediate_all_reduce_into(StaticScope, s, r, system_op(op)))));
-        let tensor = tensor.shallow_clone();
-        let landing = Landing::AllReduce {
-            op,
-            tensor,
-            send,
-            recv,
-        };
-        Ok(self.keep(count, request, landing, background))
-    }
-
-    /// Starts an all-gather of every rank's `input` into `output`: its
-    /// handle.
-    fn start_all_gather(
-        &self,
+        collective: Collective,
         input: &Tensor,
         output: &Tensor,
         background: bool,
     ) -> Result<u64, CommError> {
-        expect_world_multiple("all_gather", "output", output, input, self.size)?;
-        let send = work_buffer("all_gather", input)?;
-        let count = self.start("all_gather")?;
+        let name = collective.name();
+        collective.check(input, output, self.size)?;
+        let send = work_buffer(name, input)?;
+        let count = self.number(name)?;
         let n = output.numel() as i64;
         let recv = self.take_scratch(send.kind(), n);
-        let request = with_slices!("all_gather", &send, &recv.narrow(0, 0, n), |s, r| self
-            .with_world(|w| raw(w.immediate_all_gather_into(StaticScope, s, r))));
-        let output = output.shallow_clone();
-        let landing = Landing::AllGather { output, send, recv };
-        Ok(self.keep(count, request, landing, background))
-    }
-
-    /// Starts a reduce-scatter of `input` into `output`: its handle.
-    fn start_reduce_scatter(
-        &self,
-        input: &Tensor,
-        output: &Tensor,
-        op: ReduceOp,
-        background: bool,
-    ) -> Result<u64, CommError> {
-        expect_world_multiple("reduce_scatter", "input", input, output, self.size)?;
-        let send = work_buffer("reduce_scatter", input)?;
-        let count = self.start("reduce_scatter")?;
-        let n = output.numel() as i64;
-        let recv = self.take_scratch(send.kind(), n);
-        let request = with_slices!("reduce_scatter", &send, &recv.narrow(0, 0, n), |s, r| self
-            .with_world(|w| raw(w.immediate_reduce_scatter_block_into(
-                StaticScope,
-                s,
-                r,
-                system_op(op)
-            ))));
-        let output = output.shallow_clone();
-        let landing = Landing::ReduceScatter {
-            op,
-            output,
+        if let Collective::Broadcast(_) = collective {
+            tch::no_grad(|| recv.narrow(0, 0, n).copy_(&send.view([-1])));
+        }
+        let request = with_slices!(name, &send, &recv.narrow(0, 0, n), |s, r| self.with_world(
+            |w| raw(match collective {
+                Collective::AllReduce(op) => {
+                    w.immediate_all_reduce_into(StaticScope, s, r, system_op(op))
+                }
+                Collective::AllGather => w.immediate_all_gather_into(StaticScope, s, r),
+                Collective::ReduceScatter(op) => {
+                    w.immediate_reduce_scatter_block_into(StaticScope, s, r, system_op(op))
+                }
+                Collective::Broadcast(root) => {
+                    w.process_at_rank(root as i32)
+                        .immediate_broadcast_into(StaticScope, r)
+                }
+            })
+        ));
+        let landing = Landing {
+            collective,
+            output: output.shallow_clone(),
             send,
             recv,
         };
@@ -838,17 +749,31 @@ impl Communicator for Mpi {
         self.size
     }
 
-    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
-        let handle = self.start_all_reduce(tensor, op, false)?;
+    fn run(
+        &self,
+        collective: Collective,
+        input: &Tensor,
+        output: &Tensor,
+    ) -> Result<(), CommError> {
+        let handle = self.start_collective(collective, input, output, false)?;
         self.wait(handle)
     }
 
-    fn all_reduce_start(&self, tensor: &Tensor, op: ReduceOp) -> Result<u64, CommError> {
-        self.start_all_reduce(tensor, op, true)
+    fn start(
+        &self,
+        collective: Collective,
+        input: &Tensor,
+        output: &Tensor,
+    ) -> Result<u64, CommError> {
+        self.start_collective(collective, input, output, true)
     }
 
     fn wait(&self, handle: u64) -> Result<(), CommError> {
-        let Some(op) = self.flights().get(&handle).map(|f| f.result.op()) else {
+        let Some(op) = self
+            .flights()
+            .get(&handle)
+            .map(|f| f.result.collective.name())
+        else {
             return Err(super::unknown_handle(handle));
         };
         self.wait_until(op, handle, || {
@@ -872,58 +797,9 @@ impl Communicator for Mpi {
         }
     }
 
-    fn all_gather_start(&self, input: &Tensor, output: &Tensor) -> Result<u64, CommError> {
-        self.start_all_gather(input, output, true)
-    }
-
-    fn reduce_scatter_start(
-        &self,
-        input: &Tensor,
-        output: &Tensor,
-        op: ReduceOp,
-    ) -> Result<u64, CommError> {
-        self.start_reduce_scatter(input, output, op, true)
-    }
-
-    fn broadcast(&self, tensor: &mut Tensor, root: u32) -> Result<(), CommError> {
-        if root >= self.size {
-            return Err(CommError::new(
-                "broadcast",
-                format!("root {root} is not a rank of this {}-rank job", self.size),
-            ));
-        }
-        let work = work_buffer("broadcast", tensor)?;
-        let count = self.start("broadcast")?;
-        let unused = Tensor::zeros([1], (work.kind(), tch::Device::Cpu));
-        with_slices!("broadcast", &unused, &work, |_unused, b| {
-            let request = self.with_world(|w| {
-                w.process_at_rank(root as i32)
-                    .immediate_broadcast_into(StaticScope, b)
-            });
-            self.wait_request("broadcast", count, request, &[&work])
-        })?;
-        write_back(tensor, &work);
-        Ok(())
-    }
-
-    fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
-        let handle = self.start_all_gather(input, output, false)?;
-        self.wait(handle)
-    }
-
-    fn reduce_scatter(
-        &self,
-        input: &Tensor,
-        output: &mut Tensor,
-        op: ReduceOp,
-    ) -> Result<(), CommError> {
-        let handle = self.start_reduce_scatter(input, output, op, false)?;
-        self.wait(handle)
-    }
-
     fn barrier(&self) -> Result<(), CommError> {
-        let count = self.start("barrier")?;
-        let request = self.with_world(|w| w.immediate_barrier());
-        self.wait_request("barrier", count, request, &[])
+        let count = self.number("barrier")?;
+        let mut request = raw(self.with_world(|w| w.immediate_barrier()));
+        self.wait_until("barrier", count, || self.test(&mut request))
     }
 }

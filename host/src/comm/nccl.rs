@@ -18,7 +18,7 @@
 //! [`Communicator::wait`] polls the event recorded after it, with the
 //! deadline of every collective. Not run on a GPU in accel's test suite.
 
-use super::{expect_world_multiple, pause, seconds, write_back, CommError, Communicator};
+use super::{pause, seconds, write_back, Collective, CommError, Communicator};
 use crate::launch::detect::IdStore;
 use accel_rendezvous::{torch::TorchStoreClient, Client, Server, StoreError};
 use accel_sdk::ReduceOp;
@@ -80,27 +80,6 @@ struct Flight {
     out: Tensor,
     send: Tensor,
     recv: Tensor,
-}
-
-/// One NCCL collective, from a send buffer into a receive buffer (the same
-/// buffer for one in place).
-#[derive(Clone, Copy)]
-enum Call {
-    AllReduce(ReduceOp),
-    Broadcast(u32),
-    AllGather,
-    ReduceScatter(ReduceOp),
-}
-
-impl Call {
-    fn name(self) -> &'static str {
-        match self {
-            Call::AllReduce(_) => "all_reduce",
-            Call::Broadcast(_) => "broadcast",
-            Call::AllGather => "all_gather",
-            Call::ReduceScatter(_) => "reduce_scatter",
-        }
-    }
 }
 
 struct Stream(cudarc::runtime::sys::cudaStream_t);
@@ -169,13 +148,23 @@ fn cuda_contiguous(op: &'static str, t: &Tensor) -> Result<Tensor, CommError> {
     }
 }
 
-/// Contiguous CUDA stand-ins for a collective's input and output.
-fn cuda_pair(
-    op: &'static str,
+/// Contiguous CUDA stand-ins for `collective`'s send and receive buffers
+/// (one buffer for the in-place all-reduce and broadcast).
+fn cuda_buffers(
+    collective: Collective,
     input: &Tensor,
     output: &Tensor,
 ) -> Result<(Tensor, Tensor), CommError> {
-    Ok((cuda_contiguous(op, input)?, cuda_contiguous(op, output)?))
+    let op = collective.name();
+    match collective {
+        Collective::AllReduce(_) | Collective::Broadcast(_) => {
+            let work = cuda_contiguous(op, output)?;
+            Ok((work.shallow_clone(), work))
+        }
+        Collective::AllGather | Collective::ReduceScatter(_) => {
+            Ok((cuda_contiguous(op, input)?, cuda_contiguous(op, output)?))
+        }
+    }
 }
 
 impl Nccl {
@@ -337,7 +326,7 @@ impl Nccl {
     /// the sizes NCCL expects) on `stream` (null: the default stream).
     fn enqueue(
         &self,
-        call: Call,
+        call: Collective,
         send: &Tensor,
         recv: &Tensor,
         stream: cudarc::runtime::sys::cudaStream_t,
@@ -351,14 +340,14 @@ impl Nccl {
         // completed (waited on, or kept in `side.in_flight`).
         self.with_comm(name, |c| unsafe {
             match call {
-                Call::AllReduce(op) => {
+                Collective::AllReduce(op) => {
                     result::all_reduce(sp, rp, send.numel(), dt, red_op(op), c, st)
                 }
-                Call::Broadcast(root) => {
+                Collective::Broadcast(root) => {
                     result::broadcast(sp, rp, send.numel(), dt, root as i32, c, st)
                 }
-                Call::AllGather => result::all_gather(sp, rp, send.numel(), dt, c, st),
-                Call::ReduceScatter(op) => {
+                Collective::AllGather => result::all_gather(sp, rp, send.numel(), dt, c, st),
+                Collective::ReduceScatter(op) => {
                     result::reduce_scatter(sp, rp, recv.numel(), dt, red_op(op), c, st)
                 }
             }
@@ -367,27 +356,12 @@ impl Nccl {
         .map_err(|e| err(name, e))
     }
 
-    /// Runs `call` on the default stream, waits for it and writes `recv`
-    /// back into `out`.
-    fn run(
-        &self,
-        call: Call,
-        send: &Tensor,
-        recv: &Tensor,
-        out: &mut Tensor,
-    ) -> Result<(), CommError> {
-        self.enqueue(call, send, recv, std::ptr::null_mut())?;
-        self.wait_default_stream(call.name())?;
-        write_back(out, recv);
-        Ok(())
-    }
-
     /// Starts `call` on the side stream, after what the default stream
     /// holds now (the gradients, the chunks); `wait` writes `recv` back
     /// into `out`. Returns the handle.
     fn start_on_side_stream(
         &self,
-        call: Call,
+        call: Collective,
         send: Tensor,
         recv: Tensor,
         out: &Tensor,
@@ -444,53 +418,29 @@ impl Communicator for Nccl {
         self.size
     }
 
-    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), CommError> {
-        let work = cuda_contiguous("all_reduce", tensor)?;
-        self.run(Call::AllReduce(op), &work, &work, tensor)
-    }
-
-    fn broadcast(&self, tensor: &mut Tensor, root: u32) -> Result<(), CommError> {
-        let work = cuda_contiguous("broadcast", tensor)?;
-        self.run(Call::Broadcast(root), &work, &work, tensor)
-    }
-
-    fn all_gather(&self, input: &Tensor, output: &mut Tensor) -> Result<(), CommError> {
-        expect_world_multiple("all_gather", "output", output, input, self.size)?;
-        let (send, recv) = cuda_pair("all_gather", input, output)?;
-        self.run(Call::AllGather, &send, &recv, output)
-    }
-
-    fn reduce_scatter(
+    fn run(
         &self,
-        input: &Tensor,
-        output: &mut Tensor,
-        op: ReduceOp,
-    ) -> Result<(), CommError> {
-        expect_world_multiple("reduce_scatter", "input", input, output, self.size)?;
-        let (send, recv) = cuda_pair("reduce_scatter", input, output)?;
-        self.run(Call::ReduceScatter(op), &send, &recv, output)
-    }
-
-    fn all_reduce_start(&self, tensor: &Tensor, op: ReduceOp) -> Result<u64, CommError> {
-        let work = cuda_contiguous("all_reduce", tensor)?;
-        self.start_on_side_stream(Call::AllReduce(op), work.shallow_clone(), work, tensor)
-    }
-
-    fn all_gather_start(&self, input: &Tensor, output: &Tensor) -> Result<u64, CommError> {
-        expect_world_multiple("all_gather", "output", output, input, self.size)?;
-        let (send, recv) = cuda_pair("all_gather", input, output)?;
-        self.start_on_side_stream(Call::AllGather, send, recv, output)
-    }
-
-    fn reduce_scatter_start(
-        &self,
+        collective: Collective,
         input: &Tensor,
         output: &Tensor,
-        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        collective.check(input, output, self.size)?;
+        let (send, recv) = cuda_buffers(collective, input, output)?;
+        self.enqueue(collective, &send, &recv, std::ptr::null_mut())?;
+        self.wait_default_stream(collective.name())?;
+        write_back(&mut output.shallow_clone(), &recv);
+        Ok(())
+    }
+
+    fn start(
+        &self,
+        collective: Collective,
+        input: &Tensor,
+        output: &Tensor,
     ) -> Result<u64, CommError> {
-        expect_world_multiple("reduce_scatter", "input", input, output, self.size)?;
-        let (send, recv) = cuda_pair("reduce_scatter", input, output)?;
-        self.start_on_side_stream(Call::ReduceScatter(op), send, recv, output)
+        collective.check(input, output, self.size)?;
+        let (send, recv) = cuda_buffers(collective, input, output)?;
+        self.start_on_side_stream(collective, send, recv, output)
     }
 
     fn wait(&self, handle: u64) -> Result<(), CommError> {

@@ -144,20 +144,15 @@ fn unread_plugin_sections(set: &PluginSet, config: &Config) -> Vec<PluginProblem
 #[cfg(test)]
 mod tests {
     use super::*;
-    use accel_config::{load_str, Format, Severity};
-
-    fn config(yaml: &str) -> Config {
-        load_str(yaml, "t.yaml", Format::Yaml, &Default::default())
-            .unwrap()
-            .config
-    }
+    use accel_config::Severity;
 
     #[test]
     fn a_section_no_installed_plugin_reads_is_a_warning() {
         let set = PluginSet::builtins();
-        let c = config(
-            "distributed_type: NO\naccel:\n  plugins:\n    accel: {}\n    accel-foo:\n      x: 1\n",
-        );
+        let c: Config =
+            "distributed_type: NO\naccel:\n  plugins:\n    accel: {}\n    accel-foo:\n      x: 1\n"
+                .parse()
+                .unwrap();
         for purpose in [CheckFor::File, CheckFor::Launch] {
             let problems = check_config(&set, &c, purpose);
             assert_eq!(problems.len(), 1, "{problems:?}");
@@ -171,6 +166,11 @@ mod tests {
                  reads these settings; installed plugins: `accel`"
             );
         }
-        assert!(check_config(&set, &config("distributed_type: NO\n"), CheckFor::Launch).is_empty());
+        assert!(check_config(
+            &set,
+            &"distributed_type: NO\n".parse().unwrap(),
+            CheckFor::Launch
+        )
+        .is_empty());
     }
 }
