@@ -1,7 +1,8 @@
 //! The sharded strategies' overlap of communication with compute: FSDP's
 //! `fsdp_forward_prefetch` / `fsdp_backward_prefetch` (BACKWARD_PRE and
 //! BACKWARD_POST), ZeRO-3's prefetch, and every unit's gradient
-//! reduce-scatter started as its backward ends (FSDP, ZeRO-2 and ZeRO-3). With
+//! reduce-scatter started as its backward ends (FSDP, ZeRO-2 and ZeRO-3), or
+//! its all-reduce (ZeRO-0 and ZeRO-1, FSDP's NO_SHARD). With
 //! `accel.plugins.<plugin>.overlap_comm: false` every collective is waited
 //! for where it is issued; both give the same bits on 2 and 3 ranks, with
 //! accumulation, clipping, fp16's skipped steps and frozen parameters, and
@@ -45,8 +46,9 @@ fn fsdp_wrapping(classes: &str, prefetch: &str) -> String {
 }
 
 /// What the engine's debug lines (`backward N: G unit gather(s) prefetched
-/// (U unused), R reduce-scatter(s) started during backward`) add up to:
-/// (gathers prefetched, reduce-scatters started early).
+/// (U unused), R reduce-scatter(s) started during backward`, or `R
+/// all-reduce(s)`) add up to: (gathers prefetched, reductions started
+/// early).
 fn started_early(out: &Output) -> (u64, u64) {
     let number_before = |line: &str, words: &str| -> u64 {
         line.split(words)
@@ -57,11 +59,12 @@ fn started_early(out: &Output) -> (u64, u64) {
     };
     String::from_utf8_lossy(&out.stderr)
         .lines()
-        .filter(|l| l.contains("reduce-scatter(s) started during backward"))
+        .filter(|l| l.contains("(s) started during backward"))
         .fold((0, 0), |(g, r), l| {
             (
                 g + number_before(l, " unit gather(s) prefetched"),
-                r + number_before(l, " reduce-scatter(s) started"),
+                r + number_before(l, " reduce-scatter(s) started")
+                    + number_before(l, " all-reduce(s) started"),
             )
         })
 }
@@ -69,7 +72,7 @@ fn started_early(out: &Output) -> (u64, u64) {
 /// Runs `launch(config)` with overlap on and off; asserts both succeed
 /// with byte-identical weights (`weights(dir)` after each run) and that
 /// with overlap on gathers were prefetched (when `prefetches`) and
-/// reduce-scatters started during backward, and with it off none.
+/// reductions started during backward, and with it off none.
 fn same_bits(
     what: &str,
     strategy: (&str, &str, &str),
@@ -86,7 +89,7 @@ fn same_bits(
         assert!(out.status.success(), "{what}: {}", describe(&out));
         let (gathers, reduces) = started_early(&out);
         if overlap {
-            assert!(reduces > 0, "{what}: no reduce-scatter started early");
+            assert!(reduces > 0, "{what}: no reduction started early");
             assert_eq!(
                 gathers > 0,
                 prefetches,
@@ -113,11 +116,12 @@ fn mlp_run(config: &Path, save: &Path, args: &[&str]) -> Output {
 }
 
 #[test]
-fn prefetch_and_early_reduce_scatter_give_the_same_bits_on_2_and_3_ranks() {
+fn prefetch_and_early_reductions_give_the_same_bits_on_2_and_3_ranks() {
     let full_pre = fsdp("  fsdp_forward_prefetch: true\n  fsdp_backward_prefetch: BACKWARD_PRE\n");
     let grad_op_post =
         fsdp("  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_backward_prefetch: BACKWARD_POST\n");
     let none = fsdp("  fsdp_backward_prefetch: NO_PREFETCH\n");
+    let no_shard = fsdp("  fsdp_sharding_strategy: NO_SHARD\n");
     let cases = [
         // (what, strategy, gathers prefetched)
         (
@@ -157,6 +161,27 @@ fn prefetch_and_early_reduce_scatter_give_the_same_bits_on_2_and_3_ranks() {
             ),
             true,
         ),
+        // Gradients whole: each module's all-reduce starts as its
+        // gradients are in (ZeRO-1 then steps on its chunks).
+        (
+            "ZeRO-1",
+            (
+                "DEEPSPEED",
+                "accel-zero",
+                "deepspeed_config:\n  zero_stage: 1\n",
+            ),
+            false,
+        ),
+        (
+            "ZeRO-0",
+            (
+                "DEEPSPEED",
+                "accel-zero",
+                "deepspeed_config:\n  zero_stage: 0\n",
+            ),
+            false,
+        ),
+        ("NO_SHARD", ("FSDP", "accel-fsdp", no_shard.as_str()), false),
     ];
     let args = adamw_mlp_args("4", &["--grad-accum", "2", "--max-grad-norm", "0.5"]);
     for ranks in [2, 3] {
@@ -213,6 +238,17 @@ fn frozen_parameters_keep_their_units_gathered_and_the_same_bits() {
             ("FSDP", "accel-fsdp", full.as_str()),
             ranks,
             true,
+            |cfg, save| freeze_probe(cfg, save, &["block0.w"]),
+        );
+        same_bits(
+            "ZeRO-1 with frozen block0.w",
+            (
+                "DEEPSPEED",
+                "accel-zero",
+                "deepspeed_config:\n  zero_stage: 1\n",
+            ),
+            ranks,
+            false,
             |cfg, save| freeze_probe(cfg, save, &["block0.w"]),
         );
     }

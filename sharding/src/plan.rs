@@ -104,7 +104,9 @@ pub struct Overlap {
     /// Start a unit's gradient reduce-scatter as soon as its backward is
     /// done and wait for it when the next unit's starts: it runs while
     /// that unit's backward computes, and one unit's whole gradients wait
-    /// to be reduced at a time; DeepSpeed's `overlap_comm`.
+    /// to be reduced at a time; DeepSpeed's `overlap_comm`. Without sharded
+    /// gradients, a synced backward starts each unit's all-reduce as soon
+    /// as its backward is done, and all land when backward ends.
     pub reduce: bool,
 }
 

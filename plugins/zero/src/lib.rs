@@ -1,9 +1,12 @@
 //! `zero`: DeepSpeed ZeRO stages 0 to 3 for `distributed_type: DEEPSPEED`,
 //! on the sharded-parameter engine of `accel-sharding`.
 //!
-//! * stage 0: plain data parallel (one flat all-reduce, averaged).
-//! * stage 1: optimizer state partitioned: each rank steps on its chunk of
-//!   every parameter, then the chunks are all-gathered into the parameters.
+//! * stage 0: plain data parallel: each module's gradients (one flat
+//!   buffer per module) are all-reduced and averaged as soon as they are in,
+//!   while backward goes on (DeepSpeed's `overlap_comm`).
+//! * stage 1: optimizer state partitioned: gradients averaged as at stage
+//!   0, then each rank steps on its chunk of every parameter and the chunks
+//!   are all-gathered into the parameters.
 //! * stage 2: gradients partitioned too: reduce-scattered (averaged) into
 //!   the chunks' gradients, module by module as each module's gradients
 //!   are in (started during backward, as DeepSpeed's `overlap_comm`);
@@ -83,21 +86,21 @@ fn plan(s: &settings::Settings) -> Plan {
     }
 }
 
-/// Units: one per module (the path before a parameter's last segment) at
-/// stage 3, where parameters are gathered per module, and at stage 2,
-/// where each module's gradients are reduce-scattered as soon as they are
-/// in; otherwise one root unit. Top-level parameters (no `.`) belong to the
-/// root unit.
-fn module_units(stage: u8, names: &[String]) -> Vec<(String, Vec<usize>)> {
+/// Units: one per module (the path before a parameter's last segment), at
+/// every stage: stage 3 gathers parameters module by module, stage 2
+/// reduce-scatters each module's gradients as soon as they are in, and
+/// stages 0 and 1 all-reduce them then (DeepSpeed's `overlap_comm`).
+/// Top-level parameters (no `.`) belong to the root unit.
+fn module_units(names: &[String]) -> Vec<(String, Vec<usize>)> {
     let mut units: Vec<(String, Vec<usize>)> = Vec::new();
     let mut root = Vec::new();
     for (i, name) in names.iter().enumerate() {
         match name.rsplit_once('.') {
-            Some((module, _)) if stage >= 2 => match units.iter_mut().find(|(m, _)| m == module) {
+            Some((module, _)) => match units.iter_mut().find(|(m, _)| m == module) {
                 Some((_, idx)) => idx.push(i),
                 None => units.push((module.to_owned(), vec![i])),
             },
-            _ => root.push(i),
+            None => root.push(i),
         }
     }
     units.push((String::new(), root));
@@ -108,12 +111,11 @@ fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError>
     let s = settings::parse(settings)?;
     s.check_supported()?;
     accel_sharding::report_warnings(PLUGIN, Some(&ctx), &s.warnings);
-    let stage = s.stage;
     let engine = accel_sharding::EngineSettings::from_strategy_json(PLUGIN, settings)?;
     Ok(accel_sdk::into_strategy(Sharded::new(
         ctx,
         engine.apply(plan(&s)),
-        Box::new(move |names, _| Ok(module_units(stage, names))),
+        Box::new(|names, _| Ok(module_units(names))),
     )))
 }
 
@@ -138,17 +140,15 @@ mod tests {
     }
 
     #[test]
-    fn stages_2_and_3_make_a_unit_per_module() {
+    fn every_module_is_a_unit() {
         let n = names(&["bias", "layers.0.weight", "layers.0.bias", "head.weight"]);
         assert_eq!(
-            module_units(3, &n),
+            module_units(&n),
             vec![
                 ("layers.0".to_owned(), vec![1, 2]),
                 ("head".to_owned(), vec![3]),
                 (String::new(), vec![0]),
             ]
         );
-        assert_eq!(module_units(2, &n), module_units(3, &n));
-        assert_eq!(module_units(1, &n), vec![(String::new(), vec![0, 1, 2, 3])]);
     }
 }

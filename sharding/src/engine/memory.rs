@@ -24,18 +24,26 @@ impl Sharded {
     }
 
     pub(super) fn grad_bytes(&self) -> u64 {
-        let mut total = self.flat_grad.as_ref().map_or(0, bytes);
-        let mut offset = 0;
-        for (i, (_, p)) in self.params.items.iter().enumerate() {
-            let g = p.grad();
-            let in_buffer = self
-                .flat_grad
-                .as_ref()
-                .is_some_and(|b| g.defined() && grad_views_buffer(&g, b, offset, p));
-            if !in_buffer {
-                total += bytes(&g);
+        // Gradients viewing their unit's buffer count once, with it.
+        let mut in_buffer = vec![false; self.params.items.len()];
+        let mut total = 0;
+        for unit in &self.units {
+            let Some(buffer) = &unit.grad_buffer else {
+                continue;
+            };
+            total += bytes(buffer);
+            let mut offset = 0;
+            for i in self.trainable(&unit.params) {
+                let p = &self.params.items[i].1;
+                let g = p.grad();
+                in_buffer[i] = g.defined() && grad_views_buffer(&g, buffer, offset, p);
+                offset += self.numels[i];
             }
-            offset += self.numels[i];
+        }
+        for (i, (_, p)) in self.params.items.iter().enumerate() {
+            if !in_buffer[i] {
+                total += bytes(&p.grad());
+            }
         }
         total + self.chunks.iter().map(|c| bytes(&c.grad())).sum::<u64>()
     }

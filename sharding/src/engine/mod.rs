@@ -30,6 +30,13 @@ struct Unit {
     gathered: bool,
     /// Whether `post_unit_backward` ran in this backward pass.
     done: bool,
+    /// All-reduce mode: whether this unit's gradients are being averaged
+    /// (or were) in this backward pass.
+    averaging: bool,
+    /// All-reduce mode: the flat buffer (of the reduce dtype) this unit's
+    /// trainable gradients are averaged in; after the first sync they view
+    /// it when it has their dtype (PyTorch's `gradient_as_bucket_view`).
+    grad_buffer: Option<Tensor>,
 }
 
 /// The engine: build it with [`Sharded::new`], hand it to the host with
@@ -48,8 +55,6 @@ pub struct Sharded {
     /// Shard group size and this rank's index in it.
     group: i64,
     group_rank: i64,
-    /// All-reduce mode: the flat buffer gradients are averaged in.
-    flat_grad: Option<Tensor>,
     /// The parameters' dtype as the program made them: the chunks' (the
     /// masters under mixed precision).
     master: Kind,
@@ -62,6 +67,8 @@ pub struct Sharded {
     prefetched: BTreeMap<usize, overlap::Prefetch>,
     /// Reduce-scatters in flight, oldest first.
     reducing: VecDeque<overlap::Reducing>,
+    /// All-reduce mode: units' averages in flight, oldest first.
+    averaging: VecDeque<overlap::Averaging>,
     /// What was started early in this backward (logged at its end).
     counts: overlap::Counts,
     /// Whether freed host memory is handed back during the step (the
@@ -87,13 +94,13 @@ impl Sharded {
             units: Vec::new(),
             group: 1,
             group_rank: 0,
-            flat_grad: None,
             master: Kind::Float,
             peak: 0,
             fwd_order: overlap::Order::default(),
             bwd_order: overlap::Order::default(),
             prefetched: BTreeMap::new(),
             reducing: VecDeque::new(),
+            averaging: VecDeque::new(),
             counts: overlap::Counts::default(),
             release: false,
             untrimmable: None,
@@ -232,6 +239,8 @@ impl Sharded {
                 params: params.clone(),
                 gathered: true,
                 done: false,
+                averaging: false,
+                grad_buffer: None,
             })
             .collect();
         if self.plan.shard_params {

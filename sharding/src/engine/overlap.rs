@@ -50,7 +50,7 @@ pub(super) struct Counts {
     backwards: u64,
     prefetched: u64,
     unused: u64,
-    reduces: u64,
+    pub(super) reduces: u64,
 }
 
 /// A gather started ahead of its unit's use: the buffer every rank's
@@ -69,6 +69,15 @@ pub(super) struct Reducing {
     /// The whole gradients sent (kept for the memory figures only: the
     /// host holds them until the collective completes).
     input: Tensor,
+}
+
+/// All-reduce mode: unit `u`'s gradient buffer being averaged, and the
+/// gradients copied into it (parameter, offset), which view it once it
+/// lands.
+pub(super) struct Averaging {
+    pub(super) handle: u64,
+    pub(super) u: usize,
+    pub(super) placed: Vec<(usize, i64)>,
 }
 
 impl Sharded {
@@ -199,8 +208,13 @@ impl Sharded {
     pub(super) fn report_overlap(&mut self) {
         let c = &mut self.counts;
         c.backwards += 1;
+        let reductions = if self.plan.shard_grads {
+            "reduce-scatter(s)"
+        } else {
+            "all-reduce(s)"
+        };
         let line = format!(
-            "backward {}: {} unit gather(s) prefetched ({} unused), {} reduce-scatter(s) started during backward",
+            "backward {}: {} unit gather(s) prefetched ({} unused), {} {reductions} started during backward",
             c.backwards, c.prefetched, c.unused, c.reduces
         );
         (c.prefetched, c.unused, c.reduces) = (0, 0, 0);
@@ -215,6 +229,7 @@ impl Sharded {
     /// read whole (a step, a load, a state dict, clipping).
     pub(super) fn settle(&mut self) -> Result<(), PluginError> {
         self.land_reduces()?;
+        self.land_averages()?;
         self.drop_prefetches()
     }
 }

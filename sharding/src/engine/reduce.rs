@@ -1,6 +1,8 @@
 //! Gradient reduction: reduce-scatter per unit into the chunks' gradients
-//! (sharded gradients), or one flat all-reduce on sync steps (ZeRO-0/1,
-//! NO_SHARD), and the end of a unit's and of the whole backward.
+//! (sharded gradients), or an all-reduce of each unit's flat gradient
+//! buffer on sync steps (ZeRO-0/1, NO_SHARD), started as the unit's
+//! backward ends when overlapping; and the end of a unit's and of the whole
+//! backward.
 
 use super::Sharded;
 use accel_sdk::tch::{self, Tensor};
@@ -127,88 +129,136 @@ impl Sharded {
         self.add_reduced(&idx, &out)
     }
 
-    /// All-reduce mode: averages every gradient in one flat buffer (of the
-    /// reduce dtype) the gradients then view; with a sharded optimizer the
-    /// chunks take their part and the whole gradients are zeroed for the
-    /// next accumulation — or dropped, when the buffer's dtype is not
-    /// theirs (a reduce dtype apart from the compute dtype).
+    /// All-reduce mode, at the end of a synced backward: every trainable
+    /// parameter must have its gradient; the units whose average backward
+    /// did not start (all of them without overlap) are averaged, in unit
+    /// order, and everything lands. A unit's buffer is the same with and
+    /// without overlap, so both give the same bits.
     pub(super) fn all_reduce_grads(&mut self) -> Result<(), PluginError> {
         let all: Vec<usize> = (0..self.params.items.len()).collect();
-        let trainable = self.trainable(&all);
-        let unused: Vec<&str> = trainable
-            .iter()
-            .map(|&i| &self.params.items[i])
+        let unused: Vec<&str> = self
+            .trainable(&all)
+            .into_iter()
+            .map(|i| &self.params.items[i])
             .filter(|(_, p)| !p.grad().defined())
             .map(|(n, _)| n.as_str())
             .collect();
         if !unused.is_empty() {
-            return Err(self.err(format!(
+            let message = format!(
                 "parameters that received no gradient in this step: {}; every trainable \
                  parameter must take part in the loss (freeze the others: requires_grad false)",
                 unused.join(", ")
-            )));
+            );
+            self.land_averages()?;
+            return Err(self.err(message));
         }
-        let grads: Vec<(usize, Tensor)> = trainable
+        for u in 0..self.units.len() {
+            if !self.units[u].averaging {
+                self.start_average(u, false)?;
+            }
+        }
+        self.land_averages()
+    }
+
+    /// Whether every trainable parameter of unit `u` has its gradient.
+    fn has_every_grad(&self, u: usize) -> bool {
+        self.trainable(&self.units[u].params)
             .iter()
-            .map(|&i| (i, self.params.items[i].1.grad()))
-            .collect();
-        if self.flat_grad.is_none() {
-            let total: i64 = trainable.iter().map(|&i| self.numels[i]).sum();
-            self.flat_grad = Some(Tensor::zeros(
-                [total],
-                (self.reduce_kind(), self.compute_device()),
-            ));
+            .all(|&i| self.params.items[i].1.grad().defined())
+    }
+
+    /// All-reduce mode: lays unit `u`'s gradients out in its flat buffer
+    /// and averages it: started and left in flight (`background`, until
+    /// [`Sharded::land_averages`]), or run here.
+    fn start_average(&mut self, u: usize, background: bool) -> Result<(), PluginError> {
+        self.units[u].averaging = true;
+        let trainable = self.trainable(&self.units[u].params);
+        if trainable.is_empty() {
+            return Ok(());
         }
-        let mut buffer = self.flat_grad.take().expect("made above");
-        // Gradients can live in the buffer only when it has their dtype.
-        let views = buffer.kind() == self.compute_kind();
+        let mut buffer = match self.units[u].grad_buffer.take() {
+            Some(b) => b,
+            None => {
+                let total: i64 = trainable.iter().map(|&i| self.numels[i]).sum();
+                Tensor::zeros([total], (self.reduce_kind(), self.compute_device()))
+            }
+        };
         let mut placed = Vec::new();
         let mut offset = 0;
         tch::no_grad(|| {
-            for (i, g) in &grads {
-                let i = *i;
+            for &i in &trainable {
                 let p = &self.params.items[i].1;
+                let g = p.grad();
                 let n = self.numels[i];
-                if !grad_views_buffer(g, &buffer, offset, p) {
+                if !grad_views_buffer(&g, &buffer, offset, p) {
                     buffer.narrow(0, offset, n).copy_(&g.reshape([-1]));
                     placed.push((i, offset));
                 }
                 offset += n;
             }
         });
-        drop(grads);
-        let reduced = self
-            .ctx
-            .all_reduce(TensorMut::new(&mut buffer), ReduceOp::Avg);
-        self.flat_grad = Some(buffer.shallow_clone());
-        reduced.into_result()?;
-        if views {
-            for (i, offset) in placed {
-                let p = &self.params.items[i].1;
-                let view = buffer
-                    .narrow(0, offset, self.numels[i])
-                    .view(p.size().as_slice());
-                shim::set_grad(p, &view).map_err(|e| self.err(e.to_string()))?;
-            }
-        }
-        self.note_peak(0);
-        if self.plan.shard_optimizer {
-            let mut offset = 0;
-            for &i in &trainable {
-                let n = self.numels[i];
-                let whole = buffer.narrow(0, offset, n);
-                let part = self.chunk_of(i, &whole).to_kind(self.master);
-                self.add_chunk_grad(i, part)?;
-                offset += n;
-            }
+        let handle = if background {
+            self.counts.reduces += 1;
+            self.ctx
+                .all_reduce_start(TensorMut::new(&mut buffer), ReduceOp::Avg)
+        } else {
+            self.ctx
+                .all_reduce(TensorMut::new(&mut buffer), ReduceOp::Avg)
+                .map(|()| 0)
+        };
+        self.units[u].grad_buffer = Some(buffer);
+        let handle = handle.into_result()?;
+        self.averaging
+            .push_back(super::overlap::Averaging { handle, u, placed });
+        Ok(())
+    }
+
+    /// Lands every unit's average in flight, oldest first: the gradients
+    /// copied in now view their buffer (when it has their dtype); with a
+    /// sharded optimizer the chunks take their part and the whole
+    /// gradients are zeroed for the next accumulation — or dropped, when
+    /// the buffer's dtype is not theirs (a reduce dtype apart from the
+    /// compute dtype).
+    pub(super) fn land_averages(&mut self) -> Result<(), PluginError> {
+        while let Some(a) = self.averaging.pop_front() {
+            self.ctx.wait(a.handle).into_result()?;
+            let Some(buffer) = self.units[a.u]
+                .grad_buffer
+                .as_ref()
+                .map(Tensor::shallow_clone)
+            else {
+                continue;
+            };
+            let views = buffer.kind() == self.compute_kind();
             if views {
-                tch::no_grad(|| {
-                    let _ = buffer.zero_();
-                });
-            } else {
+                for (i, offset) in a.placed {
+                    let p = &self.params.items[i].1;
+                    let view = buffer
+                        .narrow(0, offset, self.numels[i])
+                        .view(p.size().as_slice());
+                    shim::set_grad(p, &view).map_err(|e| self.err(e.to_string()))?;
+                }
+            }
+            self.note_peak(0);
+            if self.plan.shard_optimizer {
+                let trainable = self.trainable(&self.units[a.u].params);
+                let mut offset = 0;
                 for &i in &trainable {
-                    shim::set_grad(&self.params.items[i].1, &Tensor::new())
-                        .map_err(|e| self.err(e.to_string()))?;
+                    let n = self.numels[i];
+                    let whole = buffer.narrow(0, offset, n);
+                    let part = self.chunk_of(i, &whole).to_kind(self.master);
+                    self.add_chunk_grad(i, part)?;
+                    offset += n;
+                }
+                if views {
+                    tch::no_grad(|| {
+                        let _ = buffer.shallow_clone().zero_();
+                    });
+                } else {
+                    for &i in &trainable {
+                        shim::set_grad(&self.params.items[i].1, &Tensor::new())
+                            .map_err(|e| self.err(e.to_string()))?;
+                    }
                 }
             }
         }
@@ -222,6 +272,8 @@ impl Sharded {
         self.units[u].done = true;
         if self.plan.shard_grads {
             self.reduce_scatter_unit(u, self.plan.overlap.reduce)?;
+        } else if self.plan.overlap.reduce && self.ctx.sync_gradients() && self.has_every_grad(u) {
+            self.start_average(u, true)?;
         }
         // Every trainable parameter having its gradient ends the unit's
         // backward only when none is frozen: the gradient of the unit's
@@ -258,6 +310,7 @@ impl Sharded {
         }
         for u in 0..self.units.len() {
             self.units[u].done = false;
+            self.units[u].averaging = false;
             self.reshard(u)?;
         }
         self.report_overlap();
