@@ -649,22 +649,19 @@ impl Optimizer {
 }
 
 fn hyper_from_json(v: &Value, mut h: Hyper) -> Result<Hyper, OptimError> {
-    let num = |key: &str, into: &mut f64| -> Result<(), OptimError> {
-        match v.get(key) {
-            None => Ok(()),
-            Some(x) => {
-                *into = x.as_f64().ok_or_else(|| {
-                    OptimError::State(format!("param group `{key}` is not a number: {x}"))
-                })?;
-                Ok(())
-            }
+    for (key, into) in [
+        ("lr", &mut h.lr),
+        ("weight_decay", &mut h.weight_decay),
+        ("momentum", &mut h.momentum),
+        ("dampening", &mut h.dampening),
+        ("eps", &mut h.eps),
+    ] {
+        if let Some(x) = v.get(key) {
+            *into = x.as_f64().ok_or_else(|| {
+                OptimError::State(format!("param group `{key}` is not a number: {x}"))
+            })?;
         }
-    };
-    num("lr", &mut h.lr)?;
-    num("weight_decay", &mut h.weight_decay)?;
-    num("momentum", &mut h.momentum)?;
-    num("dampening", &mut h.dampening)?;
-    num("eps", &mut h.eps)?;
+    }
     if let Some(b) = v.get("betas").and_then(Value::as_array) {
         if let [b1, b2] = b.as_slice() {
             h.betas = (
