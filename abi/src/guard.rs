@@ -101,99 +101,52 @@ pub fn into_launcher<T: Launcher + 'static>(launcher: T) -> LauncherBox {
     Launcher_TO::from_value(Guarded(launcher), TD_Opaque)
 }
 
+/// Methods of `impl $trait for Guarded<T>` that call the wrapped value's
+/// method of the same name inside [`guard`], named `$trait::method`. Each
+/// is written as its signature, `&mut self` or `&self` first. (For the
+/// strategy's many methods; the shorter traits below forward by hand.)
+macro_rules! guarded {
+    ($trait:ident;) => {};
+    ($trait:ident; fn $name:ident(&mut self $(, $arg:ident: $ty:ty)*) -> $ret:ty; $($rest:tt)*) => {
+        fn $name(&mut self $(, $arg: $ty)*) -> $ret {
+            guard(concat!(stringify!($trait), "::", stringify!($name)), || {
+                self.0.$name($($arg),*)
+            })
+        }
+        guarded!($trait; $($rest)*);
+    };
+    ($trait:ident; fn $name:ident(&self $(, $arg:ident: $ty:ty)*) -> $ret:ty; $($rest:tt)*) => {
+        fn $name(&self $(, $arg: $ty)*) -> $ret {
+            guard(concat!(stringify!($trait), "::", stringify!($name)), || {
+                self.0.$name($($arg),*)
+            })
+        }
+        guarded!($trait; $($rest)*);
+    };
+}
+
 impl<T: DistributedStrategy> DistributedStrategy for Guarded<T> {
-    fn prepare_model(
-        &mut self,
-        params: RSliceMut<'_, NamedTensorMut<'_>>,
-    ) -> PluginResult<RVec<WrapUnit>> {
-        guard("DistributedStrategy::prepare_model", || {
-            self.0.prepare_model(params)
-        })
+    guarded! {
+        DistributedStrategy;
+        fn prepare_model(&mut self, params: RSliceMut<'_, NamedTensorMut<'_>>) -> PluginResult<RVec<WrapUnit>>;
+        fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>>;
+        fn pre_forward(&mut self, unit: u32) -> PluginResult<()>;
+        fn post_forward(&mut self, unit: u32) -> PluginResult<()>;
+        fn pre_backward(&mut self, unit: u32) -> PluginResult<()>;
+        fn post_unit_backward(&mut self, unit: u32) -> PluginResult<()>;
+        fn post_backward(&mut self, sync: bool) -> PluginResult<()>;
+        fn optimizer_step(&mut self, step: OptimizerStepRef<'_>) -> PluginResult<()>;
+        fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64>;
+        fn state_dict(&mut self, kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>>;
+        fn load_state_dict(&mut self, kind: StateDictKind, tensors: RSlice<'_, NamedTensorRef<'_>>) -> PluginResult<()>;
+        fn gather_optimizer_state(&mut self, param: RStr<'_>, state: TensorRef<'_>) -> PluginResult<OwnedTensor>;
+        fn shard_optimizer_state(&mut self, param: RStr<'_>, state: TensorRef<'_>) -> PluginResult<OwnedTensor>;
+        fn memory_stats(&self) -> PluginResult<MemoryStats>;
+        fn run_overrides(&self) -> PluginResult<RunOverrides>;
     }
-    fn prepare_optimizer(&mut self) -> PluginResult<RVec<NamedOwnedTensor>> {
-        guard("DistributedStrategy::prepare_optimizer", || {
-            self.0.prepare_optimizer()
-        })
-    }
-    fn pre_forward(&mut self, unit: u32) -> PluginResult<()> {
-        guard("DistributedStrategy::pre_forward", || {
-            self.0.pre_forward(unit)
-        })
-    }
-    fn post_forward(&mut self, unit: u32) -> PluginResult<()> {
-        guard("DistributedStrategy::post_forward", || {
-            self.0.post_forward(unit)
-        })
-    }
-    fn pre_backward(&mut self, unit: u32) -> PluginResult<()> {
-        guard("DistributedStrategy::pre_backward", || {
-            self.0.pre_backward(unit)
-        })
-    }
-    fn post_unit_backward(&mut self, unit: u32) -> PluginResult<()> {
-        guard("DistributedStrategy::post_unit_backward", || {
-            self.0.post_unit_backward(unit)
-        })
-    }
-    fn post_backward(&mut self, sync: bool) -> PluginResult<()> {
-        guard("DistributedStrategy::post_backward", || {
-            self.0.post_backward(sync)
-        })
-    }
-    fn optimizer_step(&mut self, step: OptimizerStepRef<'_>) -> PluginResult<()> {
-        guard("DistributedStrategy::optimizer_step", || {
-            self.0.optimizer_step(step)
-        })
-    }
-    fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> PluginResult<f64> {
-        guard("DistributedStrategy::clip_grad_norm", || {
-            self.0.clip_grad_norm(max_norm, norm_type)
-        })
-    }
-    fn state_dict(&mut self, kind: StateDictKind) -> PluginResult<RVec<NamedOwnedTensor>> {
-        guard("DistributedStrategy::state_dict", || {
-            self.0.state_dict(kind)
-        })
-    }
-    fn load_state_dict(
-        &mut self,
-        kind: StateDictKind,
-        tensors: RSlice<'_, NamedTensorRef<'_>>,
-    ) -> PluginResult<()> {
-        guard("DistributedStrategy::load_state_dict", || {
-            self.0.load_state_dict(kind, tensors)
-        })
-    }
+    /// Not guarded: it returns no error to carry a panic.
     fn state_dict_kind(&self) -> StateDictKind {
         self.0.state_dict_kind()
-    }
-    fn gather_optimizer_state(
-        &mut self,
-        param: RStr<'_>,
-        state: TensorRef<'_>,
-    ) -> PluginResult<OwnedTensor> {
-        guard("DistributedStrategy::gather_optimizer_state", || {
-            self.0.gather_optimizer_state(param, state)
-        })
-    }
-    fn shard_optimizer_state(
-        &mut self,
-        param: RStr<'_>,
-        state: TensorRef<'_>,
-    ) -> PluginResult<OwnedTensor> {
-        guard("DistributedStrategy::shard_optimizer_state", || {
-            self.0.shard_optimizer_state(param, state)
-        })
-    }
-    fn memory_stats(&self) -> PluginResult<MemoryStats> {
-        guard("DistributedStrategy::memory_stats", || {
-            self.0.memory_stats()
-        })
-    }
-    fn run_overrides(&self) -> PluginResult<RunOverrides> {
-        guard("DistributedStrategy::run_overrides", || {
-            self.0.run_overrides()
-        })
     }
 }
 

@@ -91,60 +91,40 @@ pub struct Component {
     pub validate: Option<Validator>,
 }
 
+/// The constructors of [`Component`], one per kind of [`Factory`]: each
+/// takes the name, description, selectors and factory, with no validator.
+macro_rules! component_constructors {
+    ($($(#[$doc:meta])* $kind:ident($factory:ty) => $variant:ident;)*) => {
+        $(
+            $(#[$doc])*
+            pub const fn $kind(
+                name: &'static str,
+                description: &'static str,
+                selectors: &'static [&'static str],
+                factory: $factory,
+            ) -> Self {
+                Self {
+                    name,
+                    description,
+                    selectors,
+                    factory: Factory::$variant(factory),
+                    validate: None,
+                }
+            }
+        )*
+    };
+}
+
 impl Component {
-    /// A strategy component.
-    pub const fn strategy(
-        name: &'static str,
-        description: &'static str,
-        selectors: &'static [&'static str],
-        factory: StrategyFactory,
-    ) -> Self {
-        Self::with(name, description, selectors, Factory::Strategy(factory))
-    }
-
-    /// A precision component.
-    pub const fn precision(
-        name: &'static str,
-        description: &'static str,
-        selectors: &'static [&'static str],
-        factory: PrecisionFactory,
-    ) -> Self {
-        Self::with(name, description, selectors, Factory::Precision(factory))
-    }
-
-    /// A tracker component.
-    pub const fn tracker(
-        name: &'static str,
-        description: &'static str,
-        selectors: &'static [&'static str],
-        factory: TrackerFactory,
-    ) -> Self {
-        Self::with(name, description, selectors, Factory::Tracker(factory))
-    }
-
-    /// A launcher component.
-    pub const fn launcher(
-        name: &'static str,
-        description: &'static str,
-        selectors: &'static [&'static str],
-        factory: LauncherFactory,
-    ) -> Self {
-        Self::with(name, description, selectors, Factory::Launcher(factory))
-    }
-
-    const fn with(
-        name: &'static str,
-        description: &'static str,
-        selectors: &'static [&'static str],
-        factory: Factory,
-    ) -> Self {
-        Self {
-            name,
-            description,
-            selectors,
-            factory,
-            validate: None,
-        }
+    component_constructors! {
+        /// A strategy component.
+        strategy(StrategyFactory) => Strategy;
+        /// A precision component.
+        precision(PrecisionFactory) => Precision;
+        /// A tracker component.
+        tracker(TrackerFactory) => Tracker;
+        /// A launcher component.
+        launcher(LauncherFactory) => Launcher;
     }
 
     /// Adds a validator for the component's config section.

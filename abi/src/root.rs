@@ -262,40 +262,31 @@ fn build<T>(
     })
 }
 
-extern "C" fn new_strategy(
-    name: RStr<'_>,
-    ctx: HostContextBox,
-    config: RStr<'_>,
-) -> PluginResult<StrategyBox> {
-    build(PluginKind::Strategy, name, |f| match f {
-        Factory::Strategy(f) => Some(f(ctx, config.as_str())),
-        _ => None,
-    })
+/// The root module's `extern "C"` constructors, one per kind of component:
+/// each builds the component of that kind named `name`, calling its factory
+/// with the host context (for the kinds that take one) and the config.
+macro_rules! constructors {
+    ($($fn_name:ident: $kind:ident($($ctx:ident: $ctx_ty:ty)?) -> $out:ty;)*) => {
+        $(
+            extern "C" fn $fn_name(
+                name: RStr<'_>,
+                $($ctx: $ctx_ty,)?
+                config: RStr<'_>,
+            ) -> PluginResult<$out> {
+                build(PluginKind::$kind, name, |f| match f {
+                    Factory::$kind(f) => Some(f($($ctx,)? config.as_str())),
+                    _ => None,
+                })
+            }
+        )*
+    };
 }
 
-extern "C" fn new_precision(
-    name: RStr<'_>,
-    ctx: HostContextBox,
-    config: RStr<'_>,
-) -> PluginResult<PrecisionBox> {
-    build(PluginKind::Precision, name, |f| match f {
-        Factory::Precision(f) => Some(f(ctx, config.as_str())),
-        _ => None,
-    })
-}
-
-extern "C" fn new_tracker(name: RStr<'_>, config: RStr<'_>) -> PluginResult<TrackerBox> {
-    build(PluginKind::Tracker, name, |f| match f {
-        Factory::Tracker(f) => Some(f(config.as_str())),
-        _ => None,
-    })
-}
-
-extern "C" fn new_launcher(name: RStr<'_>, config: RStr<'_>) -> PluginResult<LauncherBox> {
-    build(PluginKind::Launcher, name, |f| match f {
-        Factory::Launcher(f) => Some(f(config.as_str())),
-        _ => None,
-    })
+constructors! {
+    new_strategy: Strategy(ctx: HostContextBox) -> StrategyBox;
+    new_precision: Precision(ctx: HostContextBox) -> PrecisionBox;
+    new_tracker: Tracker() -> TrackerBox;
+    new_launcher: Launcher() -> LauncherBox;
 }
 
 extern "C" fn validate_config(

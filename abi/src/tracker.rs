@@ -8,31 +8,46 @@ use abi_stable::{
     StableAbi,
 };
 
-/// One logged value.
-///
-/// Non-exhaustive across the ABI: it crosses as [`LogValue_NE`], so a later
-/// minor version may add kinds of value without breaking built trackers,
-/// which see such a value as unknown ([`LogEntry::value`] is `None`) and
-/// skip it. The host checks a tracker built before a variant was added
-/// against the variants of its own minor ([`v4_1`]).
-#[repr(u8)]
-#[derive(StableAbi, Debug, Clone, PartialEq)]
-#[sabi(kind(WithNonExhaustive(size = [usize; 8], traits(Debug, Clone, PartialEq))))]
-#[non_exhaustive]
-pub enum LogValue {
-    /// A number (loss, learning rate, ...).
-    Scalar(f64),
-    /// A piece of text.
-    Text(RString),
-    /// An image, PNG-encoded. Added in ABI 4.2.
-    #[cfg(not(accel_abi_before_2))]
-    Image(RBox<LogImage>),
-    /// A histogram: bins and their counts. Added in ABI 4.2.
-    #[cfg(not(accel_abi_before_2))]
-    Histogram(RBox<LogHistogram>),
-    /// A table: named columns and rows of cells. Added in ABI 4.2.
-    #[cfg(not(accel_abi_before_2))]
-    Table(RBox<LogTable>),
+/// Declares `LogValue` with the given doc and variants and the ABI
+/// attributes (a one-byte tag, non-exhaustive storage of eight words) that
+/// the current enum and the frozen [`v4_1`] one must share, so they cannot
+/// drift apart.
+macro_rules! log_value {
+    ($(#[$doc:meta])* { $($variants:tt)* }) => {
+        $(#[$doc])*
+        #[repr(u8)]
+        #[derive(StableAbi, Debug, Clone, PartialEq)]
+        #[sabi(kind(WithNonExhaustive(size = [usize; 8], traits(Debug, Clone, PartialEq))))]
+        #[non_exhaustive]
+        pub enum LogValue {
+            $($variants)*
+        }
+    };
+}
+
+log_value! {
+    /// One logged value.
+    ///
+    /// Non-exhaustive across the ABI: it crosses as [`LogValue_NE`], so a later
+    /// minor version may add kinds of value without breaking built trackers,
+    /// which see such a value as unknown ([`LogEntry::value`] is `None`) and
+    /// skip it. The host checks a tracker built before a variant was added
+    /// against the variants of its own minor ([`v4_1`]).
+    {
+        /// A number (loss, learning rate, ...).
+        Scalar(f64),
+        /// A piece of text.
+        Text(RString),
+        /// An image, PNG-encoded. Added in ABI 4.2.
+        #[cfg(not(accel_abi_before_2))]
+        Image(RBox<LogImage>),
+        /// A histogram: bins and their counts. Added in ABI 4.2.
+        #[cfg(not(accel_abi_before_2))]
+        Histogram(RBox<LogHistogram>),
+        /// A table: named columns and rows of cells. Added in ABI 4.2.
+        #[cfg(not(accel_abi_before_2))]
+        Table(RBox<LogTable>),
+    }
 }
 
 /// An image: a PNG file's bytes and its size. Added in ABI 4.2.
@@ -155,46 +170,27 @@ impl LogHistogram {
     }
 }
 
-impl From<f64> for TableCell {
-    fn from(x: f64) -> Self {
-        TableCell::Scalar(x)
-    }
+/// `impl From<$ty> for TableCell`, each making its cell from `$x` as given.
+macro_rules! table_cell_from {
+    ($($ty:ty => |$x:ident| $cell:expr;)*) => {
+        $(
+            impl From<$ty> for TableCell {
+                fn from($x: $ty) -> Self {
+                    $cell
+                }
+            }
+        )*
+    };
 }
 
-impl From<f32> for TableCell {
-    fn from(x: f32) -> Self {
-        TableCell::Scalar(x.into())
-    }
-}
-
-impl From<i64> for TableCell {
-    fn from(x: i64) -> Self {
-        TableCell::Scalar(x as f64)
-    }
-}
-
-impl From<i32> for TableCell {
-    fn from(x: i32) -> Self {
-        TableCell::Scalar(x.into())
-    }
-}
-
-impl From<u64> for TableCell {
-    fn from(x: u64) -> Self {
-        TableCell::Scalar(x as f64)
-    }
-}
-
-impl From<&str> for TableCell {
-    fn from(s: &str) -> Self {
-        TableCell::Text(s.into())
-    }
-}
-
-impl From<String> for TableCell {
-    fn from(s: String) -> Self {
-        TableCell::Text(s.into())
-    }
+table_cell_from! {
+    f64 => |x| TableCell::Scalar(x);
+    f32 => |x| TableCell::Scalar(x.into());
+    i64 => |x| TableCell::Scalar(x as f64);
+    i32 => |x| TableCell::Scalar(x.into());
+    u64 => |x| TableCell::Scalar(x as f64);
+    &str => |s| TableCell::Text(s.into());
+    String => |s| TableCell::Text(s.into());
 }
 
 /// Declares `LogEntry`, the `Tracker` trait and `TrackerBox` over the
@@ -307,16 +303,14 @@ pub mod v4_1 {
         StableAbi,
     };
 
-    /// [`LogValue`](super::LogValue) of ABI 4.1.
-    #[repr(u8)]
-    #[derive(StableAbi, Debug, Clone, PartialEq)]
-    #[sabi(kind(WithNonExhaustive(size = [usize; 8], traits(Debug, Clone, PartialEq))))]
-    #[non_exhaustive]
-    pub enum LogValue {
-        /// As in ABI 4.2.
-        Scalar(f64),
-        /// As in ABI 4.2.
-        Text(RString),
+    log_value! {
+        /// [`LogValue`](super::LogValue) of ABI 4.1.
+        {
+            /// As in ABI 4.2.
+            Scalar(f64),
+            /// As in ABI 4.2.
+            Text(RString),
+        }
     }
 
     tracker_types!();

@@ -388,34 +388,41 @@ char* accel_sgd_step(at::Tensor* param, const at::Tensor* grad_in, at::Tensor* b
   });
 }
 
+// The hyper-parameters of one Adam/AdamW update (torch.optim's names), laid
+// out as the Rust side's `AdamHyper`.
+struct AccelAdamHyper {
+  double lr, beta1, beta2, eps, weight_decay;
+  bool amsgrad, decoupled, maximize;
+};
+
 // torch.optim.Adam / AdamW's single-tensor step for one parameter (`step`
 // already counts this step). `max_exp_avg_sq` is used with `amsgrad` only.
 char* accel_adam_step(at::Tensor* param, const at::Tensor* grad_in, at::Tensor* exp_avg,
-                      at::Tensor* exp_avg_sq, at::Tensor* max_exp_avg_sq, double step, double lr,
-                      double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
-                      bool decoupled, bool maximize) {
+                      at::Tensor* exp_avg_sq, at::Tensor* max_exp_avg_sq, double step,
+                      const AccelAdamHyper* hyper) {
+  const AccelAdamHyper& h = *hyper;
   return guarded([&] {
     at::NoGradGuard no_grad;
-    at::Tensor grad = maximize ? grad_in->neg() : *grad_in;
-    if (weight_decay != 0) {
-      if (decoupled) {
-        param->mul_(1 - lr * weight_decay);
+    at::Tensor grad = h.maximize ? grad_in->neg() : *grad_in;
+    if (h.weight_decay != 0) {
+      if (h.decoupled) {
+        param->mul_(1 - h.lr * h.weight_decay);
       } else {
-        grad = grad.add(*param, weight_decay);
+        grad = grad.add(*param, h.weight_decay);
       }
     }
-    exp_avg->lerp_(grad, 1 - beta1);
-    exp_avg_sq->mul_(beta2).addcmul_(grad, grad, 1 - beta2);
-    double bias_correction1 = 1 - std::pow(beta1, step);
-    double bias_correction2 = 1 - std::pow(beta2, step);
-    double step_size = lr / bias_correction1;
+    exp_avg->lerp_(grad, 1 - h.beta1);
+    exp_avg_sq->mul_(h.beta2).addcmul_(grad, grad, 1 - h.beta2);
+    double bias_correction1 = 1 - std::pow(h.beta1, step);
+    double bias_correction2 = 1 - std::pow(h.beta2, step);
+    double step_size = h.lr / bias_correction1;
     double bias_correction2_sqrt = std::sqrt(bias_correction2);
     at::Tensor denom;
-    if (amsgrad) {
+    if (h.amsgrad) {
       at::maximum_out(*max_exp_avg_sq, *max_exp_avg_sq, *exp_avg_sq);
-      denom = (max_exp_avg_sq->sqrt() / bias_correction2_sqrt).add_(eps);
+      denom = (max_exp_avg_sq->sqrt() / bias_correction2_sqrt).add_(h.eps);
     } else {
-      denom = (exp_avg_sq->sqrt() / bias_correction2_sqrt).add_(eps);
+      denom = (exp_avg_sq->sqrt() / bias_correction2_sqrt).add_(h.eps);
     }
     param->addcdiv_(*exp_avg, denom, -step_size);
   });
@@ -427,19 +434,19 @@ char* accel_adam_step(at::Tensor* param, const at::Tensor* grad_in, at::Tensor* 
 char* accel_fused_adam(at::Tensor* const* params, at::Tensor* const* grads,
                        at::Tensor* const* exp_avgs, at::Tensor* const* exp_avg_sqs,
                        at::Tensor* const* max_exp_avg_sqs, at::Tensor* const* steps, size_t n,
-                       double lr, double beta1, double beta2, double eps, double weight_decay,
-                       bool amsgrad, bool decoupled, bool maximize) {
+                       const AccelAdamHyper* hyper) {
+  const AccelAdamHyper& h = *hyper;
   return guarded([&] {
     at::NoGradGuard no_grad;
     auto p = list(params, n), g = list(grads, n), m = list(exp_avgs, n),
          v = list(exp_avg_sqs, n), s = list(steps, n);
-    auto vmax = amsgrad ? list(max_exp_avg_sqs, n) : std::vector<at::Tensor>{};
-    if (decoupled) {
-      at::_fused_adamw_(p, g, m, v, vmax, s, lr, beta1, beta2, weight_decay, eps, amsgrad,
-                        maximize);
+    auto vmax = h.amsgrad ? list(max_exp_avg_sqs, n) : std::vector<at::Tensor>{};
+    if (h.decoupled) {
+      at::_fused_adamw_(p, g, m, v, vmax, s, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps,
+                        h.amsgrad, h.maximize);
     } else {
-      at::_fused_adam_(p, g, m, v, vmax, s, lr, beta1, beta2, weight_decay, eps, amsgrad,
-                       maximize);
+      at::_fused_adam_(p, g, m, v, vmax, s, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps,
+                       h.amsgrad, h.maximize);
     }
   });
 }

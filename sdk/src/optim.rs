@@ -92,6 +92,20 @@ pub struct OptimizerConfig {
     pub fused: bool,
 }
 
+/// Builder setters: each `name(args) => field = value;` becomes
+/// `pub fn name(mut self, args) -> Self`, setting `self.field` to `value`.
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident($($arg:ident: $ty:ty),+) => $($field:ident).+ = $value:expr;)*) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(mut self, $($arg: $ty),+) -> Self {
+                self.$($field).+ = $value;
+                self
+            }
+        )*
+    };
+}
+
 impl OptimizerConfig {
     fn with(algorithm: Algorithm, lr: f64, weight_decay: f64) -> Self {
         Self {
@@ -131,50 +145,25 @@ impl OptimizerConfig {
             Algorithm::AdamW => Self::adamw(lr),
         }
     }
-    /// Sets the weight decay.
-    pub fn weight_decay(mut self, wd: f64) -> Self {
-        self.hyper.weight_decay = wd;
-        self
-    }
-    /// Sets SGD's momentum.
-    pub fn momentum(mut self, m: f64) -> Self {
-        self.hyper.momentum = m;
-        self
-    }
-    /// Sets SGD's dampening.
-    pub fn dampening(mut self, d: f64) -> Self {
-        self.hyper.dampening = d;
-        self
-    }
-    /// Turns on SGD's Nesterov momentum.
-    pub fn nesterov(mut self, on: bool) -> Self {
-        self.hyper.nesterov = on;
-        self
-    }
-    /// Sets Adam's betas.
-    pub fn betas(mut self, b1: f64, b2: f64) -> Self {
-        self.hyper.betas = (b1, b2);
-        self
-    }
-    /// Sets Adam's epsilon.
-    pub fn eps(mut self, eps: f64) -> Self {
-        self.hyper.eps = eps;
-        self
-    }
-    /// Turns on AMSGrad.
-    pub fn amsgrad(mut self, on: bool) -> Self {
-        self.hyper.amsgrad = on;
-        self
-    }
-    /// Maximises instead of minimising.
-    pub fn maximize(mut self, on: bool) -> Self {
-        self.hyper.maximize = on;
-        self
-    }
-    /// Uses ATen's fused Adam kernel.
-    pub fn fused(mut self, on: bool) -> Self {
-        self.fused = on;
-        self
+    setters! {
+        /// Sets the weight decay.
+        weight_decay(wd: f64) => hyper.weight_decay = wd;
+        /// Sets SGD's momentum.
+        momentum(m: f64) => hyper.momentum = m;
+        /// Sets SGD's dampening.
+        dampening(d: f64) => hyper.dampening = d;
+        /// Turns on SGD's Nesterov momentum.
+        nesterov(on: bool) => hyper.nesterov = on;
+        /// Sets Adam's betas.
+        betas(b1: f64, b2: f64) => hyper.betas = (b1, b2);
+        /// Sets Adam's epsilon.
+        eps(eps: f64) => hyper.eps = eps;
+        /// Turns on AMSGrad.
+        amsgrad(on: bool) => hyper.amsgrad = on;
+        /// Maximises instead of minimising.
+        maximize(on: bool) => hyper.maximize = on;
+        /// Uses ATen's fused Adam kernel.
+        fused(on: bool) => fused = on;
     }
 
     /// Checks the values torch.optim checks, naming the one at fault.
@@ -660,22 +649,19 @@ impl Optimizer {
 }
 
 fn hyper_from_json(v: &Value, mut h: Hyper) -> Result<Hyper, OptimError> {
-    let num = |key: &str, into: &mut f64| -> Result<(), OptimError> {
-        match v.get(key) {
-            None => Ok(()),
-            Some(x) => {
-                *into = x.as_f64().ok_or_else(|| {
-                    OptimError::State(format!("param group `{key}` is not a number: {x}"))
-                })?;
-                Ok(())
-            }
+    for (key, into) in [
+        ("lr", &mut h.lr),
+        ("weight_decay", &mut h.weight_decay),
+        ("momentum", &mut h.momentum),
+        ("dampening", &mut h.dampening),
+        ("eps", &mut h.eps),
+    ] {
+        if let Some(x) = v.get(key) {
+            *into = x.as_f64().ok_or_else(|| {
+                OptimError::State(format!("param group `{key}` is not a number: {x}"))
+            })?;
         }
-    };
-    num("lr", &mut h.lr)?;
-    num("weight_decay", &mut h.weight_decay)?;
-    num("momentum", &mut h.momentum)?;
-    num("dampening", &mut h.dampening)?;
-    num("eps", &mut h.eps)?;
+    }
     if let Some(b) = v.get("betas").and_then(Value::as_array) {
         if let [b1, b2] = b.as_slice() {
             h.betas = (

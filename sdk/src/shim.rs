@@ -48,14 +48,7 @@ extern "C" {
         exp_avg_sq: *mut C_tensor,
         max_exp_avg_sq: *mut C_tensor,
         step: f64,
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-        amsgrad: bool,
-        decoupled: bool,
-        maximize: bool,
+        hyper: *const AdamHyper,
     ) -> *mut c_char;
     fn accel_grad_ready_hook(
         param: *mut C_tensor,
@@ -99,14 +92,7 @@ extern "C" {
         max_exp_avg_sqs: *const *mut C_tensor,
         steps: *const *mut C_tensor,
         n: usize,
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-        amsgrad: bool,
-        decoupled: bool,
-        maximize: bool,
+        hyper: *const AdamHyper,
     ) -> *mut c_char;
 }
 
@@ -131,27 +117,33 @@ pub type HookFn = Box<dyn FnMut() -> Result<(), String> + Send>;
 unsafe extern "C" fn hook_call(ctx: *mut c_void, buf: *mut c_char, cap: usize) -> bool {
     // SAFETY: ctx is the Box<HookFn> leaked by `leak_hook`, alive until hook_drop.
     let f = unsafe { &mut *(ctx as *mut HookFn) };
-    let message = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
-        Ok(Ok(())) => return true,
-        Ok(Err(m)) => m,
-        Err(p) => panic_text(p.as_ref())
-            .unwrap_or("a backward hook panicked")
-            .to_owned(),
-    };
     // SAFETY: the shim hands a zeroed buffer of cap + 1 bytes.
-    unsafe { write_message(&message, buf, cap) };
-    false
+    unsafe { run_for_shim(f, "a backward hook panicked", buf, cap) }
 }
 
-/// Copies `message` (at most `cap` bytes) into the shim's buffer.
+/// Runs a Rust callback the shim called: `true` when it succeeded;
+/// otherwise `false`, with its error, or the panic's text (`panicked` for
+/// a panic without one), copied into the shim's buffer (at most `cap`
+/// bytes).
 ///
 /// # Safety
 /// `buf` must hold at least `cap` writable bytes.
-unsafe fn write_message(message: &str, buf: *mut c_char, cap: usize) {
+unsafe fn run_for_shim(
+    f: impl FnOnce() -> Result<(), String>,
+    panicked: &str,
+    buf: *mut c_char,
+    cap: usize,
+) -> bool {
+    let message = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(())) => return true,
+        Ok(Err(m)) => m,
+        Err(p) => panic_text(p.as_ref()).unwrap_or(panicked).to_owned(),
+    };
     let bytes = message.as_bytes();
     let n = bytes.len().min(cap);
     // SAFETY: the caller guarantees cap bytes at buf.
     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf as *mut u8, n) };
+    false
 }
 
 /// A tch view of a tensor the shim owns (never freed here).
@@ -180,7 +172,7 @@ unsafe extern "C" fn layer_call(
     // SAFETY: ctx is the Box<CheckpointLayer> leaked by `checkpoint`, alive
     // until layer_drop; the shim calls it from one thread at a time.
     let f = unsafe { &mut *(ctx as *mut CheckpointLayer) };
-    let run = std::panic::AssertUnwindSafe(|| -> Result<(), String> {
+    let run = || -> Result<(), String> {
         // SAFETY: the shim passes n live tensors for the duration of the call.
         let xs: Vec<Tensor> = (0..n)
             .map(|i| unsafe { borrowed(*inputs.add(i)) }.shallow_clone())
@@ -190,17 +182,9 @@ unsafe extern "C" fn layer_call(
             check(unsafe { accel_tensor_list_push(out, t.as_ptr()) }).map_err(|e| e.0)?;
         }
         Ok(())
-    });
-    let message = match std::panic::catch_unwind(run) {
-        Ok(Ok(())) => return true,
-        Ok(Err(m)) => m,
-        Err(p) => panic_text(p.as_ref())
-            .unwrap_or("a checkpointed layer panicked")
-            .to_owned(),
     };
     // SAFETY: the shim hands a zeroed buffer of cap + 1 bytes.
-    unsafe { write_message(&message, buf, cap) };
-    false
+    unsafe { run_for_shim(run, "a checkpointed layer panicked", buf, cap) }
 }
 
 unsafe extern "C" fn layer_drop(ctx: *mut c_void) {
@@ -654,6 +638,34 @@ pub struct AdamUpdate {
     pub maximize: bool,
 }
 
+/// [`AdamUpdate`] as the shim's `AccelAdamHyper` lays it out.
+#[repr(C)]
+struct AdamHyper {
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    amsgrad: bool,
+    decoupled: bool,
+    maximize: bool,
+}
+
+impl From<&AdamUpdate> for AdamHyper {
+    fn from(h: &AdamUpdate) -> Self {
+        Self {
+            lr: h.lr,
+            beta1: h.betas.0,
+            beta2: h.betas.1,
+            eps: h.eps,
+            weight_decay: h.weight_decay,
+            amsgrad: h.amsgrad,
+            decoupled: h.decoupled,
+            maximize: h.maximize,
+        }
+    }
+}
+
 /// The moments one parameter keeps under Adam.
 pub struct AdamMoments<'a> {
     /// First moment.
@@ -689,14 +701,7 @@ pub fn adam_step_(
             ptr(m.exp_avg_sq),
             max_exp_avg_sq,
             step,
-            h.lr,
-            h.betas.0,
-            h.betas.1,
-            h.eps,
-            h.weight_decay,
-            h.amsgrad,
-            h.decoupled,
-            h.maximize,
+            &AdamHyper::from(h),
         )
     })
 }
@@ -745,14 +750,7 @@ pub fn fused_adam_(l: &AdamLists<'_>, h: &AdamUpdate) -> Result<(), ShimError> {
             vmax.as_ptr(),
             s.as_ptr(),
             n,
-            h.lr,
-            h.betas.0,
-            h.betas.1,
-            h.eps,
-            h.weight_decay,
-            h.amsgrad,
-            h.decoupled,
-            h.maximize,
+            &AdamHyper::from(h),
         )
     })
 }

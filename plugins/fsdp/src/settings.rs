@@ -1043,33 +1043,31 @@ mod tests {
             "fsdp_backward_prefetch_policy": "NO_PREFETCH",
             "mixed_precision": "bf16",
         }));
-        let prefetch = |v: Value| ok(v).backward_prefetch;
-        assert_eq!(
-            prefetch(json!({"fsdp_backward_prefetch": "backward_post"})),
-            BackwardPrefetch::Post
-        );
-        assert_eq!(
-            prefetch(json!({"fsdp_backward_prefetch": "BACKWARD_PRE"})),
-            BackwardPrefetch::Pre
-        );
-        assert_eq!(
-            prefetch(json!({"fsdp_backward_prefetch": 1})),
-            BackwardPrefetch::Pre
-        );
-        assert_eq!(
-            prefetch(json!({"fsdp_backward_prefetch": "2"})),
-            BackwardPrefetch::Post
-        );
-        assert_eq!(
-            prefetch(json!({"fsdp_backward_prefetch_policy": "NO_PREFETCH"})),
-            BackwardPrefetch::Off
-        );
-        assert_eq!(
-            prefetch(
-                json!({"fsdp_backward_prefetch_policy": "BACKWARD_PRE", "fsdp_backward_prefetch": "NO_PREFETCH"})
+        for (config, expected) in [
+            (
+                json!({"fsdp_backward_prefetch": "backward_post"}),
+                BackwardPrefetch::Post,
             ),
-            BackwardPrefetch::Off
-        );
+            (
+                json!({"fsdp_backward_prefetch": "BACKWARD_PRE"}),
+                BackwardPrefetch::Pre,
+            ),
+            (json!({"fsdp_backward_prefetch": 1}), BackwardPrefetch::Pre),
+            (
+                json!({"fsdp_backward_prefetch": "2"}),
+                BackwardPrefetch::Post,
+            ),
+            (
+                json!({"fsdp_backward_prefetch_policy": "NO_PREFETCH"}),
+                BackwardPrefetch::Off,
+            ),
+            (
+                json!({"fsdp_backward_prefetch_policy": "BACKWARD_PRE", "fsdp_backward_prefetch": "NO_PREFETCH"}),
+                BackwardPrefetch::Off,
+            ),
+        ] {
+            assert_eq!(ok(config.clone()).backward_prefetch, expected, "{config}");
+        }
         assert!(ok(json!({"fsdp_forward_prefetch": "true"})).forward_prefetch);
         for (key, bad) in [
             ("fsdp_backward_prefetch", json!("SOMETIMES")),
@@ -1166,31 +1164,34 @@ mod tests {
                 .is_empty()
         );
         // Refused by name when the strategy is made.
-        let refused = |section: Value, run: &str| msg(with_precision(&section, run));
-        let m = refused(policy(json!("bf16")), "no");
-        assert!(
-            m.contains("param_dtype bf16 needs mixed_precision: bf16")
-                && m.contains("mixed_precision is no"),
-            "{m}"
-        );
-        let m = refused(policy(json!("fp16")), "bf16");
-        assert!(
-            m.contains("param_dtype fp16 needs mixed_precision: fp16"),
-            "{m}"
-        );
-        let m = refused(
-            policy(json!({"param_dtype": "bf16", "reduce_dtype": "bf16", "buffer_dtype": "fp32"})),
-            "bf16",
-        );
-        assert!(
-            m.contains("buffer_dtype: fp32 unlike param_dtype bf16"),
-            "{m}"
-        );
-        let m = refused(
-            policy(json!({"param_dtype": "bf16", "reduce_dtype": "bf16", "output_dtype": "bf16"})),
-            "bf16",
-        );
-        assert!(m.contains("output_dtype"), "{m}");
+        for (mixed, run, wants) in [
+            (
+                json!("bf16"),
+                "no",
+                &[
+                    "param_dtype bf16 needs mixed_precision: bf16",
+                    "mixed_precision is no",
+                ][..],
+            ),
+            (
+                json!("fp16"),
+                "bf16",
+                &["param_dtype fp16 needs mixed_precision: fp16"],
+            ),
+            (
+                json!({"param_dtype": "bf16", "reduce_dtype": "bf16", "buffer_dtype": "fp32"}),
+                "bf16",
+                &["buffer_dtype: fp32 unlike param_dtype bf16"],
+            ),
+            (
+                json!({"param_dtype": "bf16", "reduce_dtype": "bf16", "output_dtype": "bf16"}),
+                "bf16",
+                &["output_dtype"],
+            ),
+        ] {
+            let m = msg(with_precision(&policy(mixed), run));
+            assert!(wants.iter().all(|w| m.contains(w)), "{m}");
+        }
         // Malformed: errors naming the key and the allowed values.
         for (bad, want) in [
             (json!("int8"), "must be one of bf16, fp16, fp32, fp8"),

@@ -44,6 +44,23 @@ fn err<T>(message: impl Into<String>) -> Result<T> {
     Err(XlaError(message.into()))
 }
 
+/// Calls an entry point of the PJRT function table of `$api` (an [`Api`])
+/// and checks the returned error, which is reported under the entry
+/// point's own name:
+/// - `call!(api, PJRT_Client_Compile, &mut args)` passes `args`;
+/// - `call!(api => PJRT_Client_ProcessIndex { client: self.inner.raw })` passes a fresh
+///   args struct with these fields set and evaluates to it after the call.
+macro_rules! call {
+    ($api:expr, $f:ident, $args:expr) => {
+        $api.call($api.table().$f, stringify!($f), $args)
+    };
+    ($api:expr => $f:ident { $($field:ident: $value:expr),* $(,)? }) => {
+        $api.query($api.table().$f, stringify!($f), |a| {
+            $(a.$field = $value;)*
+        })
+    };
+}
+
 /// Copies `len` bytes at `p` into a `String` (lossy UTF-8); empty for null.
 ///
 /// # Safety
@@ -158,11 +175,7 @@ impl Api {
             _lib: lib,
         };
         let mut init = PJRT_Plugin_Initialize_Args::new();
-        api.call(
-            api.table().PJRT_Plugin_Initialize,
-            "PJRT_Plugin_Initialize",
-            &mut init,
-        )?;
+        call!(api, PJRT_Plugin_Initialize, &mut init)?;
         let api = Arc::new(api);
         loaded
             .get_or_insert_with(HashMap::new)
@@ -224,6 +237,15 @@ impl Api {
         self.check(e, name)
     }
 
+    /// Calls `f` with a fresh args struct that `init` fills in and returns
+    /// the struct, with the plugin's answers, after the call.
+    fn query<A: Default>(&self, f: PjrtFn<A>, name: &str, init: impl FnOnce(&mut A)) -> Result<A> {
+        let mut args = A::default();
+        init(&mut args);
+        self.call(f, name, &mut args)?;
+        Ok(args)
+    }
+
     /// Waits for `event` (if any) and destroys it.
     fn await_event(&self, event: *mut PJRT_Event, what: &str) -> Result<()> {
         if event.is_null() {
@@ -234,22 +256,14 @@ impl Api {
         let waited = self.call(self.table().PJRT_Event_Await, what, &mut a);
         let mut d = PJRT_Event_Destroy_Args::new();
         d.event = event;
-        let destroyed = self.call(
-            self.table().PJRT_Event_Destroy,
-            "PJRT_Event_Destroy",
-            &mut d,
-        );
+        let destroyed = call!(self, PJRT_Event_Destroy, &mut d);
         waited.and(destroyed)
     }
 
     /// The plugin's attributes (`xla_version`, `stablehlo_current_version`, ...).
     pub fn attributes(&self) -> Result<Vec<(String, String)>> {
         let mut a = PJRT_Plugin_Attributes_Args::new();
-        self.call(
-            self.table().PJRT_Plugin_Attributes,
-            "PJRT_Plugin_Attributes",
-            &mut a,
-        )?;
+        call!(self, PJRT_Plugin_Attributes, &mut a)?;
         let mut out = Vec::new();
         for i in 0..a.num_attributes {
             // SAFETY: the plugin returned `num_attributes` values that live
@@ -359,15 +373,68 @@ unsafe extern "C" fn free_value(value: *mut c_char) {
     libc::free(value.cast());
 }
 
-/// Copies `v` into a `malloc`ed block the plugin frees through `free_value`.
-fn malloc_copy(v: &[u8]) -> *mut c_char {
+/// Hands the value a key-value getter `got` to the plugin (a `malloc`ed
+/// copy it frees through `free_value`, in `value`, `value_size` and
+/// `deleter`), or passes on the getter's error.
+fn hand_over(
+    got: std::result::Result<Vec<u8>, *mut PJRT_Error>,
+    value: &mut *mut c_char,
+    value_size: &mut usize,
+    deleter: &mut ValueDeleter,
+) -> *mut PJRT_Error {
+    let v = match got {
+        Ok(v) => v,
+        Err(e) => return e,
+    };
     // SAFETY: allocating at least one byte and copying `v.len()` into it.
     unsafe {
         let p = libc::malloc(v.len().max(1)).cast::<u8>();
         if !p.is_null() {
             std::ptr::copy_nonoverlapping(v.as_ptr(), p, v.len());
         }
-        p.cast()
+        *value = p.cast();
+    }
+    *value_size = v.len();
+    *deleter = Some(free_value);
+    null_mut()
+}
+
+/// A failed store operation as a PJRT error: `(error code, message)`.
+type KvFailure = (c_int, String);
+
+/// A store error the plugin may retry later (`UNAVAILABLE`).
+fn unavailable(e: accel_rendezvous::StoreError) -> KvFailure {
+    (ERROR_CODE_UNAVAILABLE, e.to_string())
+}
+
+/// What every key-value callback does around its store operation: counts
+/// the call, maps the plugin's key to its store key and runs `op` on the
+/// store. A failure, or a panic (`INTERNAL`, "key-value `what` panicked"),
+/// becomes a `PJRT_Error` made through `errors`.
+///
+/// # Safety
+/// `user_arg` must be the [`KvStore`] given to `PJRT_Client_Create`, `key`
+/// must point to `key_size` readable bytes, and `errors` must be null or
+/// point to the plugin's callback.
+unsafe fn serve_kv<T>(
+    user_arg: *mut c_void,
+    key: *const c_char,
+    key_size: usize,
+    errors: *mut PJRT_CallbackError,
+    what: &str,
+    op: impl FnOnce(&KvStore, &str) -> std::result::Result<T, KvFailure>,
+) -> std::result::Result<T, *mut PJRT_Error> {
+    let store = &*(user_arg as *const KvStore);
+    store.calls.fetch_add(1, Ordering::Relaxed);
+    let key = store.store_key(std::slice::from_raw_parts(key.cast::<u8>(), key_size));
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op(store, &key))) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err((code, message))) => Err(callback_error(errors, code, &message)),
+        Err(_) => Err(callback_error(
+            errors,
+            ERROR_CODE_INTERNAL,
+            &format!("key-value {what} panicked"),
+        )),
     }
 }
 
@@ -375,87 +442,73 @@ pub(crate) unsafe extern "C" fn kv_get(
     args: *mut PJRT_KeyValueGetCallback_Args,
 ) -> *mut PJRT_Error {
     let a = &mut *args;
-    let store = &*(a.user_arg as *const KvStore);
-    store.calls.fetch_add(1, Ordering::Relaxed);
-    let key = store.store_key(std::slice::from_raw_parts(a.key.cast::<u8>(), a.key_size));
-    let timeout = Duration::from_millis(a.timeout_in_ms.max(0) as u64);
-    let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        store.lock().get(&key, timeout)
-    }));
-    match got {
-        Ok(Ok(v)) => {
-            a.value = malloc_copy(&v);
-            a.value_size = v.len();
-            a.value_deleter_callback = Some(free_value);
-            null_mut()
-        }
-        Ok(Err(accel_rendezvous::StoreError::Timeout(_))) => callback_error(
-            a.callback_error,
-            ERROR_CODE_DEADLINE_EXCEEDED,
-            &format!("key `{key}` not set within {} ms", a.timeout_in_ms),
-        ),
-        Ok(Err(e)) => callback_error(a.callback_error, ERROR_CODE_UNAVAILABLE, &e.to_string()),
-        Err(_) => callback_error(
-            a.callback_error,
-            ERROR_CODE_INTERNAL,
-            "key-value get panicked",
-        ),
-    }
+    let timeout_ms = a.timeout_in_ms;
+    let timeout = Duration::from_millis(timeout_ms.max(0) as u64);
+    let got = serve_kv(
+        a.user_arg,
+        a.key,
+        a.key_size,
+        a.callback_error,
+        "get",
+        |store, key| {
+            store.lock().get(key, timeout).map_err(|e| match e {
+                accel_rendezvous::StoreError::Timeout(_) => (
+                    ERROR_CODE_DEADLINE_EXCEEDED,
+                    format!("key `{key}` not set within {timeout_ms} ms"),
+                ),
+                e => unavailable(e),
+            })
+        },
+    );
+    hand_over(
+        got,
+        &mut a.value,
+        &mut a.value_size,
+        &mut a.value_deleter_callback,
+    )
 }
 
 pub(crate) unsafe extern "C" fn kv_try_get(
     args: *mut PJRT_KeyValueTryGetCallback_Args,
 ) -> *mut PJRT_Error {
     let a = &mut *args;
-    let store = &*(a.user_arg as *const KvStore);
-    store.calls.fetch_add(1, Ordering::Relaxed);
-    let key = store.store_key(std::slice::from_raw_parts(a.key.cast::<u8>(), a.key_size));
-    let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.lock().try_get(&key)));
-    match got {
-        Ok(Ok(Some(v))) => {
-            a.value = malloc_copy(&v);
-            a.value_size = v.len();
-            a.value_deleter_callback = Some(free_value);
-            null_mut()
-        }
-        Ok(Ok(None)) => callback_error(
-            a.callback_error,
-            ERROR_CODE_NOT_FOUND,
-            &format!("key `{key}` not found"),
-        ),
-        Ok(Err(e)) => callback_error(a.callback_error, ERROR_CODE_UNAVAILABLE, &e.to_string()),
-        Err(_) => callback_error(
-            a.callback_error,
-            ERROR_CODE_INTERNAL,
-            "key-value try-get panicked",
-        ),
-    }
+    let got = serve_kv(
+        a.user_arg,
+        a.key,
+        a.key_size,
+        a.callback_error,
+        "try-get",
+        |store, key| {
+            let value = store.lock().try_get(key).map_err(unavailable)?;
+            value.ok_or_else(|| (ERROR_CODE_NOT_FOUND, format!("key `{key}` not found")))
+        },
+    );
+    hand_over(
+        got,
+        &mut a.value,
+        &mut a.value_size,
+        &mut a.value_deleter_callback,
+    )
 }
 
 pub(crate) unsafe extern "C" fn kv_put(
     args: *mut PJRT_KeyValuePutCallback_Args,
 ) -> *mut PJRT_Error {
     let a = &mut *args;
-    let store = &*(a.user_arg as *const KvStore);
-    store.calls.fetch_add(1, Ordering::Relaxed);
-    let key = store.store_key(std::slice::from_raw_parts(a.key.cast::<u8>(), a.key_size));
     let value: &[u8] = if a.value.is_null() {
         &[]
     } else {
         std::slice::from_raw_parts(a.value.cast::<u8>(), a.value_size)
     };
-    let put = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        store.lock().set(&key, value)
-    }));
-    match put {
-        Ok(Ok(())) => null_mut(),
-        Ok(Err(e)) => callback_error(a.callback_error, ERROR_CODE_UNAVAILABLE, &e.to_string()),
-        Err(_) => callback_error(
-            a.callback_error,
-            ERROR_CODE_INTERNAL,
-            "key-value put panicked",
-        ),
-    }
+    let put = serve_kv(
+        a.user_arg,
+        a.key,
+        a.key_size,
+        a.callback_error,
+        "put",
+        |store, key| store.lock().set(key, value).map_err(unavailable),
+    );
+    put.err().unwrap_or(null_mut())
 }
 
 struct ClientInner {
@@ -474,11 +527,7 @@ impl Drop for ClientInner {
         let mut a = PJRT_Client_Destroy_Args::new();
         a.client = self.raw;
         // An error while shutting down has nowhere to go but the log.
-        if let Err(e) = self.api.call(
-            self.api.table().PJRT_Client_Destroy,
-            "PJRT_Client_Destroy",
-            &mut a,
-        ) {
+        if let Err(e) = call!(self.api, PJRT_Client_Destroy, &mut a) {
             eprintln!("accel-xla: {e}");
         }
         // `kv` (the callbacks' user_arg) is dropped after the client is gone.
@@ -531,33 +580,28 @@ impl Client {
             let mut v = PJRT_NamedValue::new();
             v.name = name.as_ptr().cast();
             v.name_size = name.len();
-            match value {
-                OptionValue::Str(s) => {
-                    v.type_ = named_value_type::STRING;
-                    v.value.string_value = s.as_ptr().cast();
-                    v.value_size = s.len();
-                }
-                OptionValue::Int(i) => {
-                    v.type_ = named_value_type::INT64;
-                    v.value.int64_value = *i;
-                    v.value_size = 1;
-                }
-                OptionValue::Ints(l) => {
-                    v.type_ = named_value_type::INT64_LIST;
-                    v.value.int64_array_value = l.as_ptr();
-                    v.value_size = l.len();
-                }
-                OptionValue::Float(f) => {
-                    v.type_ = named_value_type::FLOAT;
-                    v.value.float_value = *f;
-                    v.value_size = 1;
-                }
-                OptionValue::Bool(b) => {
-                    v.type_ = named_value_type::BOOL;
-                    v.value.bool_value = *b;
-                    v.value_size = 1;
-                }
-            }
+            use named_value_type::*;
+            use OptionValue as O;
+            use PJRT_NamedValue_Value as Value;
+            (v.type_, v.value, v.value_size) = match value {
+                O::Str(s) => (
+                    STRING,
+                    Value {
+                        string_value: s.as_ptr().cast(),
+                    },
+                    s.len(),
+                ),
+                O::Int(i) => (INT64, Value { int64_value: *i }, 1),
+                O::Ints(l) => (
+                    INT64_LIST,
+                    Value {
+                        int64_array_value: l.as_ptr(),
+                    },
+                    l.len(),
+                ),
+                O::Float(f) => (FLOAT, Value { float_value: *f }, 1),
+                O::Bool(b) => (BOOL, Value { bool_value: *b }, 1),
+            };
             named.push(v);
         }
         let kv = kv.map(Box::new);
@@ -577,7 +621,7 @@ impl Client {
             a.kv_try_get_callback = Some(kv_try_get);
             a.kv_try_get_user_arg = user;
         }
-        api.call(api.table().PJRT_Client_Create, "PJRT_Client_Create", &mut a)?;
+        call!(api, PJRT_Client_Create, &mut a)?;
         if a.client.is_null() {
             return err("PJRT_Client_Create returned no client");
         }
@@ -601,64 +645,33 @@ impl Client {
 
     /// `PJRT_Client_PlatformName`, e.g. `cpu` or `tpu`.
     pub fn platform_name(&self) -> Result<String> {
-        let mut a = PJRT_Client_PlatformName_Args::new();
-        a.client = self.inner.raw;
-        self.api().call(
-            self.api().table().PJRT_Client_PlatformName,
-            "PJRT_Client_PlatformName",
-            &mut a,
-        )?;
+        let a = call!(self.api() => PJRT_Client_PlatformName { client: self.inner.raw })?;
         // SAFETY: owned by the client, alive while `self` is.
         Ok(unsafe { string(a.platform_name, a.platform_name_size) })
     }
 
     /// `PJRT_Client_PlatformVersion`.
     pub fn platform_version(&self) -> Result<String> {
-        let mut a = PJRT_Client_PlatformVersion_Args::new();
-        a.client = self.inner.raw;
-        self.api().call(
-            self.api().table().PJRT_Client_PlatformVersion,
-            "PJRT_Client_PlatformVersion",
-            &mut a,
-        )?;
+        let a = call!(self.api() => PJRT_Client_PlatformVersion { client: self.inner.raw })?;
         // SAFETY: owned by the client, alive while `self` is.
         Ok(unsafe { string(a.platform_version, a.platform_version_size) })
     }
 
     /// `PJRT_Client_ProcessIndex`: this process's index (0 in one process).
     pub fn process_index(&self) -> Result<i32> {
-        let mut a = PJRT_Client_ProcessIndex_Args::new();
-        a.client = self.inner.raw;
-        self.api().call(
-            self.api().table().PJRT_Client_ProcessIndex,
-            "PJRT_Client_ProcessIndex",
-            &mut a,
-        )?;
-        Ok(a.process_index)
+        Ok(call!(self.api() => PJRT_Client_ProcessIndex { client: self.inner.raw })?.process_index)
     }
 
     /// Every device of the job (`PJRT_Client_Devices`).
     pub fn devices(&self) -> Result<Vec<Device>> {
-        let mut a = PJRT_Client_Devices_Args::new();
-        a.client = self.inner.raw;
-        self.api().call(
-            self.api().table().PJRT_Client_Devices,
-            "PJRT_Client_Devices",
-            &mut a,
-        )?;
+        let a = call!(self.api() => PJRT_Client_Devices { client: self.inner.raw })?;
         // SAFETY: `num_devices` pointers owned by the client.
         Ok(unsafe { device_list(a.devices, a.num_devices) })
     }
 
     /// The devices this process drives (`PJRT_Client_AddressableDevices`).
     pub fn addressable_devices(&self) -> Result<Vec<Device>> {
-        let mut a = PJRT_Client_AddressableDevices_Args::new();
-        a.client = self.inner.raw;
-        self.api().call(
-            self.api().table().PJRT_Client_AddressableDevices,
-            "PJRT_Client_AddressableDevices",
-            &mut a,
-        )?;
+        let a = call!(self.api() => PJRT_Client_AddressableDevices { client: self.inner.raw })?;
         // SAFETY: `num_addressable_devices` pointers owned by the client.
         Ok(unsafe { device_list(a.addressable_devices, a.num_addressable_devices) })
     }
@@ -666,50 +679,13 @@ impl Client {
     /// Id, process, kind and name of `device`.
     pub fn device_info(&self, device: Device) -> Result<DeviceInfo> {
         let api = self.api();
-        let t = api.table();
-        let mut g = PJRT_Device_GetDescription_Args::new();
-        g.device = device.raw;
-        api.call(
-            t.PJRT_Device_GetDescription,
-            "PJRT_Device_GetDescription",
-            &mut g,
-        )?;
-        let d = g.device_description;
-        let mut id = PJRT_DeviceDescription_Id_Args::new();
-        id.device_description = d;
-        api.call(
-            t.PJRT_DeviceDescription_Id,
-            "PJRT_DeviceDescription_Id",
-            &mut id,
-        )?;
-        let mut pi = PJRT_DeviceDescription_ProcessIndex_Args::new();
-        pi.device_description = d;
-        api.call(
-            t.PJRT_DeviceDescription_ProcessIndex,
-            "PJRT_DeviceDescription_ProcessIndex",
-            &mut pi,
-        )?;
-        let mut kind = PJRT_DeviceDescription_Kind_Args::new();
-        kind.device_description = d;
-        api.call(
-            t.PJRT_DeviceDescription_Kind,
-            "PJRT_DeviceDescription_Kind",
-            &mut kind,
-        )?;
-        let mut name = PJRT_DeviceDescription_ToString_Args::new();
-        name.device_description = d;
-        api.call(
-            t.PJRT_DeviceDescription_ToString,
-            "PJRT_DeviceDescription_ToString",
-            &mut name,
-        )?;
-        let mut hw = PJRT_Device_LocalHardwareId_Args::new();
-        hw.device = device.raw;
-        api.call(
-            t.PJRT_Device_LocalHardwareId,
-            "PJRT_Device_LocalHardwareId",
-            &mut hw,
-        )?;
+        let dev = device.raw;
+        let d = call!(api => PJRT_Device_GetDescription { device: dev })?.device_description;
+        let id = call!(api => PJRT_DeviceDescription_Id { device_description: d })?;
+        let pi = call!(api => PJRT_DeviceDescription_ProcessIndex { device_description: d })?;
+        let kind = call!(api => PJRT_DeviceDescription_Kind { device_description: d })?;
+        let name = call!(api => PJRT_DeviceDescription_ToString { device_description: d })?;
+        let hw = call!(api => PJRT_Device_LocalHardwareId { device: dev })?;
         Ok(DeviceInfo {
             id: id.id,
             process_index: pi.process_index,
@@ -736,11 +712,7 @@ impl Client {
         a.program = &program;
         a.compile_options = options.as_ptr().cast();
         a.compile_options_size = options.len();
-        api.call(
-            api.table().PJRT_Client_Compile,
-            "PJRT_Client_Compile",
-            &mut a,
-        )?;
+        call!(api, PJRT_Client_Compile, &mut a)?;
         let exe = LoadedExecutable {
             client: Arc::clone(&self.inner),
             raw: a.executable,
@@ -768,11 +740,7 @@ impl Client {
         a.num_dims = dims.len();
         a.host_buffer_semantics = HOST_BUFFER_IMMUTABLE_ONLY_DURING_CALL;
         a.device = device.raw;
-        api.call(
-            api.table().PJRT_Client_BufferFromHostBuffer,
-            "PJRT_Client_BufferFromHostBuffer",
-            &mut a,
-        )?;
+        call!(api, PJRT_Client_BufferFromHostBuffer, &mut a)?;
         let buffer = Buffer {
             client: Arc::clone(&self.inner),
             raw: a.buffer,
@@ -812,32 +780,34 @@ impl Buffer {
         a.src = self.raw;
         a.dst = dst.as_mut_ptr().cast();
         a.dst_size = dst.len();
-        api.call(
-            api.table().PJRT_Buffer_ToHostBuffer,
-            "PJRT_Buffer_ToHostBuffer",
-            &mut a,
-        )?;
+        call!(api, PJRT_Buffer_ToHostBuffer, &mut a)?;
         api.await_event(a.event, "device-to-host copy")
     }
 }
 
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        if self.raw.is_null() {
-            return;
+/// `impl Drop` for a handle `raw` of `client` (a [`Buffer`] or a
+/// [`LoadedExecutable`]): unless null, it is destroyed through the entry
+/// point `$f`, whose args struct `$args` takes it as `$field`. An error
+/// while tearing down has nowhere to go but the log.
+macro_rules! destroy_on_drop {
+    ($ty:ty, $f:ident, $args:ident.$field:ident) => {
+        impl Drop for $ty {
+            fn drop(&mut self) {
+                if self.raw.is_null() {
+                    return;
+                }
+                let api = &self.client.api;
+                let mut a = $args::new();
+                a.$field = self.raw;
+                if let Err(e) = call!(api, $f, &mut a) {
+                    eprintln!("accel-xla: {e}");
+                }
+            }
         }
-        let api = &self.client.api;
-        let mut a = PJRT_Buffer_Destroy_Args::new();
-        a.buffer = self.raw;
-        if let Err(e) = api.call(
-            api.table().PJRT_Buffer_Destroy,
-            "PJRT_Buffer_Destroy",
-            &mut a,
-        ) {
-            eprintln!("accel-xla: {e}");
-        }
-    }
+    };
 }
+
+destroy_on_drop!(Buffer, PJRT_Buffer_Destroy, PJRT_Buffer_Destroy_Args.buffer);
 
 /// A compiled program loaded on its devices (`PJRT_LoadedExecutable*`),
 /// destroyed on drop.
@@ -857,33 +827,20 @@ impl LoadedExecutable {
     /// Reads the output count and the addressable devices once.
     fn finish(mut self) -> Result<Self> {
         let api = Arc::clone(&self.client.api);
-        let t = api.table();
         let mut g = PJRT_LoadedExecutable_GetExecutable_Args::new();
         g.loaded_executable = self.raw;
-        api.call(
-            t.PJRT_LoadedExecutable_GetExecutable,
-            "PJRT_LoadedExecutable_GetExecutable",
-            &mut g,
-        )?;
+        call!(api, PJRT_LoadedExecutable_GetExecutable, &mut g)?;
         let mut n = PJRT_Executable_NumOutputs_Args::new();
         n.executable = g.executable;
-        let counted = api.call(
-            t.PJRT_Executable_NumOutputs,
-            "PJRT_Executable_NumOutputs",
-            &mut n,
-        );
+        let counted = call!(api, PJRT_Executable_NumOutputs, &mut n);
         let mut d = PJRT_Executable_Destroy_Args::new();
         d.executable = g.executable;
-        api.call(t.PJRT_Executable_Destroy, "PJRT_Executable_Destroy", &mut d)?;
+        call!(api, PJRT_Executable_Destroy, &mut d)?;
         counted?;
         self.num_outputs = n.num_outputs;
         let mut a = PJRT_LoadedExecutable_AddressableDevices_Args::new();
         a.executable = self.raw;
-        api.call(
-            t.PJRT_LoadedExecutable_AddressableDevices,
-            "PJRT_LoadedExecutable_AddressableDevices",
-            &mut a,
-        )?;
+        call!(api, PJRT_LoadedExecutable_AddressableDevices, &mut a)?;
         // SAFETY: `num_addressable_devices` pointers owned by the client.
         self.devices = unsafe { device_list(a.addressable_devices, a.num_addressable_devices) };
         Ok(self)
@@ -935,11 +892,7 @@ impl LoadedExecutable {
         a.num_args = num_args;
         a.output_lists = out_lists.as_ptr();
         a.device_complete_events = events.as_mut_ptr();
-        api.call(
-            api.table().PJRT_LoadedExecutable_Execute,
-            "PJRT_LoadedExecutable_Execute",
-            &mut a,
-        )?;
+        call!(api, PJRT_LoadedExecutable_Execute, &mut a)?;
         // Own the outputs first, so they are destroyed whatever happens next.
         let outputs: Vec<Vec<Buffer>> = out_ptrs
             .into_iter()
@@ -965,20 +918,8 @@ impl LoadedExecutable {
     }
 }
 
-impl Drop for LoadedExecutable {
-    fn drop(&mut self) {
-        if self.raw.is_null() {
-            return;
-        }
-        let api = &self.client.api;
-        let mut a = PJRT_LoadedExecutable_Destroy_Args::new();
-        a.executable = self.raw;
-        if let Err(e) = api.call(
-            api.table().PJRT_LoadedExecutable_Destroy,
-            "PJRT_LoadedExecutable_Destroy",
-            &mut a,
-        ) {
-            eprintln!("accel-xla: {e}");
-        }
-    }
-}
+destroy_on_drop!(
+    LoadedExecutable,
+    PJRT_LoadedExecutable_Destroy,
+    PJRT_LoadedExecutable_Destroy_Args.executable
+);
