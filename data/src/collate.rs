@@ -109,23 +109,14 @@ impl Pad {
         self
     }
 
-    /// The pad value of every key without its own.
-    pub fn default_pad_value(mut self, value: f64) -> Self {
-        self.default = value;
-        self
-    }
-
-    /// Pads lengths up to a multiple of `k` (tensor-core friendly shapes;
-    /// 0 is refused when collating).
-    pub fn pad_to_multiple_of(mut self, k: usize) -> Self {
-        self.multiple_of = k;
-        self
-    }
-
-    /// The key whose real length the `attention_mask` marks.
-    pub fn mask_from(mut self, key: impl Into<String>) -> Self {
-        self.mask_key = Some(key.into());
-        self
+    accel_sdk::setters! {
+        /// The pad value of every key without its own.
+        default_pad_value(value: f64) => default = value;
+        /// Pads lengths up to a multiple of `k` (tensor-core friendly shapes;
+        /// 0 is refused when collating).
+        pad_to_multiple_of(k: usize) => multiple_of = k;
+        /// The key whose real length the `attention_mask` marks.
+        mask_from(key: impl Into<String>) => mask_key = Some(key.into());
     }
 }
 

@@ -93,49 +93,24 @@ impl DataLoader {
         self.sampler(SeedableRandomSampler::new(seed))
     }
 
-    /// A custom order.
-    pub fn sampler(mut self, sampler: impl Sampler + 'static) -> Self {
-        self.sampler = Arc::new(sampler);
-        self
-    }
-
-    /// Drops the last, incomplete batch.
-    pub fn drop_last(mut self, drop: bool) -> Self {
-        self.drop_last = drop;
-        self
-    }
-
-    /// How samples become a batch ([`Stack`] by default; [`crate::Pad`] for
-    /// ragged sequences; any closure over `Vec<Sample>`).
-    pub fn collate(mut self, collate: impl Collate + 'static) -> Self {
-        self.collate = Arc::new(collate);
-        self
-    }
-
-    /// Background threads loading batches while the step runs (0: load in
-    /// the training thread). The order of batches does not depend on it.
-    pub fn num_workers(mut self, n: usize) -> Self {
-        self.num_workers = n;
-        self
-    }
-
-    /// Batches each worker may have ready ahead (PyTorch's default 2).
-    pub fn prefetch_factor(mut self, n: usize) -> Self {
-        self.prefetch_factor = n;
-        self
-    }
-
-    /// Keeps the worker threads from one epoch to the next.
-    pub fn persistent_workers(mut self, keep: bool) -> Self {
-        self.persistent_workers = keep;
-        self
-    }
-
-    /// Puts batches in page-locked memory for asynchronous copies to a CUDA
-    /// device (no effect without CUDA).
-    pub fn pin_memory(mut self, pin: bool) -> Self {
-        self.pin_memory = pin;
-        self
+    accel_sdk::setters! {
+        /// A custom order.
+        sampler(sampler: impl Sampler + 'static) => sampler = Arc::new(sampler);
+        /// Drops the last, incomplete batch.
+        drop_last(drop: bool) => drop_last = drop;
+        /// How samples become a batch ([`Stack`] by default; [`crate::Pad`] for
+        /// ragged sequences; any closure over `Vec<Sample>`).
+        collate(collate: impl Collate + 'static) => collate = Arc::new(collate);
+        /// Background threads loading batches while the step runs (0: load in
+        /// the training thread). The order of batches does not depend on it.
+        num_workers(n: usize) => num_workers = n;
+        /// Batches each worker may have ready ahead (PyTorch's default 2).
+        prefetch_factor(n: usize) => prefetch_factor = n;
+        /// Keeps the worker threads from one epoch to the next.
+        persistent_workers(keep: bool) => persistent_workers = keep;
+        /// Puts batches in page-locked memory for asynchronous copies to a CUDA
+        /// device (no effect without CUDA).
+        pin_memory(pin: bool) => pin_memory = pin;
     }
 
     /// The batch size (per process, or the global one with `split_batches`).

@@ -60,6 +60,37 @@
 //! * [`shim`]: the C++ shim — autocast, GradScaler's unscale, torch.optim's
 //!   update rules and fused kernels.
 
+/// Builder setters, inside an `impl` block: each `name(args) => field =
+/// value;` (doc comments kept) becomes `pub fn name(mut self, args) ->
+/// Self`, setting `self.field` (a path of fields) to `value`.
+///
+/// ```
+/// #[derive(Default)]
+/// pub struct Loader { workers: usize, seed: Option<u64> }
+/// impl Loader {
+///     accel_sdk::setters! {
+///         /// Background threads.
+///         num_workers(n: usize) => workers = n;
+///         /// A fixed order.
+///         seed(s: u64) => seed = Some(s);
+///     }
+/// }
+/// let l = Loader::default().num_workers(2).seed(7);
+/// assert_eq!((l.workers, l.seed), (2, Some(7)));
+/// ```
+#[macro_export]
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident($($arg:ident: $ty:ty),+) => $($field:ident).+ = $value:expr;)*) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(mut self, $($arg: $ty),+) -> Self {
+                self.$($field).+ = $value;
+                self
+            }
+        )*
+    };
+}
+
 pub mod author;
 pub mod deepspeed;
 pub mod grad;

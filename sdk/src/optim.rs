@@ -92,20 +92,6 @@ pub struct OptimizerConfig {
     pub fused: bool,
 }
 
-/// Builder setters: each `name(args) => field = value;` becomes
-/// `pub fn name(mut self, args) -> Self`, setting `self.field` to `value`.
-macro_rules! setters {
-    ($($(#[$doc:meta])* $name:ident($($arg:ident: $ty:ty),+) => $($field:ident).+ = $value:expr;)*) => {
-        $(
-            $(#[$doc])*
-            pub fn $name(mut self, $($arg: $ty),+) -> Self {
-                self.$($field).+ = $value;
-                self
-            }
-        )*
-    };
-}
-
 impl OptimizerConfig {
     fn with(algorithm: Algorithm, lr: f64, weight_decay: f64) -> Self {
         Self {

@@ -35,44 +35,23 @@ impl AcceleratorBuilder {
         self.config("distributed_type", dt)
     }
 
-    /// Micro-steps per optimizer step (default: the config's, which
-    /// `ACCELERATE_GRADIENT_ACCUMULATION_STEPS` sets, else 1).
-    /// At least 1: [`build`](Self::build) refuses 0.
-    pub fn gradient_accumulation_steps(mut self, n: u32) -> Self {
-        self.gradient_accumulation_steps = Some(n);
-        self
-    }
-
-    /// Cut every batch among the ranks instead of dealing whole batches.
-    pub fn split_batches(mut self, split: bool) -> Self {
-        self.dataloader.split_batches = split;
-        self
-    }
-
-    /// Wrap around at the end of the data so every rank gets as many batches (default true).
-    pub fn even_batches(mut self, even: bool) -> Self {
-        self.dataloader.even_batches = even;
-        self
-    }
-
-    /// Rank 0 reads every batch and sends each rank its part (Accelerate's
-    /// `dispatch_batches`; default: on for iterable datasets, off otherwise).
-    pub fn dispatch_batches(mut self, dispatch: bool) -> Self {
-        self.dataloader.dispatch_batches = Some(dispatch);
-        self
-    }
-
-    /// Copies batches to the device asynchronously (Accelerate's
-    /// `non_blocking`; pair it with `pin_memory` on the loader).
-    pub fn non_blocking(mut self, non_blocking: bool) -> Self {
-        self.dataloader.non_blocking = non_blocking;
-        self
-    }
-
-    /// Every data loader option at once (Accelerate's `dataloader_config`).
-    pub fn dataloader_config(mut self, config: DataLoaderConfiguration) -> Self {
-        self.dataloader = config;
-        self
+    accel_sdk::setters! {
+        /// Micro-steps per optimizer step (default: the config's, which
+        /// `ACCELERATE_GRADIENT_ACCUMULATION_STEPS` sets, else 1).
+        /// At least 1: [`build`](Self::build) refuses 0.
+        gradient_accumulation_steps(n: u32) => gradient_accumulation_steps = Some(n);
+        /// Cut every batch among the ranks instead of dealing whole batches.
+        split_batches(split: bool) => dataloader.split_batches = split;
+        /// Wrap around at the end of the data so every rank gets as many batches (default true).
+        even_batches(even: bool) => dataloader.even_batches = even;
+        /// Rank 0 reads every batch and sends each rank its part (Accelerate's
+        /// `dispatch_batches`; default: on for iterable datasets, off otherwise).
+        dispatch_batches(dispatch: bool) => dataloader.dispatch_batches = Some(dispatch);
+        /// Copies batches to the device asynchronously (Accelerate's
+        /// `non_blocking`; pair it with `pin_memory` on the loader).
+        non_blocking(non_blocking: bool) => dataloader.non_blocking = non_blocking;
+        /// Every data loader option at once (Accelerate's `dataloader_config`).
+        dataloader_config(config: DataLoaderConfiguration) => dataloader = config;
     }
 
     /// An extra plugin directory (searched before `ACCEL_PLUGIN_DIR`).
@@ -81,33 +60,20 @@ impl AcceleratorBuilder {
         self
     }
 
-    /// Settings for the strategy plugin, instead of `accel.plugins.<name>`
-    /// (e.g. `{"bucket_cap_mb": 50}` for DDP).
-    pub fn strategy_settings(mut self, settings: Value) -> Self {
-        self.strategy_settings = Some(settings);
-        self
-    }
-
-    /// `save_state(None)` writes `<project_dir>/checkpoints/checkpoint_<n>`
-    /// and `load_state(None)` loads the newest (Accelerate's
-    /// `automatic_checkpoint_naming`).
-    pub fn automatic_checkpoint_naming(mut self, on: bool) -> Self {
-        self.checkpoint.automatic_naming = on;
-        self
-    }
-
-    /// Keeps only the newest `n` automatic checkpoints. At least 1:
-    /// [`build`](Self::build) refuses 0.
-    pub fn total_limit(mut self, n: usize) -> Self {
-        self.checkpoint.total_limit = Some(n);
-        self
-    }
-
-    /// Settings for the precision policy (for `fp16`, GradScaler's
-    /// `{"init_scale", "growth_factor", "backoff_factor", "growth_interval"}`).
-    pub fn precision_settings(mut self, settings: Value) -> Self {
-        self.precision_settings = Some(settings);
-        self
+    accel_sdk::setters! {
+        /// Settings for the strategy plugin, instead of `accel.plugins.<name>`
+        /// (e.g. `{"bucket_cap_mb": 50}` for DDP).
+        strategy_settings(settings: Value) => strategy_settings = Some(settings);
+        /// `save_state(None)` writes `<project_dir>/checkpoints/checkpoint_<n>`
+        /// and `load_state(None)` loads the newest (Accelerate's
+        /// `automatic_checkpoint_naming`).
+        automatic_checkpoint_naming(on: bool) => checkpoint.automatic_naming = on;
+        /// Keeps only the newest `n` automatic checkpoints. At least 1:
+        /// [`build`](Self::build) refuses 0.
+        total_limit(n: usize) => checkpoint.total_limit = Some(n);
+        /// Settings for the precision policy (for `fp16`, GradScaler's
+        /// `{"init_scale", "growth_factor", "backoff_factor", "growth_interval"}`).
+        precision_settings(settings: Value) => precision_settings = Some(settings);
     }
 
     /// Builds the Accelerator: resolves the config, opens the communicator,
