@@ -5,8 +5,9 @@
 //! builds out of tree and trains 2 ranks.
 
 use accel_integration_tests::{
-    accel_bin, build_bin, describe, loss_log, max_abs_diff, mlp, plugin_file_name, read_weights,
-    run, workspace_root, write_config,
+    accel_bin, assert_failed_with, assert_stdout_contains, describe, loss_log, max_abs_diff, mlp,
+    plugin_file_name, plugins_list_json, read_weights, run, run_quickstart, workspace_root,
+    write_config,
 };
 use serde_json::Value;
 use std::{
@@ -56,19 +57,10 @@ fn plain_tracker_dir(env: &[(&str, &str)]) -> tempfile::TempDir {
     dir
 }
 
+/// The `plain` tracker's entry in `accel plugins list --json` over `dir`,
+/// asserting its status is ok.
 fn plugins_list(dir: &Path) -> Value {
-    let out = run(
-        &accel_bin(),
-        &[
-            "plugins",
-            "list",
-            "--json",
-            "--plugin-dir",
-            dir.to_str().unwrap(),
-        ],
-    );
-    assert!(out.status.success(), "{}", describe(&out));
-    let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let list = plugins_list_json(dir);
     let plain = list["plugins"]
         .as_array()
         .unwrap()
@@ -83,21 +75,7 @@ fn plugins_list(dir: &Path) -> Value {
 /// `quickstart --log-with plain` through `dir`: the tracker's log lines.
 fn trains_with_plain(dir: &Path) -> String {
     let project = tempfile::tempdir().unwrap();
-    let quickstart = build_bin("accel-examples", "quickstart");
-    let out = run(
-        &quickstart,
-        &[
-            "--plugin-dir",
-            dir.to_str().unwrap(),
-            "--log-with",
-            "plain",
-            "--project-dir",
-            project.path().to_str().unwrap(),
-            "--steps",
-            "20",
-        ],
-    );
-    assert!(out.status.success(), "{}", describe(&out));
+    run_quickstart(dir, project.path(), "20", &["plain"]);
     std::fs::read_to_string(project.path().join("quickstart/plain.log")).unwrap()
 }
 
@@ -308,11 +286,7 @@ fn readme_strategy_skeleton_trains_two_ranks() {
             .args(["--loss-log", log.to_str().unwrap()]),
     );
     assert!(out.status.success(), "{}", describe(&out));
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("strategy avg-grads (avg-grads)"),
-        "{}",
-        describe(&out)
-    );
+    assert_stdout_contains(&out, "strategy avg-grads (avg-grads)");
     // Averaged gradients from identical starts: the ranks stay identical.
     let w = |r: u32| read_weights(&dir.path().join(format!("w_{r}.safetensors")));
     assert_eq!(max_abs_diff(&w(0), &w(1)), 0.0);
@@ -335,12 +309,7 @@ fn readme_strategy_skeleton_trains_two_ranks() {
             .arg(mlp())
             .args(["--steps", "1"]),
     );
-    assert!(!out.status.success(), "{}", describe(&out));
-    let text = describe(&out);
-    assert!(
-        text.contains("accel.plugins.avg-grads") && text.contains("unknown field `bogus`"),
-        "{text}"
-    );
+    assert_failed_with(&out, &["accel.plugins.avg-grads", "unknown field `bogus`"]);
 }
 
 /// Runs `cmd` (an `accel launch`) with no `ACCEL_PLUGIN_DIR` or `ACCEL_LOG`.

@@ -5,9 +5,9 @@
 //! between FSDP and DDP, and refusals name the key.
 
 use accel_integration_tests::{
-    adamw_mlp_args, assert_logs_join, assert_weights_close, describe, launch_mlp,
-    launch_with_config, log_values, max_abs_diff, memory_lines, read_weights, refused, run_ok,
-    write_config, StopResume,
+    adamw_mlp_args, assert_failed_with, assert_logs_join, assert_stdout_contains,
+    assert_weights_close, file_in, launch_mlp, launch_with_config, log_values, max_abs_diff,
+    memory_lines, read_weights, refused, run_ok, write_config, StopResume,
 };
 use serde_json::Value;
 use std::{
@@ -35,13 +35,20 @@ fn fsdp_config_wrapping(dir: &Path, name: &str, ranks: u32, wrap: &str, extra: &
     )
 }
 
+/// An FSDP config on `ranks` ranks whose checkpoints hold a `state_dict_type`
+/// (`SHARDED_STATE_DICT`, `FULL_STATE_DICT`) state.
+fn state_dict_config(dir: &Path, name: &str, ranks: u32, state_dict_type: &str) -> PathBuf {
+    fsdp_config(
+        dir,
+        name,
+        ranks,
+        &format!("  fsdp_state_dict_type: {state_dict_type}\n"),
+    )
+}
+
 fn fsdp_mlp(config: &Path, args: &[&str]) -> Output {
     let out = run_ok(&mut launch_with_config(config, args));
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("strategy fsdp (accel-fsdp)"),
-        "{}",
-        describe(&out)
-    );
+    assert_stdout_contains(&out, "strategy fsdp (accel-fsdp)");
     out
 }
 
@@ -114,7 +121,7 @@ fn every_sharding_strategy_and_wrap_policy_reaches_ddps_weights_on_2_and_4_ranks
 #[test]
 fn clipping_and_accumulation_under_full_shard_match_ddp() {
     let dir = tempfile::tempdir().unwrap();
-    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let p = file_in(dir.path());
     let extra = ["--max-grad-norm", "0.5", "--grad-accum", "2"];
     let mut args = with(&extra);
     let (ddp_log, ddp_w) = (p("ddp.jsonl"), p("ddp.safetensors"));
@@ -199,13 +206,8 @@ fn four_ranks_hold_a_quarter_and_full_shard_peaks_well_below_ddp() {
 #[test]
 fn a_sharded_checkpoint_on_4_ranks_resumes_exactly_and_only_there() {
     let dir = tempfile::tempdir().unwrap();
-    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
-    let config = fsdp_config(
-        dir.path(),
-        "sharded.yaml",
-        4,
-        "  fsdp_state_dict_type: SHARDED_STATE_DICT\n",
-    );
+    let p = file_in(dir.path());
+    let config = state_dict_config(dir.path(), "sharded.yaml", 4, "SHARDED_STATE_DICT");
     let (straight_w, straight_log) = (p("straight.safetensors"), p("straight.jsonl"));
     fsdp_mlp(
         &config,
@@ -236,33 +238,18 @@ fn a_sharded_checkpoint_on_4_ranks_resumes_exactly_and_only_there() {
     );
     assert_logs_join(&straight_log, &first_log, &second_log);
     // Another world size cannot take these shards.
-    let two = fsdp_config(
-        dir.path(),
-        "two.yaml",
-        2,
-        "  fsdp_state_dict_type: SHARDED_STATE_DICT\n",
-    );
+    let two = state_dict_config(dir.path(), "two.yaml", 2, "SHARDED_STATE_DICT");
     let out = launch_with_config(&two, &with(&["--resume", "--project-dir", &proj]))
         .output()
         .unwrap();
-    assert!(!out.status.success(), "{}", describe(&out));
-    let text = describe(&out);
-    assert!(
-        text.contains("SHARDED state of 4 rank(s)") && text.contains("2 rank(s)"),
-        "{text}"
-    );
+    assert_failed_with(&out, &["SHARDED state of 4 rank(s)", "2 rank(s)"]);
 }
 
 #[test]
 fn a_full_checkpoint_moves_between_fsdp_and_ddp_and_training_continues() {
     let dir = tempfile::tempdir().unwrap();
-    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
-    let fsdp = fsdp_config(
-        dir.path(),
-        "full.yaml",
-        4,
-        "  fsdp_state_dict_type: FULL_STATE_DICT\n",
-    );
+    let p = file_in(dir.path());
+    let fsdp = state_dict_config(dir.path(), "full.yaml", 4, "FULL_STATE_DICT");
     let ddp = write_config(dir.path(), "ddp.yaml", "MULTI_CPU", 4, "");
     let (ddp_w, ddp_log) = (p("ddp.safetensors"), p("ddp.jsonl"));
     launch_mlp(4, &with(&["--save", &ddp_w, "--loss-log", &ddp_log]));
@@ -305,11 +292,7 @@ fn a_full_checkpoint_moves_between_fsdp_and_ddp_and_training_continues() {
                 &log2,
             ]),
         ));
-        assert!(
-            String::from_utf8_lossy(&out.stdout).contains("at step 4"),
-            "{}",
-            describe(&out)
-        );
+        assert_stdout_contains(&out, "at step 4");
         let diff = max_abs_diff(&want, &read_weights(Path::new(&w)));
         assert!(
             diff <= 1e-5,

@@ -5,8 +5,8 @@
 //! name.
 
 use accel_integration_tests::{
-    accel_bin, adamw_args, describe, launch_with_config, read_weights, run_ok, venv_bin,
-    write_config,
+    accel_bin, adamw_args, assert_stdout_contains, describe, file_in, launch_with_config,
+    read_weights, run_ok, venv_bin, write_config, write_zero_config,
 };
 use std::{
     path::{Path, PathBuf},
@@ -87,7 +87,7 @@ fn checkpoint(proj: &str) -> PathBuf {
 #[test]
 fn fsdp_full_shard_shards_merge_into_the_full_state_dict_and_load_in_transformers() {
     let dir = tempfile::tempdir().unwrap();
-    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let p = file_in(dir.path());
     let fsdp = |name: &str, kind: &str| {
         write_config(
             dir.path(),
@@ -123,11 +123,7 @@ fn fsdp_full_shard_shards_merge_into_the_full_state_dict_and_load_in_transformer
     let merged = dir.path().join("merged");
     let out = merge(&[ckpt.to_str().unwrap(), merged.to_str().unwrap()]);
     assert!(out.status.success(), "{}", describe(&out));
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("from 2 rank(s)"),
-        "{}",
-        describe(&out)
-    );
+    assert_stdout_contains(&out, "from 2 rank(s)");
     assert_byte_equal(
         &merged.join("model.safetensors"),
         &full_ckpt.join("model.safetensors"),
@@ -275,21 +271,11 @@ print("transformers loaded", len(got), "tensors from", len(set(index["weight_map
 #[test]
 fn zero3_shards_merge_into_the_full_state_dict_of_the_same_run() {
     let dir = tempfile::tempdir().unwrap();
-    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
-    let config = write_config(
-        dir.path(),
-        "z3.yaml",
-        "DEEPSPEED",
-        2,
-        "deepspeed_config:\n  zero_stage: 3\n",
-    );
+    let p = file_in(dir.path());
+    let config = write_zero_config(dir.path(), "z3.yaml", 3);
     let (proj, w) = (p("proj"), p("w.safetensors"));
     let out = run_ok(&mut launch_with_config(&config, &run_args(&proj, &w)));
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("accel-zero"),
-        "{}",
-        describe(&out)
-    );
+    assert_stdout_contains(&out, "accel-zero");
     let ckpt = checkpoint(&proj);
     assert!(ckpt.join("model_rank1.safetensors").is_file());
     let merged = dir.path().join("merged.safetensors");

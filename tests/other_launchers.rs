@@ -5,7 +5,8 @@
 //! naming what to run instead, rather than training alone.
 
 use accel_integration_tests::{
-    accel_bin, describe, free_port, launch_mlp, launch_mpi, mlp, run_ok, venv_bin,
+    accel_bin, assert_contains, assert_failed_with, describe, free_port, launch_mlp, launch_mpi,
+    mlp, run_ok, venv_bin,
 };
 use accel_rendezvous::{torch::TorchStoreClient, StoreError};
 use std::{
@@ -83,16 +84,14 @@ fn torchrun_cpu_ranks_stop_with_what_to_run() {
         .env("HF_HOME", no_hf_home(dir.path()))
         .output()
         .unwrap();
-    let text = describe(&out);
-    assert!(!out.status.success(), "{text}");
-    assert!(
-        text.contains("torchrun started this process as rank 0 of 2")
-            && text.contains("torchrun started this process as rank 1 of 2"),
-        "{text}"
-    );
-    assert!(
-        text.contains("`accel launch --cpu --num_processes 2 ") && text.contains("`mpirun -n 2 "),
-        "{text}"
+    let text = assert_failed_with(
+        &out,
+        &[
+            "torchrun started this process as rank 0 of 2",
+            "torchrun started this process as rank 1 of 2",
+            "`accel launch --cpu --num_processes 2 ",
+            "`mpirun -n 2 ",
+        ],
     );
     assert!(!text.contains("process(es)"), "a rank trained: {text}");
     assert!(!saved.exists(), "a rank saved weights");
@@ -113,90 +112,80 @@ fn hand_set_rank_variables_on_the_cpu_are_refused() {
         ])
         .output()
         .unwrap();
-    let text = describe(&out);
-    assert!(!out.status.success(), "{text}");
-    assert!(
-        text.contains("the RANK/WORLD_SIZE environment started this process as rank 1 of 3"),
-        "{text}"
+    assert_failed_with(
+        &out,
+        &[
+            "the RANK/WORLD_SIZE environment started this process as rank 1 of 3",
+            "`mpirun -n 3 ",
+        ],
     );
-    assert!(text.contains("`mpirun -n 3 "), "{text}");
     let out = Command::new(mlp())
         .args(ARGS)
         .env("HF_HOME", no_hf_home(dir.path()))
         .envs([("RANK", "0"), ("WORLD_SIZE", "two")])
         .output()
         .unwrap();
-    let text = describe(&out);
-    assert!(!out.status.success(), "{text}");
-    assert!(text.contains("WORLD_SIZE=\"two\""), "{text}");
+    assert_failed_with(&out, &["WORLD_SIZE=\"two\""]);
+}
+
+/// Runs `cmd` (an `accel env`, under a launcher or not) and asserts that
+/// its report holds every one of `parts`.
+fn env_shows(cmd: &mut Command, parts: &[&str]) {
+    let out = run_ok(cmd);
+    assert_contains(&String::from_utf8_lossy(&out.stdout), parts);
 }
 
 #[test]
 fn accel_env_shows_what_mpirun_started() {
-    let out = run_ok(
+    let rank = |r: u32| {
+        format!("rank:                  {r} of 2 (local {r} of 2; from OMPI_COMM_WORLD_RANK")
+    };
+    // Bare mpirun binds each of 2 ranks to a core (one thread each);
+    // `accel launch` passes `--bind-to none`, and the machine's cores are
+    // shared; OMP_NUM_THREADS, when set, wins.
+    env_shows(
         mpirun(2)
             .arg(accel_bin())
             .arg("env")
             .env_remove("OMP_NUM_THREADS"),
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    for rank in 0..2 {
-        assert!(
-            text.contains(&format!(
-                "rank:                  {rank} of 2 (local {rank} of 2; from OMPI_COMM_WORLD_RANK"
-            )),
-            "{text}"
-        );
-    }
-    assert!(
-        text.contains("launcher:              mpirun (Open MPI)"),
-        "{text}"
-    );
-    assert!(text.contains("ranks join through MPI"), "{text}");
-    // Bare mpirun binds each of 2 ranks to a core (one thread each);
-    // `accel launch` passes `--bind-to none`, and the machine's cores are
-    // shared; OMP_NUM_THREADS, when set, wins.
-    assert!(
-        text.contains(
-            "intra-op threads:      1 per CPU rank (the launcher bound this rank to 1 core(s))"
-        ),
-        "{text}"
+        &[
+            &rank(0),
+            &rank(1),
+            "launcher:              mpirun (Open MPI)",
+            "ranks join through MPI",
+            "intra-op threads:      1 per CPU rank (the launcher bound this rank to 1 core(s))",
+        ],
     );
     // SAFETY: sysconf reads a system constant.
     let cores = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-    let out = run_ok(
+    env_shows(
         launch_mpi()
             .arg(accel_bin())
             .arg("env")
             .env_remove("OMP_NUM_THREADS"),
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.contains(&format!(
+        &[&format!(
             "intra-op threads:      {} per CPU rank ({cores} cores / ranks on this machine)",
             (cores / 2).max(1)
-        )),
-        "{text}"
+        )],
     );
-    let out = run_ok(
+    env_shows(
         mpirun(2)
             .arg(accel_bin())
             .arg("env")
             .env("OMP_NUM_THREADS", "3"),
+        &["intra-op threads:      OMP_NUM_THREADS=3 (set by you)"],
     );
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        text.contains("intra-op threads:      OMP_NUM_THREADS=3 (set by you)"),
-        "{text}"
+    env_shows(
+        Command::new(accel_bin()).arg("env").envs([
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("TORCHELASTIC_RUN_ID", "x"),
+        ]),
+        &[
+            "launcher:              torchrun",
+            "joins:                 refused: ",
+        ],
     );
-    let out = run_ok(Command::new(accel_bin()).arg("env").envs([
-        ("RANK", "0"),
-        ("WORLD_SIZE", "2"),
-        ("TORCHELASTIC_RUN_ID", "x"),
-    ]));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("launcher:              torchrun"), "{text}");
-    assert!(text.contains("joins:                 refused: "), "{text}");
 }
 
 /// GPU ranks started by torchrun exchange the NCCL id through torchrun's

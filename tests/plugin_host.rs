@@ -4,8 +4,8 @@
 
 use accel::plugins::{DirOrigin, PluginSet, SearchDir};
 use accel_integration_tests::{
-    accel_bin, build_bin, build_plain_c_library, build_plugin_into, build_plugin_variant_into,
-    describe, plugin_dir, run,
+    accel_bin, build_plain_c_library, build_plugin_into, build_plugin_variant_into, describe,
+    plugin_dir, plugins_list_json, run, run_quickstart,
 };
 use accel_sdk::{abi_stable::std_types::ROption, ErrorKind, LogEntry, PluginKind};
 use serde_json::Value;
@@ -20,21 +20,6 @@ fn template_into(dir: &Path) -> PathBuf {
     let dest = dir.join(TEMPLATE);
     build_plugin_into("accel-csv-tracker", &[], &dest);
     dest.canonicalize().unwrap()
-}
-
-fn list_json(dir: &Path) -> Value {
-    let out = run(
-        &accel_bin(),
-        &[
-            "plugins",
-            "list",
-            "--plugin-dir",
-            dir.to_str().unwrap(),
-            "--json",
-        ],
-    );
-    assert!(out.status.success(), "{}", describe(&out));
-    serde_json::from_slice(&out.stdout).expect("plugins list --json is JSON")
 }
 
 fn entry<'a>(list: &'a Value, path: &Path) -> &'a Value {
@@ -60,7 +45,7 @@ fn select_csv(accel: &Path, dir: &str, extra: &[&str]) -> Output {
 fn template_plugin_is_listed_ok_from_a_plugin_dir() {
     let dir = tempfile::tempdir().unwrap();
     let so = template_into(dir.path());
-    let list = list_json(dir.path());
+    let list = plugins_list_json(dir.path());
     let template = entry(&list, &so);
     assert_eq!(template["status"], "ok");
     assert_eq!(template["name"], "accel-csv-tracker");
@@ -79,23 +64,7 @@ fn template_plugin_is_called_through_the_plugin_dir_and_writes_csv() {
     let dir = tempfile::tempdir().unwrap();
     template_into(dir.path());
     let project = tempfile::tempdir().unwrap();
-    let quickstart = build_bin("accel-examples", "quickstart");
-    let out = run(
-        &quickstart,
-        &[
-            "--plugin-dir",
-            dir.path().to_str().unwrap(),
-            "--log-with",
-            "csv",
-            "--log-with",
-            "jsonl",
-            "--project-dir",
-            project.path().to_str().unwrap(),
-            "--steps",
-            "50",
-        ],
-    );
-    assert!(out.status.success(), "{}", describe(&out));
+    run_quickstart(dir.path(), project.path(), "50", &["csv", "jsonl"]);
 
     let csv = std::fs::read_to_string(project.path().join("quickstart/metrics.csv")).unwrap();
     let mut lines = csv.lines();
@@ -143,7 +112,7 @@ fn bad_files_are_rejected_one_line_each_and_the_rest_still_load() {
         &abi,
     );
 
-    let list = list_json(dir.path());
+    let list = plugins_list_json(dir.path());
     assert_eq!(entry(&list, &template)["status"], "ok");
     let error_of = |p: &Path| {
         let e = entry(&list, &p.canonicalize().unwrap());

@@ -84,12 +84,12 @@ fn the_seeds_fsdp_config_trains_gpt2_on_4_processes() {
     // As published: the Llama class gpt2 does not have.
     std::fs::write(&config, SEED).unwrap();
     let out = launch(&config, &data, &dir.path().join("unused"));
-    let text = describe(&out);
-    assert!(!out.status.success(), "{text}");
-    assert!(
-        text.contains("`LlamaDecoderLayer` is not a layer class of this model")
-            && text.contains("GPT2Block (transformer.h.0"),
-        "{text}"
+    assert_failed_with(
+        &out,
+        &[
+            "`LlamaDecoderLayer` is not a layer class of this model",
+            "GPT2Block (transformer.h.0",
+        ],
     );
 
     // The one change: gpt2's layer class.

@@ -18,7 +18,8 @@
 
 use accel::accelerator::Accelerator;
 use accel_integration_tests::{
-    accel_bin, adamw_args, adamw_mlp_args, assert_logs_join, describe, fp16_step_with_inf_at_2,
+    accel_bin, adamw_args, adamw_mlp_args, assert_logs_join, assert_stdout_contains, file_in,
+    fp16_step_with_inf_at_2,
     gpt2::{gpt2, write_tokens, SIZES},
     launch_mlp, launch_with_config, loss_records, max_abs_diff, memory_lines, read_weights, run_ok,
     write_config, write_deepspeed_config, StopResume,
@@ -32,8 +33,8 @@ use std::{
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 
 /// Each step's loss of an `mlp`/`gpt2 --loss-log` file.
-fn losses(path: &Path) -> Vec<f64> {
-    loss_records(path)
+fn losses(path: impl AsRef<Path>) -> Vec<f64> {
+    loss_records(path.as_ref())
         .iter()
         .map(|r| r["loss"].as_f64().expect("a loss per step"))
         .collect()
@@ -100,32 +101,34 @@ fn zero_config(dir: &Path, name: &str, stage: u32, file: Value) -> PathBuf {
 /// Runs `mlp args` under `config`; asserts it used `strategy`.
 fn mlp_with(config: &Path, strategy: &str, args: &[&str]) -> Output {
     let out = run_ok(&mut launch_with_config(config, args));
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains(&format!("strategy {strategy}")),
-        "{}",
-        describe(&out)
-    );
+    assert_stdout_contains(&out, &format!("strategy {strategy}"));
     out
+}
+
+/// Runs `mlp` under the FSDP `config` with the loss log `log`, saving the
+/// weights to `w` and printing the memory lines.
+fn fsdp_saved(config: &Path, log: &str, w: &str) -> Output {
+    mlp_with(
+        config,
+        "fsdp (accel-fsdp)",
+        &with(&["--loss-log", log, "--save", w, "--print-memory"]),
+    )
 }
 
 #[test]
 fn bf16_under_fsdp_and_zero_tracks_ddps_bf16_autocast() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let p = |name: &str| d.join(name).to_str().unwrap().to_owned();
+    let p = file_in(d);
     let ddp = p("ddp.jsonl");
     launch_mlp(2, &with(&["--mixed-precision", "bf16", "--loss-log", &ddp]));
-    let ddp = losses(Path::new(&ddp));
+    let ddp = losses(&ddp);
 
     // FSDP FULL_SHARD, `mixed_precision: bf16`: param = reduce = bf16.
     let full = fsdp_config(d, "full.yaml", "bf16", "");
     let (full_log, full_w) = (p("full.jsonl"), p("full.safetensors"));
-    let out = mlp_with(
-        &full,
-        "fsdp (accel-fsdp)",
-        &with(&["--loss-log", &full_log, "--save", &full_w, "--print-memory"]),
-    );
-    let fsdp = losses(Path::new(&full_log));
+    let out = fsdp_saved(&full, &full_log, &full_w);
+    let fsdp = losses(&full_log);
     assert_close("FSDP bf16 vs DDP bf16", &fsdp, &ddp, 2e-2);
     assert_ne!(fsdp, ddp, "bf16 reduction rounds apart from DDP's fp32 one");
     let (n, chunk) = numels(Path::new(&full_w));
@@ -150,7 +153,7 @@ fn bf16_under_fsdp_and_zero_tracks_ddps_bf16_autocast() {
     );
     assert_close(
         "FSDP param bf16, reduce fp32 vs DDP bf16",
-        &losses(Path::new(&policy_log)),
+        &losses(&policy_log),
         &ddp,
         1e-6,
     );
@@ -173,17 +176,8 @@ fn bf16_under_fsdp_and_zero_tracks_ddps_bf16_autocast() {
             &zproj,
         ]),
     );
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("precision bf16"),
-        "{}",
-        describe(&out)
-    );
-    assert_close(
-        "ZeRO-3 bf16 vs FSDP bf16",
-        &losses(Path::new(&z3_log)),
-        &fsdp,
-        1e-6,
-    );
+    assert_stdout_contains(&out, "precision bf16");
+    assert_close("ZeRO-3 bf16 vs FSDP bf16", &losses(&z3_log), &fsdp, 1e-6);
     for m in memory_lines(&out, 2) {
         assert_eq!(m["param_bytes"].as_u64(), Some(4 * chunk), "{m}");
     }
@@ -209,7 +203,7 @@ fn bf16_under_fsdp_and_zero_tracks_ddps_bf16_autocast() {
     );
     assert_close(
         "ZeRO-1 bf16, fp32 communication vs DDP bf16",
-        &losses(Path::new(&z1_log)),
+        &losses(&z1_log),
         &ddp,
         1e-6,
     );
@@ -225,23 +219,15 @@ fn bf16_under_fsdp_and_zero_tracks_ddps_bf16_autocast() {
 fn checkpoints_hold_the_fp32_masters_and_resume_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let p = |name: &str| d.join(name).to_str().unwrap().to_owned();
+    let p = file_in(d);
     let fp32 = fsdp_config(d, "fp32.yaml", "'no'", "");
     let bf16 = fsdp_config(d, "bf16.yaml", "bf16", "");
     let (fp32_log, fp32_w) = (p("fp32.jsonl"), p("fp32.safetensors"));
-    let out32 = mlp_with(
-        &fp32,
-        "fsdp (accel-fsdp)",
-        &with(&["--loss-log", &fp32_log, "--save", &fp32_w, "--print-memory"]),
-    );
+    let out32 = fsdp_saved(&fp32, &fp32_log, &fp32_w);
     let (log, w) = (p("bf16.jsonl"), p("bf16.safetensors"));
-    let out16 = mlp_with(
-        &bf16,
-        "fsdp (accel-fsdp)",
-        &with(&["--loss-log", &log, "--save", &w, "--print-memory"]),
-    );
+    let out16 = fsdp_saved(&bf16, &log, &w);
     // Computing in bf16 changes every loss a little, never much.
-    let (l32, l16) = (losses(Path::new(&fp32_log)), losses(Path::new(&log)));
+    let (l32, l16) = (losses(&fp32_log), losses(&log));
     assert_close("FSDP bf16 vs fp32", &l16, &l32, 2e-2);
     assert_ne!(l16, l32, "the bf16 run computed exactly in fp32");
     // The FULL state dict is the fp32 masters, a rounding away from the
@@ -349,11 +335,7 @@ fn zero_fp16_trains_with_loss_scaling_on_two_ranks() {
             ],
         ),
     );
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("precision fp16"),
-        "{}",
-        describe(&out)
-    );
+    assert_stdout_contains(&out, "precision fp16");
     let records = loss_records(&log);
     assert_eq!(records.len(), 20);
     // GradScaler starts at 2^16: the first steps' fp16 gradients overflow

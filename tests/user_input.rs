@@ -4,7 +4,7 @@
 
 use accel::accelerator::Accelerator;
 use accel_integration_tests::{
-    accel_bin, describe, launch_with_config, mlp, read_weights, run, write_config,
+    accel_bin, describe, launch_with_config, mlp, read_weights, run, write_zero_config,
 };
 use std::{path::Path, process::Output};
 use tch::{Kind, Tensor};
@@ -350,13 +350,7 @@ fn resume_into_another_model_lists_every_mismatch() {
     );
 
     // ZeRO-3 on 2 ranks: the sharded strategy's load reports them all too.
-    let config = write_config(
-        dir.path(),
-        "zero3.yaml",
-        "DEEPSPEED",
-        2,
-        "deepspeed_config:\n  zero_stage: 3\n",
-    );
+    let config = write_zero_config(dir.path(), "zero3.yaml", 3);
     let proj = dir.path().join("proj3");
     let proj = proj.to_str().unwrap();
     let base = two_steps_saved_into(proj);

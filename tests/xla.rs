@@ -7,8 +7,9 @@
 
 use accel::plugins::PluginSet;
 use accel_integration_tests::{
-    accel_bin, build_bin, build_plain_c_library, build_plugin_into, describe, launch_mlp,
-    max_abs_diff, mlp, no_hf_home, read_weights, run_ok, workspace_root,
+    accel_bin, assert_stdout_contains, build_bin, build_plain_c_library, build_plugin_into,
+    describe, file_in, launch_mlp, max_abs_diff, mlp, no_hf_home, output_of, read_weights, run_ok,
+    workspace_root,
 };
 use accel_sdk::{
     abi_stable::{
@@ -286,22 +287,20 @@ fn xla_config(dir: &Path, dt: &str, processes: u32, devices: u32) -> PathBuf {
 }
 
 fn launch(plugin_dir: &Path, cfg: &Path, mlp_args: &[&str]) -> Output {
-    Command::new(accel_bin())
-        .args(["launch", "--plugin-dir", plugin_dir.to_str().unwrap()])
-        .args(["--config_file", cfg.to_str().unwrap()])
-        .arg(mlp())
-        .args(mlp_args)
-        .env_remove("ACCEL_PLUGIN_DIR")
-        .env("HF_HOME", no_hf_home())
-        .output()
-        .expect("accel starts")
+    output_of(
+        Command::new(accel_bin())
+            .args(["launch", "--plugin-dir", plugin_dir.to_str().unwrap()])
+            .args(["--config_file", cfg.to_str().unwrap()])
+            .arg(mlp())
+            .args(mlp_args),
+    )
 }
 
 #[test]
 fn mlp_with_xla_on_two_ranks() {
     let plugins = xla_plugin_dir();
     let dir = tempfile::tempdir().unwrap();
-    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let p = file_in(dir.path());
     let common = ["--steps", "15", "--optimizer", "sgd", "--lr", "0.01"];
 
     // Two processes: the CPU plugin makes a single-process client in each
@@ -335,11 +334,7 @@ fn mlp_with_xla_on_two_ranks() {
         .concat(),
     );
     assert!(one.status.success(), "{}", describe(&one));
-    assert!(
-        String::from_utf8_lossy(&one.stdout).contains("strategy xla (accel-xla)"),
-        "{}",
-        describe(&one)
-    );
+    assert_stdout_contains(&one, "strategy xla (accel-xla)");
     launch_mlp(
         2,
         &[

@@ -2,7 +2,7 @@
 //! names, its `config.json` and its initialisation.
 
 use accel::accelerator::{AccelError, ForwardScope};
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Map, Value};
 use std::path::Path;
 use tch::{nn, nn::Init, Kind, Tensor};
@@ -58,6 +58,25 @@ impl Activation {
             Self::Silu => x.silu(),
             Self::Tanh => x.tanh(),
         }
+    }
+}
+
+/// A field of [`Gpt2Config`] that a `config.json` key of one JSON type sets.
+enum Slot<'a> {
+    Int(&'a mut i64),
+    Float(&'a mut f64),
+    Bool(&'a mut bool),
+}
+
+impl Slot<'_> {
+    /// Stores `v` in the field, or says what type `v` should have been.
+    fn set(self, v: &Value) -> std::result::Result<(), &'static str> {
+        match self {
+            Self::Int(into) => *into = v.as_i64().ok_or("an integer")?,
+            Self::Float(into) => *into = v.as_f64().ok_or("a number")?,
+            Self::Bool(into) => *into = v.as_bool().ok_or("true or false")?,
+        }
+        Ok(())
     }
 }
 
@@ -122,55 +141,34 @@ impl Gpt2Config {
         };
         let mut c = Self::default();
         let at = |key: &str| format!("{}: `{key}`", path.display());
-        let int = |key: &str, into: &mut i64| -> Result<()> {
-            match raw.get(key) {
-                None => Ok(()),
-                Some(v) => {
-                    *into = v
-                        .as_i64()
-                        .with_context(|| format!("{} is {v}, not an integer", at(key)))?;
-                    Ok(())
-                }
+        // Keys the file lacks keep their default; one of the wrong type is
+        // refused (sizes first, then probabilities, then switches).
+        for (key, slot) in [
+            ("vocab_size", Slot::Int(&mut c.vocab_size)),
+            ("n_positions", Slot::Int(&mut c.n_positions)),
+            ("n_embd", Slot::Int(&mut c.n_embd)),
+            ("n_layer", Slot::Int(&mut c.n_layer)),
+            ("n_head", Slot::Int(&mut c.n_head)),
+            ("resid_pdrop", Slot::Float(&mut c.resid_pdrop)),
+            ("embd_pdrop", Slot::Float(&mut c.embd_pdrop)),
+            ("attn_pdrop", Slot::Float(&mut c.attn_pdrop)),
+            ("layer_norm_epsilon", Slot::Float(&mut c.layer_norm_epsilon)),
+            ("initializer_range", Slot::Float(&mut c.initializer_range)),
+            ("scale_attn_weights", Slot::Bool(&mut c.scale_attn_weights)),
+            (
+                "scale_attn_by_inverse_layer_idx",
+                Slot::Bool(&mut c.scale_attn_by_inverse_layer_idx),
+            ),
+            (
+                "tie_word_embeddings",
+                Slot::Bool(&mut c.tie_word_embeddings),
+            ),
+        ] {
+            if let Some(v) = raw.get(key) {
+                slot.set(v)
+                    .map_err(|want| anyhow!("{} is {v}, not {want}", at(key)))?;
             }
-        };
-        int("vocab_size", &mut c.vocab_size)?;
-        int("n_positions", &mut c.n_positions)?;
-        int("n_embd", &mut c.n_embd)?;
-        int("n_layer", &mut c.n_layer)?;
-        int("n_head", &mut c.n_head)?;
-        let float = |key: &str, into: &mut f64| -> Result<()> {
-            match raw.get(key) {
-                None => Ok(()),
-                Some(v) => {
-                    *into = v
-                        .as_f64()
-                        .with_context(|| format!("{} is {v}, not a number", at(key)))?;
-                    Ok(())
-                }
-            }
-        };
-        float("resid_pdrop", &mut c.resid_pdrop)?;
-        float("embd_pdrop", &mut c.embd_pdrop)?;
-        float("attn_pdrop", &mut c.attn_pdrop)?;
-        float("layer_norm_epsilon", &mut c.layer_norm_epsilon)?;
-        float("initializer_range", &mut c.initializer_range)?;
-        let boolean = |key: &str, into: &mut bool| -> Result<()> {
-            match raw.get(key) {
-                None => Ok(()),
-                Some(v) => {
-                    *into = v
-                        .as_bool()
-                        .with_context(|| format!("{} is {v}, not true or false", at(key)))?;
-                    Ok(())
-                }
-            }
-        };
-        boolean("scale_attn_weights", &mut c.scale_attn_weights)?;
-        boolean(
-            "scale_attn_by_inverse_layer_idx",
-            &mut c.scale_attn_by_inverse_layer_idx,
-        )?;
-        boolean("tie_word_embeddings", &mut c.tie_word_embeddings)?;
+        }
         match raw.get("n_inner") {
             None | Some(Value::Null) => {}
             Some(v) => {

@@ -211,14 +211,49 @@ pub fn mlp() -> PathBuf {
     build_bin("accel-examples", "mlp")
 }
 
+/// What `accel plugins list --plugin-dir <dir> --json` prints, asserting it
+/// succeeded.
+pub fn plugins_list_json(dir: &Path) -> Value {
+    let out = run(
+        &accel_bin(),
+        &[
+            "plugins",
+            "list",
+            "--plugin-dir",
+            dir.to_str().unwrap(),
+            "--json",
+        ],
+    );
+    assert!(out.status.success(), "{}", describe(&out));
+    serde_json::from_slice(&out.stdout).expect("plugins list --json is JSON")
+}
+
+/// Runs the `quickstart` example for `steps` steps with the plugins of
+/// `plugin_dir` and the trackers `log_with`, into `project` (its files land
+/// in `<project>/quickstart`), and asserts it succeeded.
+pub fn run_quickstart(plugin_dir: &Path, project: &Path, steps: &str, log_with: &[&str]) {
+    let mut args = vec!["--plugin-dir", plugin_dir.to_str().unwrap()];
+    for tracker in log_with {
+        args.extend(["--log-with", tracker]);
+    }
+    args.extend(["--project-dir", project.to_str().unwrap(), "--steps", steps]);
+    let out = run(&build_bin("accel-examples", "quickstart"), &args);
+    assert!(out.status.success(), "{}", describe(&out));
+}
+
+/// Runs `cmd` with no `ACCEL_PLUGIN_DIR` and no Hugging Face cache, whether
+/// it succeeds or not.
+pub fn output_of(cmd: &mut Command) -> Output {
+    cmd.env_remove("ACCEL_PLUGIN_DIR")
+        .env("HF_HOME", no_hf_home())
+        .output()
+        .expect("starts")
+}
+
 /// Runs `cmd` (no `ACCEL_PLUGIN_DIR`, no Hugging Face cache) and asserts it
 /// succeeded.
 pub fn run_ok(cmd: &mut Command) -> Output {
-    let out = cmd
-        .env_remove("ACCEL_PLUGIN_DIR")
-        .env("HF_HOME", no_hf_home())
-        .output()
-        .expect("starts");
+    let out = output_of(cmd);
     assert!(out.status.success(), "{:?}: {}", cmd, describe(&out));
     out
 }
@@ -284,6 +319,31 @@ pub fn assert_contains(text: &str, parts: &[&str]) {
     for part in parts {
         assert!(text.contains(part), "no `{part}` in:\n{text}");
     }
+}
+
+/// Asserts that the standard output of `out` contains `part`, showing the
+/// whole output if not.
+pub fn assert_stdout_contains(out: &Output, part: &str) {
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(part),
+        "{}",
+        describe(out)
+    );
+}
+
+/// `name` in `dir`, as a string (for command-line arguments): the paths of
+/// a test's scratch directory are `let p = file_in(dir.path());` `p("x")`.
+pub fn file_in(dir: &Path) -> impl Fn(&str) -> String + '_ {
+    move |name| dir.join(name).to_str().unwrap().to_owned()
+}
+
+/// Asserts that `out` failed and that its output (stdout and stderr)
+/// contains every one of `parts`; returns that output.
+pub fn assert_failed_with(out: &Output, parts: &[&str]) -> String {
+    let text = describe(out);
+    assert!(!out.status.success(), "{text}");
+    assert_contains(&text, parts);
+    text
 }
 
 /// Compiles a plain C shared library that is not an accel plugin.
@@ -423,6 +483,17 @@ pub fn write_config(
     path
 }
 
+/// A 2-rank DEEPSPEED config `name` in `dir` at ZeRO stage `stage`.
+pub fn write_zero_config(dir: &Path, name: &str, stage: u32) -> PathBuf {
+    write_config(
+        dir,
+        name,
+        "DEEPSPEED",
+        2,
+        &format!("deepspeed_config:\n  zero_stage: {stage}\n"),
+    )
+}
+
 /// A 2-rank DEEPSPEED config `<dir>/<name>.yaml` whose
 /// `deepspeed_config_file` is `<dir>/<name>.json`, written with `json`.
 pub fn write_deepspeed_config(dir: &Path, name: &str, json: &str) -> PathBuf {
@@ -466,11 +537,7 @@ pub fn memory_lines(out: &Output, ranks: usize) -> Vec<Value> {
 /// Runs `config` expecting a refusal: a non-zero exit, every `expect` in the
 /// output, and no panic.
 pub fn refused(config: &Path, expect: &[&str]) {
-    let out = launch_with_config(config, &["--steps", "1"])
-        .env_remove("ACCEL_PLUGIN_DIR")
-        .env("HF_HOME", no_hf_home())
-        .output()
-        .unwrap();
+    let out = output_of(&mut launch_with_config(config, &["--steps", "1"]));
     assert!(!out.status.success(), "{}", describe(&out));
     let text = describe(&out);
     for e in expect {

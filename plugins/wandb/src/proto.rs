@@ -169,17 +169,9 @@ pub struct SummaryRecord {
     pub update: Vec<SummaryItem>,
 }
 
-/// `wandb_internal.SummaryItem` (key as a one-element `nested_key`, as
-/// wandb 0.31 writes it).
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct SummaryItem {
-    /// The key's path.
-    #[prost(string, repeated, tag = "2")]
-    pub nested_key: Vec<String>,
-    /// The value as JSON.
-    #[prost(string, tag = "16")]
-    pub value_json: String,
-}
+/// `wandb_internal.SummaryItem`: the fields and tags of a [`HistoryItem`]
+/// (key as a one-element `nested_key`, as wandb 0.31 writes it).
+pub type SummaryItem = HistoryItem;
 
 /// `wandb_internal.RunExitRecord`.
 #[derive(Clone, PartialEq, prost::Message)]

@@ -388,15 +388,7 @@ impl LocalRun {
 
         let row = Row { step, items };
         self.write(RecordType::History(proto::HistoryRecord {
-            item: row
-                .items
-                .iter()
-                .flat_map(|(k, v)| nested_items(k, v))
-                .map(|(nested_key, value_json)| proto::HistoryItem {
-                    nested_key,
-                    value_json,
-                })
-                .collect(),
+            item: proto_items(&row.items),
             step: Some(proto::HistoryStep { num: step as i64 }),
         }))?;
         self.write(RecordType::Summary(summary_record(&row.items)))?;
@@ -476,15 +468,20 @@ impl LocalRun {
 
 fn summary_record(items: &[(String, String)]) -> proto::SummaryRecord {
     proto::SummaryRecord {
-        update: items
-            .iter()
-            .flat_map(|(k, v)| nested_items(k, v))
-            .map(|(nested_key, value_json)| proto::SummaryItem {
-                nested_key,
-                value_json,
-            })
-            .collect(),
+        update: proto_items(items),
     }
+}
+
+/// `(key, JSON value)` pairs as the items of a history or summary record.
+fn proto_items(items: &[(String, String)]) -> Vec<proto::HistoryItem> {
+    items
+        .iter()
+        .flat_map(|(k, v)| nested_items(k, v))
+        .map(|(nested_key, value_json)| proto::HistoryItem {
+            nested_key,
+            value_json,
+        })
+        .collect()
 }
 
 /// W&B's `config.yaml`: every key with its `value`. JSON is YAML, so keys

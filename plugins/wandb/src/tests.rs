@@ -29,6 +29,12 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// A tracker that writes an offline run under `dir` (no environment).
+fn offline_tracker(dir: &Path) -> WandbTracker {
+    let settings = json!({"init_kwargs": {"dir": dir, "mode": "offline"}});
+    WandbTracker::new(&settings.to_string(), Env::default()).unwrap()
+}
+
 /// `<workspace root>/.venv/bin/wandb`, where `scripts/bootstrap.sh` puts it.
 fn wandb_cli() -> PathBuf {
     let cli = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/wandb");
@@ -330,8 +336,7 @@ fn offline_run_reads_back_with_wandb() {
 #[test]
 fn big_rows_span_blocks_and_still_read_back() {
     let dir = temp_dir("big");
-    let settings = json!({"init_kwargs": {"dir": dir, "mode": "offline"}});
-    let mut t = WandbTracker::new(&settings.to_string(), Env::default()).unwrap();
+    let mut t = offline_tracker(&dir);
     t.start("big", "{}").unwrap();
     // 70 kB of text crosses two 32 KiB block boundaries.
     let text: String = (0..70_000)
@@ -363,8 +368,7 @@ fn big_rows_span_blocks_and_still_read_back() {
 #[test]
 fn misuse_is_an_error_not_a_panic() {
     let dir = temp_dir("misuse");
-    let settings = json!({"init_kwargs": {"dir": dir, "mode": "offline"}}).to_string();
-    let mut t = WandbTracker::new(&settings, Env::default()).unwrap();
+    let mut t = offline_tracker(&dir);
     let err = t.log(row(0).as_slice(), None).unwrap_err();
     assert!(err.message.contains("before start"));
     assert!(t.finish().unwrap_err().message.contains("before start"));
@@ -815,8 +819,7 @@ fn wandb_sync_uploads_an_offline_run() {
 #[test]
 fn images_histograms_and_tables_read_back_with_wandb() {
     let dir = temp_dir("media");
-    let settings = json!({"init_kwargs": {"dir": dir, "mode": "offline"}}).to_string();
-    let mut t = WandbTracker::new(&settings, Env::default()).unwrap();
+    let mut t = offline_tracker(&dir);
     t.start("proj", "{}").unwrap();
     // A 4 x 2 grayscale PNG, pixel (x, y) = 10x + y.
     let pixels: Vec<u8> = (0..2u8)

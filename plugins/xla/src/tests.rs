@@ -40,6 +40,18 @@ fn cpu_client(devices: i64) -> Client {
     .unwrap()
 }
 
+/// An engine for a job of `ranks` ranks that all run in this process, one
+/// CPU device each, shared by the rank threads of a test.
+fn one_process_engine(ranks: u32) -> Arc<Engine> {
+    let info = RankInfo {
+        rank: 0,
+        world_size: ranks,
+        local_rank: 0,
+    };
+    let client = cpu_client(i64::from(ranks));
+    Arc::new(Engine::new(client, info, ranks, Duration::from_secs(60)).unwrap())
+}
+
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -176,13 +188,7 @@ fn a_compiled_all_reduce_over_4_cpu_devices_is_the_elementwise_sum() {
 
 #[test]
 fn ranks_sharing_a_process_average_through_the_engine() {
-    let client = cpu_client(4);
-    let ranks = RankInfo {
-        rank: 0,
-        world_size: 4,
-        local_rank: 0,
-    };
-    let engine = Arc::new(Engine::new(client, ranks, 4, Duration::from_secs(60)).unwrap());
+    let engine = one_process_engine(4);
     assert_eq!(engine.devices_of(2), [2]);
     let handles: Vec<_> = (0..4)
         .map(|r| {
@@ -367,13 +373,7 @@ fn the_cpu_plugin_makes_only_single_process_clients() {
 
 #[test]
 fn bf16_and_f64_payloads_reduce_on_the_devices() {
-    let client = cpu_client(2);
-    let ranks = RankInfo {
-        rank: 0,
-        world_size: 2,
-        local_rank: 0,
-    };
-    let engine = Arc::new(Engine::new(client, ranks, 2, Duration::from_secs(60)).unwrap());
+    let engine = one_process_engine(2);
     let bytes_of = |t: &Tensor| {
         let mut b = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
         t.copy_data_u8(&mut b, t.numel());
