@@ -76,12 +76,16 @@ fn plan(s: &settings::Settings) -> Plan {
         reduce_dtype: s.reduce_dtype,
         release_freed_memory: None,
         // DeepSpeed's stage 3 prefetches the next modules in forward and
-        // backward by the order it traced, and `overlap_comm` (its default
-        // at stage 3) reduces during backward.
+        // backward by the order it traced (unless its prefetch bucket is
+        // 0), and `overlap_comm` reduces during backward.
         overlap: Overlap {
-            forward_prefetch: true,
-            backward_prefetch: BackwardPrefetch::Pre,
-            reduce: true,
+            forward_prefetch: s.prefetch,
+            backward_prefetch: if s.prefetch {
+                BackwardPrefetch::Pre
+            } else {
+                BackwardPrefetch::Off
+            },
+            reduce: s.overlap_comm.unwrap_or(true),
         },
     }
 }

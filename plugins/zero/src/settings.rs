@@ -56,6 +56,15 @@ pub struct Settings {
     pub scheduler: Option<Value>,
     /// The DeepSpeed file, when there is one.
     pub config_file: Option<String>,
+    /// The DeepSpeed file's `zero_optimization.overlap_comm`: reduce each
+    /// module's gradients while backward goes on. `None` (absent): on, at
+    /// every stage (DeepSpeed turns it on by default at stage 3 only; here
+    /// it gives the same bits either way).
+    pub overlap_comm: Option<bool>,
+    /// Stage 3 gathers the next module ahead of its use, unless the
+    /// DeepSpeed file sets `zero_optimization.stage3_prefetch_bucket_size`
+    /// to 0.
+    pub prefetch: bool,
     /// `zero3_init_flag`: a program loading a checkpoint through
     /// `Accelerator::prepare_model_from` maps its files and each rank reads
     /// only its own slices; the host, not this plugin, then broadcasts rank
@@ -117,6 +126,21 @@ fn stage_of(v: &Value, key: &str) -> Result<Option<u8>, PluginError> {
     }
 }
 
+/// A true/false value (a JSON bool, or its string); absent or `"auto"`:
+/// `None`.
+fn flag_of(v: Option<&Value>, key: &str) -> Result<Option<bool>, PluginError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(Value::String(s)) if s.eq_ignore_ascii_case("auto") => Ok(None),
+        Some(Value::String(s)) if s.eq_ignore_ascii_case("true") => Ok(Some(true)),
+        Some(Value::String(s)) if s.eq_ignore_ascii_case("false") => Ok(Some(false)),
+        Some(other) => Err(err(format!(
+            "{key} must be true, false or \"auto\", got {other}"
+        ))),
+    }
+}
+
 fn number_of(v: &Value, key: &str) -> Result<Option<f64>, PluginError> {
     match v {
         Value::Null => Ok(None),
@@ -172,6 +196,10 @@ pub struct FileValues {
     pub bf16: Option<bool>,
     /// `communication_data_type` (`fp16`, `bf16`, `fp32`).
     pub communication: Option<Kind>,
+    /// `zero_optimization.overlap_comm`.
+    pub overlap_comm: Option<bool>,
+    /// `zero_optimization.stage3_prefetch_bucket_size` (0: no prefetch).
+    pub prefetch_bucket: Option<f64>,
     /// The `optimizer` section, checked.
     pub optimizer: Option<Value>,
     /// The `scheduler` section, checked.
@@ -251,19 +279,21 @@ pub fn file_values(
             }
         },
     };
-    let enabled = |dtype: &str| -> Result<Option<bool>, PluginError> {
-        let key = format!("{file}: {dtype}.enabled");
-        match json.get(dtype).and_then(|d| d.get("enabled")) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(Value::String(s)) if s.eq_ignore_ascii_case("auto") => Ok(None),
-            Some(Value::String(s)) if s.eq_ignore_ascii_case("true") => Ok(Some(true)),
-            Some(Value::String(s)) if s.eq_ignore_ascii_case("false") => Ok(Some(false)),
-            Some(other) => Err(err(format!(
-                "{key} must be true, false or \"auto\", got {other}"
-            ))),
-        }
+    let enabled = |dtype: &str| {
+        flag_of(
+            json.get(dtype).and_then(|d| d.get("enabled")),
+            &format!("{file}: {dtype}.enabled"),
+        )
     };
+    let overlap_comm = flag_of(
+        zero.get("overlap_comm"),
+        &format!("{file}: zero_optimization.overlap_comm"),
+    )?;
+    let prefetch_bucket = number_of(
+        zero.get("stage3_prefetch_bucket_size")
+            .unwrap_or(&Value::Null),
+        &format!("{file}: zero_optimization.stage3_prefetch_bucket_size"),
+    )?;
     // The optimizer and scheduler the host builds (the program asks for
     // them, as Accelerate's DummyOptim / DummyScheduler): checked here so
     // that a type accel lacks is refused when the strategy is made.
@@ -302,6 +332,8 @@ pub fn file_values(
         communication,
         fp16: enabled("fp16")?,
         bf16: enabled("bf16")?,
+        overlap_comm,
+        prefetch_bucket,
         optimizer,
         scheduler,
         file: file.to_owned(),
@@ -512,6 +544,8 @@ pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, 
         warnings,
         optimizer: file.optimizer,
         scheduler: file.scheduler,
+        overlap_comm: file.overlap_comm,
+        prefetch: file.prefetch_bucket != Some(0.0),
         config_file: (!file.file.is_empty()).then_some(file.file),
         init_flag,
     })
@@ -545,6 +579,8 @@ mod tests {
                 warnings: Vec::new(),
                 optimizer: None,
                 scheduler: None,
+                overlap_comm: None,
+                prefetch: true,
                 config_file: None,
                 init_flag: false,
             }
@@ -664,6 +700,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(m.contains("offload_param_device"), "{m}");
+
+        std::fs::write(
+            &file,
+            r#"{"zero_optimization": {"stage": 3, "overlap_comm": false, "stage3_prefetch_bucket_size": 0}}"#,
+        )
+        .unwrap();
+        let s = from_section(&section(json!({})), "no").unwrap();
+        assert_eq!((s.overlap_comm, s.prefetch), (Some(false), false));
+        std::fs::write(
+            &file,
+            r#"{"zero_optimization": {"overlap_comm": "true", "stage3_prefetch_bucket_size": 5e7}}"#,
+        )
+        .unwrap();
+        let s = from_section(&section(json!({})), "no").unwrap();
+        assert_eq!((s.overlap_comm, s.prefetch), (Some(true), true));
+        std::fs::write(&file, r#"{"zero_optimization": {"overlap_comm": 1}}"#).unwrap();
+        let m = msg(from_section(&section(json!({})), "no"));
+        assert!(
+            m.contains("zero_optimization.overlap_comm must be true, false or \"auto\", got 1"),
+            "{m}"
+        );
 
         std::fs::write(&file, r#"{"moe": {"enabled": true}}"#).unwrap();
         assert!(msg(from_section(&section(json!({})), "no")).contains("`moe`"));
