@@ -3,7 +3,8 @@
 //! after backward, on 2 and 3 ranks, with accumulation, clipping, fp16's
 //! skipped steps, frozen parameters and buckets of one parameter; a
 //! parameter without a gradient follows `find_unused_parameters` instead of
-//! stalling its bucket; a rank that dies or stops while all-reduces are in
+//! stalling its bucket; a rank that dies or stops while all-reduces (or the
+//! sharded engine's reduce-scatters) are in
 //! flight ends the job within the collective timeout, leaving no process.
 
 use accel_integration_tests::*;
@@ -196,15 +197,16 @@ fn a_parameter_without_a_gradient_follows_find_unused_parameters() {
 }
 
 /// Trains mlp (large enough that all-reduces are mostly in flight) under
-/// the mpi launcher with a 5 s collective timeout and does `what` to rank 1
-/// (`SIGKILL`, `SIGSTOP`) once training is under way; the job must end
-/// non-zero within the timeout and a teardown, and leave no process.
-fn rank_1_dies_or_stops(signal: i32) -> (Output, Duration) {
+/// the mpi launcher with a 5 s collective timeout (and `flags`) and sends
+/// `signal` to rank 1 (`SIGKILL`, `SIGSTOP`) once training is under way;
+/// the job must end non-zero within the timeout and a teardown, and leave
+/// no process.
+fn rank_1_dies_or_stops(signal: i32, flags: &[&str]) -> (Output, Duration) {
     let marker = tempfile::tempdir().unwrap();
     let log = marker.path().join("loss.jsonl");
     let mut hit: Option<Instant> = None;
     let out = launch_mpi_with(
-        &["--collective_timeout", "5"],
+        &[&["--collective_timeout", "5"], flags].concat(),
         &mlp(),
         &[
             "--steps",
@@ -243,7 +245,7 @@ fn rank_1_dies_or_stops(signal: i32) -> (Output, Duration) {
 
 #[test]
 fn a_rank_killed_during_training_with_overlap_ends_the_job() {
-    let (out, took) = rank_1_dies_or_stops(libc::SIGKILL);
+    let (out, took) = rank_1_dies_or_stops(libc::SIGKILL, &[]);
     assert!(
         took < Duration::from_secs(10),
         "took {took:?}: {}",
@@ -253,17 +255,46 @@ fn a_rank_killed_during_training_with_overlap_ends_the_job() {
 
 #[test]
 fn a_rank_stopped_during_training_with_overlap_fails_the_job_within_the_collective_timeout() {
-    let (out, took) = rank_1_dies_or_stops(libc::SIGSTOP);
+    stopped_rank_fails_the_job_within_the_timeout(&[]);
+}
+
+/// The same under the sharded engine, whose reduce-scatters (FSDP) and
+/// per-module all-reduces (ZeRO-1) are in flight during backward.
+#[test]
+fn a_sharded_rank_stopped_with_reductions_in_flight_fails_the_job_within_the_collective_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, distributed_type, section) in [
+        (
+            "fsdp.yaml",
+            "FSDP",
+            "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
+             fsdp_transformer_layer_cls_to_wrap: layers\n",
+        ),
+        (
+            "zero1.yaml",
+            "DEEPSPEED",
+            "deepspeed_config:\n  zero_stage: 1\n",
+        ),
+    ] {
+        let config = write_config(dir.path(), name, distributed_type, 2, section);
+        stopped_rank_fails_the_job_within_the_timeout(&["--config_file", config.to_str().unwrap()]);
+    }
+}
+
+/// Stops rank 1 (see [`rank_1_dies_or_stops`]): rank 0 fails naming the
+/// collective timeout, and the job ends within it and a teardown.
+fn stopped_rank_fails_the_job_within_the_timeout(flags: &[&str]) {
+    let (out, took) = rank_1_dies_or_stops(libc::SIGSTOP, flags);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("rank 0 waited 5 s (the collective timeout)"),
-        "{}",
+        "{flags:?}: {}",
         describe(&out)
     );
     // 5 s of timeout, then the teardown.
     assert!(
         took < Duration::from_secs(12),
-        "took {took:?}: {}",
+        "{flags:?}: took {took:?}: {}",
         describe(&out)
     );
 }
