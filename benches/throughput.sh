@@ -22,7 +22,8 @@
 # Usage: bash benches/throughput.sh [OUT_DIR]   (needs scripts/bootstrap.sh)
 #   env: REPEATS=3 LOAD=0|1 GPT2_STEPS=20 MLP_SMALL_STEPS=1500 MLP_BIG_STEPS=100
 #        WORKLOADS="mlp_small mlp_big gpt2" UPDATE_BENCHMARKS=0|1
-#        BENCH_COLUMNS="ddp ddp_no_overlap fsdp zero3 peer single"
+#        BENCH_COLUMNS="ddp ddp_no_overlap fsdp zero3 peer single" (also: zero1
+#        zero1_no_overlap: ZeRO-1's per-module all-reduces during backward, on/off)
 # Writes OUT_DIR/throughput.jsonl (one object per run), OUT_DIR/throughput.md
 # (the table, also printed) and, with UPDATE_BENCHMARKS=1, the block between
 # the throughput markers of BENCHMARKS.md (`throughput` or `throughput-load`).
@@ -67,6 +68,15 @@ fsdp_config:
 config zero3 "distributed_type: DEEPSPEED
 deepspeed_config:
   zero_stage: 3"
+config zero1 "distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 1"
+config zero1_no_overlap "distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 1
+accel:
+  plugins:
+    accel-zero: {overlap_comm: false}"
 read -r -a columns <<<"${BENCH_COLUMNS:-ddp ddp_no_overlap fsdp zero3 peer single}"
 
 # --- workloads ------------------------------------------------------------------
@@ -150,14 +160,17 @@ import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 load = sys.argv[2] == "1"
 names = {"ddp": "accel DDP", "ddp_no_overlap": "accel DDP, no overlap",
-         "fsdp": "accel FSDP FULL_SHARD", "zero3": "accel ZeRO-3", "peer": "Python Accelerate DDP",
+         "fsdp": "accel FSDP FULL_SHARD", "zero3": "accel ZeRO-3", "zero1": "accel ZeRO-1",
+         "zero1_no_overlap": "accel ZeRO-1, no overlap", "peer": "Python Accelerate DDP",
          "single": "one process, global batch"}
+# Only the columns this run measured.
+names = {c: n for c, n in names.items() if any(r["column"] == c for r in rows)}
 work = {"mlp_small": "mlp h128 b32", "mlp_big": "mlp h1024 b256", "gpt2": "gpt2 6x384 b8 block128"}
 def med(w, c, key="steps_per_s"):
     vals = [r[key] for r in rows if r["workload"] == w and r["column"] == c and key in r]
     return statistics.median(vals) if vals else None
 print(f"2 CPU ranks{', one competing CPU-bound process per core' if load else ', quiet machine'}; "
-      "median steps/s of the runs (× Python Accelerate DDP; FSDP and ZeRO-3 also × accel DDP)\n")
+      "median steps/s of the runs (× Python Accelerate DDP; the sharded columns also × accel DDP)\n")
 print("| workload | " + " | ".join(names.values()) + " | DDP all-reduce exposed after backward |")
 print("|---" * (len(names) + 2) + "|")
 for w in work:
@@ -169,7 +182,7 @@ for w in work:
         if v is None:
             return "-"
         ratios = [f"{v / peer:.2f}×"] if peer and c != "peer" else []
-        if c in ("fsdp", "zero3") and ddp:
+        if c in ("fsdp", "zero3", "zero1", "zero1_no_overlap") and ddp:
             ratios.append(f"{v / ddp:.2f}× DDP")
         if c == "ddp" and single:
             ratios.append(f"{v / single:.0%} of one process")
