@@ -31,7 +31,7 @@ use accel_sdk::{
     abi_stable::std_types::RString, Component, HostContextBox, PluginError, RunOverrides,
     StateDictKind, StrategyBox,
 };
-use accel_sharding::{BackwardPrefetch, Overlap, Plan, Sharded};
+use accel_sharding::{Plan, Sharded};
 
 pub mod settings;
 
@@ -76,17 +76,9 @@ fn plan(s: &settings::Settings) -> Plan {
         reduce_dtype: s.reduce_dtype,
         release_freed_memory: None,
         // DeepSpeed's stage 3 prefetches the next modules in forward and
-        // backward by the order it traced (unless its prefetch bucket is
-        // 0), and `overlap_comm` reduces during backward.
-        overlap: Overlap {
-            forward_prefetch: s.prefetch,
-            backward_prefetch: if s.prefetch {
-                BackwardPrefetch::Pre
-            } else {
-                BackwardPrefetch::Off
-            },
-            reduce: s.overlap_comm.unwrap_or(true),
-        },
+        // backward by the order it traced, and `overlap_comm` reduces during
+        // backward (prefetching is a no-op below stage 3).
+        overlap: s.overlap,
     }
 }
 

@@ -7,7 +7,7 @@ use accel_sdk::{
     tch::Kind,
     PluginError,
 };
-use accel_sharding::dtype_name;
+use accel_sharding::{dtype_name, BackwardPrefetch, Overlap};
 use std::path::Path;
 
 use crate::PLUGIN;
@@ -25,6 +25,8 @@ pub struct Settings {
     /// `offload_param_device: cpu` (stage 3): the parameter partitions live
     /// in CPU memory between uses.
     pub offload_param: bool,
+    /// What starts early (see [`overlap_of`]).
+    pub overlap: Overlap,
     /// `gradient_accumulation_steps` (config or file), which wins over the
     /// program's, as DeepSpeed's does in Accelerate.
     pub gradient_accumulation_steps: Option<u32>,
@@ -56,15 +58,6 @@ pub struct Settings {
     pub scheduler: Option<Value>,
     /// The DeepSpeed file, when there is one.
     pub config_file: Option<String>,
-    /// The DeepSpeed file's `zero_optimization.overlap_comm`: reduce each
-    /// module's gradients while backward goes on. `None` (absent): on, at
-    /// every stage (DeepSpeed turns it on by default at stage 3 only; here
-    /// it gives the same bits either way).
-    pub overlap_comm: Option<bool>,
-    /// Stage 3 gathers the next module ahead of its use, unless the
-    /// DeepSpeed file sets `zero_optimization.stage3_prefetch_bucket_size`
-    /// to 0.
-    pub prefetch: bool,
     /// `zero3_init_flag`: a program loading a checkpoint through
     /// `Accelerator::prepare_model_from` maps its files and each rank reads
     /// only its own slices; the host, not this plugin, then broadcasts rank
@@ -387,6 +380,25 @@ fn file_precision(
     }
 }
 
+/// What starts early: each module's gradient reduction as soon as its
+/// gradients are in, unless the DeepSpeed file's
+/// `zero_optimization.overlap_comm` is false (absent: on at every stage,
+/// where DeepSpeed turns it on by default at stage 3 only; the bits are the
+/// same either way), and at stage 3 the next module's gather in forward and
+/// backward, unless its `stage3_prefetch_bucket_size` is 0.
+pub fn overlap_of(file: &FileValues) -> Overlap {
+    let prefetch = file.prefetch_bucket != Some(0.0);
+    Overlap {
+        forward_prefetch: prefetch,
+        backward_prefetch: if prefetch {
+            BackwardPrefetch::Pre
+        } else {
+            BackwardPrefetch::Off
+        },
+        reduce: file.overlap_comm.unwrap_or(true),
+    }
+}
+
 /// `gradient_accumulation_steps` as a whole number of at least 1.
 fn accumulation_of(v: Option<f64>, key: &str) -> Result<Option<u32>, PluginError> {
     match v {
@@ -529,8 +541,10 @@ pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, 
         }
         pc => pc,
     };
+    let overlap = overlap_of(&file);
     Ok(Settings {
         stage,
+        overlap,
         gradient_accumulation_steps,
         mixed_precision: resolved,
         param_dtype,
@@ -544,8 +558,6 @@ pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, 
         warnings,
         optimizer: file.optimizer,
         scheduler: file.scheduler,
-        overlap_comm: file.overlap_comm,
-        prefetch: file.prefetch_bucket != Some(0.0),
         config_file: (!file.file.is_empty()).then_some(file.file),
         init_flag,
     })
@@ -579,8 +591,11 @@ mod tests {
                 warnings: Vec::new(),
                 optimizer: None,
                 scheduler: None,
-                overlap_comm: None,
-                prefetch: true,
+                overlap: Overlap {
+                    forward_prefetch: true,
+                    backward_prefetch: BackwardPrefetch::Pre,
+                    reduce: true,
+                },
                 config_file: None,
                 init_flag: false,
             }
@@ -707,14 +722,14 @@ mod tests {
         )
         .unwrap();
         let s = from_section(&section(json!({})), "no").unwrap();
-        assert_eq!((s.overlap_comm, s.prefetch), (Some(false), false));
+        assert_eq!(s.overlap, Overlap::NONE);
         std::fs::write(
             &file,
             r#"{"zero_optimization": {"overlap_comm": "true", "stage3_prefetch_bucket_size": 5e7}}"#,
         )
         .unwrap();
         let s = from_section(&section(json!({})), "no").unwrap();
-        assert_eq!((s.overlap_comm, s.prefetch), (Some(true), true));
+        assert_eq!((s.overlap.reduce, s.overlap.forward_prefetch), (true, true));
         std::fs::write(&file, r#"{"zero_optimization": {"overlap_comm": 1}}"#).unwrap();
         let m = msg(from_section(&section(json!({})), "no"));
         assert!(
