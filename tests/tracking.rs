@@ -66,37 +66,60 @@ fn close(got: f64, want: f64, rel: f64, what: &str) {
     );
 }
 
-/// `accel launch -q --cpu --num_processes 2 mlp --steps <steps> --log-with
-/// tensorboard --log-with wandb --log-with jsonl --project-dir <dir>/runs
-/// --loss-log <dir>/loss.jsonl`, W&B offline and none of the user's W&B or
-/// `ACCELERATE_LOG_WITH` settings.
-fn mlp_with_three_trackers(dir: &Path, steps: u64) -> Command {
-    let mut cmd = Command::new(accel_bin());
-    cmd.args(["launch", "-q", "--cpu", "--num_processes", "2"])
-        .arg(mlp())
-        .args(["--steps", &steps.to_string()])
-        .args(["--log-with", "tensorboard", "--log-with", "wandb"])
-        .args(["--log-with", "jsonl", "--project-dir"])
-        .arg(dir.join("runs"))
-        .arg("--loss-log")
-        .arg(dir.join("loss.jsonl"))
-        .current_dir(dir)
-        .env("WANDB_MODE", "offline");
-    for k in [
-        "WANDB_API_KEY",
-        "WANDB_DIR",
-        "WANDB_PROJECT",
-        "WANDB_ENTITY",
-        "WANDB_RUN_ID",
-        "WANDB_NAME",
-        "WANDB_TAGS",
-        "WANDB_DISABLED",
-        "WANDB_BASE_URL",
-        "ACCELERATE_LOG_WITH",
-    ] {
-        cmd.env_remove(k);
+/// A temporary directory for an `mlp` run with three trackers, and the
+/// paths that run writes in it.
+struct ThreeTrackers {
+    dir: tempfile::TempDir,
+    /// `--project-dir`: `<dir>/runs`.
+    project: PathBuf,
+    /// `--loss-log`: `<dir>/loss.jsonl`.
+    loss_log: PathBuf,
+}
+
+impl ThreeTrackers {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let project = dir.path().join("runs");
+        let loss_log = dir.path().join("loss.jsonl");
+        Self {
+            dir,
+            project,
+            loss_log,
+        }
     }
-    cmd
+
+    /// `accel launch -q --cpu --num_processes 2 mlp --steps <steps>
+    /// --log-with tensorboard --log-with wandb --log-with jsonl --project-dir
+    /// <project> --loss-log <loss_log>`, W&B offline and none of the user's
+    /// W&B or `ACCELERATE_LOG_WITH` settings.
+    fn mlp(&self, steps: u64) -> Command {
+        let mut cmd = Command::new(accel_bin());
+        cmd.args(["launch", "-q", "--cpu", "--num_processes", "2"])
+            .arg(mlp())
+            .args(["--steps", &steps.to_string()])
+            .args(["--log-with", "tensorboard", "--log-with", "wandb"])
+            .args(["--log-with", "jsonl", "--project-dir"])
+            .arg(&self.project)
+            .arg("--loss-log")
+            .arg(&self.loss_log)
+            .current_dir(self.dir.path())
+            .env("WANDB_MODE", "offline");
+        for k in [
+            "WANDB_API_KEY",
+            "WANDB_DIR",
+            "WANDB_PROJECT",
+            "WANDB_ENTITY",
+            "WANDB_RUN_ID",
+            "WANDB_NAME",
+            "WANDB_TAGS",
+            "WANDB_DISABLED",
+            "WANDB_BASE_URL",
+            "ACCELERATE_LOG_WITH",
+        ] {
+            cmd.env_remove(k);
+        }
+        cmd
+    }
 }
 
 /// The `.wandb` files under `project/wandb`.
@@ -109,19 +132,15 @@ fn wandb_files(project: &Path) -> Vec<PathBuf> {
 
 #[test]
 fn mlp_logs_every_step_to_tensorboard_wandb_and_jsonl_from_rank_0_only() {
-    let dir = tempfile::tempdir().unwrap();
-    let project = dir.path().join("runs");
-    let loss_log = dir.path().join("loss.jsonl");
+    let job = ThreeTrackers::new();
     let steps = 20u64;
-    run_ok(mlp_with_three_trackers(dir.path(), steps).args([
-        "--scheduler",
-        "cosine",
-        "--warmup",
-        "3",
-    ]));
+    run_ok(
+        job.mlp(steps)
+            .args(["--scheduler", "cosine", "--warmup", "3"]),
+    );
 
     // The reference: mlp's own loss log (rank 0's view of the mean loss).
-    let records = loss_records(&loss_log);
+    let records = loss_records(&job.loss_log);
     assert_eq!(records.len(), steps as usize);
     let expect: Vec<(u64, f64, f64)> = records
         .iter()
@@ -148,21 +167,21 @@ fn mlp_logs_every_step_to_tensorboard_wandb_and_jsonl_from_rank_0_only() {
     });
 
     // Only rank 0 wrote: one event file, one W&B run, one jsonl run.
-    let events = files_named(&project, "tfevents");
+    let events = files_named(&job.project, "tfevents");
     assert_eq!(events.len(), 1, "{events:?}");
-    assert_eq!(events[0].parent().unwrap(), project.join("mlp"));
-    let wandb_files = wandb_files(&project);
+    assert_eq!(events[0].parent().unwrap(), job.project.join("mlp"));
+    let wandb_files = wandb_files(&job.project);
     assert_eq!(wandb_files.len(), 1, "{wandb_files:?}");
-    let runs: Vec<_> = std::fs::read_dir(project.join("wandb"))
+    let runs: Vec<_> = std::fs::read_dir(job.project.join("wandb"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .filter(|n| n.starts_with("offline-run-"))
         .collect();
     assert_eq!(runs.len(), 1, "{runs:?}");
-    assert_eq!(files_named(&project, "metrics.jsonl").len(), 1);
+    assert_eq!(files_named(&job.project, "metrics.jsonl").len(), 1);
 
     // TensorBoard, read by TensorBoard: every step's loss and lr (float32).
-    let tb = read_tensorboard(&project.join("mlp"));
+    let tb = read_tensorboard(&job.project.join("mlp"));
     for (tag, col) in [("loss", 1), ("lr", 2)] {
         let points = tb["scalars"][tag]
             .as_array()
@@ -210,14 +229,15 @@ fn mlp_logs_every_step_to_tensorboard_wandb_and_jsonl_from_rank_0_only() {
     assert_eq!(records.last().unwrap()["type"], "exit");
 
     // jsonl: every step, exactly.
-    let jsonl = loss_records(&project.join("mlp/metrics.jsonl"));
+    let jsonl = loss_records(&job.project.join("mlp/metrics.jsonl"));
     assert_eq!(jsonl.len(), steps as usize);
     for (row, e) in jsonl.iter().zip(&expect) {
         assert_eq!(row, &json!({"step": e.0, "loss": e.1, "lr": e.2}));
     }
-    let config: Value =
-        serde_json::from_str(&std::fs::read_to_string(project.join("mlp/config.json")).unwrap())
-            .unwrap();
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(job.project.join("mlp/config.json")).unwrap(),
+    )
+    .unwrap();
     assert_eq!(config, hyper);
 }
 
@@ -228,21 +248,15 @@ fn rows_with<'a>(rows: &'a [Value], key: &str) -> Vec<&'a Value> {
 
 #[test]
 fn mlp_logs_images_a_histogram_and_a_table_that_tensorboard_wandb_and_jsonl_read_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let project = dir.path().join("runs");
-    let saved = dir.path().join("w.safetensors");
+    let job = ThreeTrackers::new();
+    let saved = job.dir.path().join("w.safetensors");
     let steps = 6u64;
-    run_ok(
-        mlp_with_three_trackers(dir.path(), steps)
-            .arg("--log-media")
-            .arg("--save")
-            .arg(&saved),
-    );
+    run_ok(job.mlp(steps).arg("--log-media").arg("--save").arg(&saved));
     let images = mlp_media_images();
     let hist = mlp_l1_histogram(&saved);
     // mlp's l1 is 32 x 8: 256 weights in 64 bins.
     assert_eq!((hist.num, hist.counts.len()), (256, 64));
-    let loss = loss_records(&dir.path().join("loss.jsonl"))[steps as usize - 1]["loss"]
+    let loss = loss_records(&job.loss_log)[steps as usize - 1]["loss"]
         .as_f64()
         .unwrap();
     let table = json!({
@@ -266,7 +280,7 @@ fn mlp_logs_images_a_histogram_and_a_table_that_tensorboard_wandb_and_jsonl_read
     };
 
     // TensorBoard: EventAccumulator's images (PIL-decoded), histograms, text.
-    let tb = read_tensorboard(&project.join("mlp"));
+    let tb = read_tensorboard(&job.project.join("mlp"));
     for (key, width, height, channels, pixels) in &images {
         let seen = &tb["images"][key];
         assert_eq!(seen.as_array().map(Vec::len), Some(1), "{key}: {tb}");
@@ -303,7 +317,7 @@ fn mlp_logs_images_a_histogram_and_a_table_that_tensorboard_wandb_and_jsonl_read
 
     // W&B, read by `wandb leet inspect`: image-file, histogram, table-file
     // entries, and the files they name.
-    let wandb = wandb_files(&project);
+    let wandb = wandb_files(&job.project);
     assert_eq!(wandb.len(), 1, "{wandb:?}");
     let files_dir = wandb[0].parent().unwrap().join("files");
     let records = read_wandb(&wandb[0]);
@@ -356,7 +370,7 @@ fn mlp_logs_images_a_histogram_and_a_table_that_tensorboard_wandb_and_jsonl_read
     table_matches(&serde_json::from_slice(&std::fs::read(files_dir.join(path)).unwrap()).unwrap());
 
     // jsonl: the same values, the PNGs beside.
-    let run = project.join("mlp");
+    let run = job.project.join("mlp");
     let lines = loss_records(&run.join("metrics.jsonl"));
     for (key, width, height, channels, pixels) in &images {
         let found = rows_with(&lines, key);

@@ -378,14 +378,7 @@ fn resume_into_another_model_lists_every_mismatch() {
 fn a_second_run_into_the_same_project_dir_is_told_to_resume() {
     let dir = tempfile::tempdir().unwrap();
     let proj = dir.path().join("proj");
-    let args = [
-        "--steps",
-        "2",
-        "--checkpoint-every",
-        "2",
-        "--project-dir",
-        proj.to_str().unwrap(),
-    ];
+    let args = two_steps_saved_into(proj.to_str().unwrap());
     let out = run(&mlp(), &args);
     assert!(out.status.success(), "{}", describe(&out));
     let out = run(&mlp(), &args);

@@ -210,14 +210,18 @@ mod tests {
 
     #[test]
     fn quoting() {
-        assert_eq!(scalar_str("no"), "'no'");
-        assert_eq!(scalar_str("NO"), "'NO'");
-        assert_eq!(scalar_str("MULTI_GPU"), "MULTI_GPU");
-        assert_eq!(scalar_str("127.0.0.1"), "127.0.0.1");
-        assert_eq!(scalar_str("1234"), "'1234'");
-        assert_eq!(scalar_str("it's"), "it's");
-        assert_eq!(scalar_str("'x"), "'''x'");
-        assert_eq!(scalar_str("(false, false, false)"), "(false, false, false)");
-        assert_eq!(scalar_str("a\nb"), "\"a\\nb\"");
+        for (raw, quoted) in [
+            ("no", "'no'"),
+            ("NO", "'NO'"),
+            ("MULTI_GPU", "MULTI_GPU"),
+            ("127.0.0.1", "127.0.0.1"),
+            ("1234", "'1234'"),
+            ("it's", "it's"),
+            ("'x", "'''x'"),
+            ("(false, false, false)", "(false, false, false)"),
+            ("a\nb", "\"a\\nb\""),
+        ] {
+            assert_eq!(scalar_str(raw), quoted, "{raw:?}");
+        }
     }
 }

@@ -673,12 +673,18 @@ impl Accelerator {
         Ok(())
     }
 
-    /// Unscales this step's gradients of model `model` once (fp16); returns
-    /// whether any rank found inf/NaN.
-    fn unscale(&mut self, model: usize) -> Result<bool, AccelError> {
+    /// The place of `model`, whose gradients a clip is about to change, with
+    /// this step's gradients unscaled once (fp16); `None` on accumulation
+    /// micro-steps, where clipping does nothing.
+    fn grads_to_clip(&mut self, model: ModelId) -> Result<Option<usize>, AccelError> {
+        let model = self.index(model)?;
+        if !self.sync_gradients() {
+            return Ok(None);
+        }
         let prepared = &self.models[model];
         self.precision
-            .unscale(model, || Ok(prepared.optimized_grads()))
+            .unscale(model, || Ok(prepared.optimized_grads()))?;
+        Ok(Some(model))
     }
 
     /// Steps `optimizer` through the strategy on sync steps (a no-op on
@@ -755,11 +761,9 @@ impl Accelerator {
         max_norm: f64,
         norm_type: f64,
     ) -> Result<f64, AccelError> {
-        let model = self.index(model)?;
-        if !self.sync_gradients() {
+        let Some(model) = self.grads_to_clip(model)? else {
             return Ok(0.0);
-        }
-        self.unscale(model)?;
+        };
         Ok(lock(&self.models[model].strategy)
             .clip_grad_norm(max_norm, norm_type)
             .into_result()?)
@@ -780,11 +784,9 @@ impl Accelerator {
         model: ModelId,
         clip_value: f64,
     ) -> Result<(), AccelError> {
-        let model = self.index(model)?;
-        if !self.sync_gradients() {
+        let Some(model) = self.grads_to_clip(model)? else {
             return Ok(());
-        }
-        self.unscale(model)?;
+        };
         tch::no_grad(|| {
             for mut g in self.models[model].optimized_grads() {
                 let _ = g.clamp_(-clip_value, clip_value);

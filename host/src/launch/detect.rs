@@ -333,19 +333,27 @@ mod tests {
         detect(&get, vec!["train".into(), "--lr".into(), "0.1 x".into()])
     }
 
+    /// What [`detect_in`] finds in `pairs`, checked to be started by `starter`.
+    fn started_by(pairs: &[(&str, &str)], starter: Starter) -> Detected {
+        let d = detect_in(pairs).unwrap();
+        assert_eq!(d.starter, starter);
+        d
+    }
+
     #[test]
     fn a_cuda_rank_accel_launch_started_alone_opens_nccl_of_one() {
-        let alone = detect_in(&[
-            ("RANK", "0"),
-            ("WORLD_SIZE", "1"),
-            ("LOCAL_RANK", "0"),
-            ("LOCAL_WORLD_SIZE", "1"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", "29500"),
-            (ACCEL_LAUNCH_MARKER, "{}"),
-        ])
-        .unwrap();
-        assert_eq!(alone.starter, Starter::AccelLaunch);
+        let alone = started_by(
+            &[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "1"),
+                ("LOCAL_RANK", "0"),
+                ("LOCAL_WORLD_SIZE", "1"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500"),
+                (ACCEL_LAUNCH_MARKER, "{}"),
+            ],
+            Starter::AccelLaunch,
+        );
         assert!(matches!(
             alone.join(true, true),
             Ok(Join::Nccl {
@@ -360,8 +368,7 @@ mod tests {
 
     #[test]
     fn nothing_set_is_one_process() {
-        let d = detect_in(&[]).unwrap();
-        assert_eq!(d.starter, Starter::Nothing);
+        let d = started_by(&[], Starter::Nothing);
         assert_eq!((d.rank, d.world_size), (0, 1));
         assert_eq!(d.join(false, true).unwrap(), Join::Single);
         assert_eq!(d.join(true, true).unwrap(), Join::Single);
@@ -397,8 +404,7 @@ mod tests {
             ("TORCHELASTIC_RUN_ID", "none"),
             ("TORCHELASTIC_USE_AGENT_STORE", "True"),
         ];
-        let d = detect_in(&env).unwrap();
-        assert_eq!(d.starter, Starter::Torchrun);
+        let d = started_by(&env, Starter::Torchrun);
         let err = d.join(false, true).unwrap_err();
         assert!(
             err.contains("torchrun started this process as rank 0 of 2"),
@@ -426,8 +432,7 @@ mod tests {
             ("MASTER_ADDR", "job-master-0"),
             ("MASTER_PORT", "23456"),
         ];
-        let d = detect_in(&env).unwrap();
-        assert_eq!(d.starter, Starter::Environment);
+        let d = started_by(&env, Starter::Environment);
         assert_eq!(d.local_rank, 0);
         assert_eq!(
             d.join(true, true).unwrap(),
@@ -451,8 +456,7 @@ mod tests {
             ("OMPI_COMM_WORLD_RANK", "1"),
             ("OMPI_COMM_WORLD_SIZE", "2"),
         ];
-        let d = detect_in(&env).unwrap();
-        assert_eq!(d.starter, Starter::AccelLaunch);
+        let d = started_by(&env, Starter::AccelLaunch);
         assert_eq!(d.join(false, true).unwrap(), Join::Mpi);
         // `accel launch --launcher local` on the CPU has no MPI.
         let local = detect_in(&env[..5]).unwrap();

@@ -9,7 +9,7 @@ use super::{
     options::{from_spec, LaunchOptions},
     supervisor::RankProcess,
 };
-use accel_rendezvous::Client;
+use accel_rendezvous::{Client, Server};
 use accel_sdk::{
     abi_stable::std_types::{RResult, RVec, Tuple2},
     ErrorKind, LaunchOutcome, LaunchSpec, Launcher, PluginError, PluginResult, ProcessPlan,
@@ -190,13 +190,32 @@ fn rank_process_with(spec: &LaunchSpec, opts: &LaunchOptions) -> Result<RankProc
     })
 }
 
+/// Hosts the store the ranks meet at, as [`host_store`] does, and returns it
+/// with a copy of `spec` that names its port (the free one it took for
+/// port 0).
+pub(super) fn spec_at_hosted_store(
+    spec: &LaunchSpec,
+    reachable_from_others: bool,
+) -> Result<(Server, LaunchSpec), PluginError> {
+    let store = host_store(spec, reachable_from_others)?;
+    let mut spec = spec.clone();
+    spec.main_process_port = store.local_addr().port();
+    Ok((store, spec))
+}
+
+/// The value under `key` in the store at `addr`, as text; `None` when the
+/// store cannot be reached or holds no such key.
+pub(super) fn stored_text(addr: &str, key: &str) -> Option<String> {
+    let mut client = Client::connect(addr, Duration::from_secs(1)).ok()?;
+    let value = client.try_get(key).ok()??;
+    Some(String::from_utf8_lossy(&value).into_owned())
+}
+
 /// The first failure a rank of `attempt` reported to the store at `addr`
 /// as it exited (see `comm::mpi`).
 pub(super) fn first_reported_failure(addr: &str, attempt: u32) -> Option<String> {
     let (_, prefix) = crate::comm::mpi::failure_keys(&attempt.to_string());
-    let mut client = Client::connect(addr, Duration::from_secs(1)).ok()?;
-    let value = client.try_get(&format!("{prefix}1")).ok()??;
-    Some(String::from_utf8_lossy(&value).into_owned())
+    stored_text(addr, &format!("{prefix}1"))
 }
 
 impl Launcher for MpiLauncher {
@@ -208,9 +227,7 @@ impl Launcher for MpiLauncher {
         let run = || -> Result<LaunchOutcome, PluginError> {
             let opts = from_spec(spec, "mpi")?;
             // accel's machine hosts the store the ranks meet at.
-            let store = host_store(spec, opts.mpirun_hostfile.is_some())?;
-            let mut spec = spec.clone();
-            spec.main_process_port = store.local_addr().port();
+            let (_store, spec) = spec_at_hosted_store(spec, opts.mpirun_hostfile.is_some())?;
             let process = rank_process_with(&spec, &opts)?;
             let store_addr = format!("{}:{}", spec.main_process_ip, spec.main_process_port);
             // The ranks of this machine are mpirun's descendants; all of

@@ -17,12 +17,11 @@
 //! (`scancel`, a time limit), the job's state.
 
 use super::{
-    local::{host_store, plans, supervise_starter},
-    mpi::first_reported_failure,
+    local::{plans, supervise_starter},
+    mpi::{first_reported_failure, spec_at_hosted_store, stored_text},
     options::from_spec,
     supervisor::RankProcess,
 };
-use accel_rendezvous::Client;
 use accel_sdk::{
     abi_stable::std_types::{RResult, RVec, Tuple2},
     LaunchOutcome, LaunchSpec, Launcher, PluginError, PluginResult, ProcessPlan,
@@ -176,11 +175,9 @@ fn ended_by_slurm(id: &str) -> Option<String> {
 /// What went wrong first, from the store at `addr`: Slurm's word on the job
 /// (when Slurm ended it), then the first rank's report.
 fn failure_report(addr: &str, attempt: u32) -> Option<String> {
-    let job_id = std::env::var("SLURM_JOB_ID").ok().or_else(|| {
-        let mut client = Client::connect(addr, Duration::from_secs(1)).ok()?;
-        let v = client.try_get(JOB_ID_KEY).ok()??;
-        Some(String::from_utf8_lossy(&v).into_owned())
-    });
+    let job_id = std::env::var("SLURM_JOB_ID")
+        .ok()
+        .or_else(|| stored_text(addr, JOB_ID_KEY));
     let slurm = job_id.as_deref().and_then(ended_by_slurm);
     let rank = first_reported_failure(addr, attempt);
     match (slurm, rank) {
@@ -200,9 +197,7 @@ impl Launcher for SlurmLauncher {
             let get = |k: &str| std::env::var(k).ok();
             // Ranks on other nodes reach the store through srun's node.
             let several_nodes = nodes(spec, &get) != "1";
-            let store = host_store(spec, several_nodes)?;
-            let mut spec = spec.clone();
-            spec.main_process_port = store.local_addr().port();
+            let (_store, spec) = spec_at_hosted_store(spec, several_nodes)?;
             let process = process(&spec)?;
             let store_addr = if several_nodes {
                 format!("127.0.0.1:{}", spec.main_process_port)

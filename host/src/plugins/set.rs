@@ -384,6 +384,25 @@ fn builtin_factory(kind: PluginKind, name: &str) -> Result<Factory, PluginError>
         .ok_or_else(|| PluginError::other("accel", format!("no built-in {kind} `{name}`")))
 }
 
+/// The `new_*` builders of [`Choice`], one per component kind: each calls
+/// the chosen component's factory with its arguments — the plugin library's
+/// entry point of the same name, or else the built-in [`Factory`] variant of
+/// that kind.
+macro_rules! builders {
+    ($($(#[$doc:meta])* $method:ident($($arg:ident: $ty:ty),*) -> $out:ty, $kind:ident;)*) => {$(
+        $(#[$doc])*
+        pub fn $method(&self, $($arg: $ty),*) -> Result<$out, PluginError> {
+            match self.module() {
+                Some(lib) => (lib.module.$method())(self.name(), $($arg.into()),*).into_result(),
+                None => match builtin_factory(PluginKind::$kind, &self.component.name)? {
+                    Factory::$kind(f) => f($($arg),*),
+                    _ => Err(PluginError::other("accel", "kind mismatch")),
+                },
+            }
+        }
+    )*};
+}
+
 impl Choice<'_> {
     fn module(&self) -> Option<&LoadedLibrary> {
         match &self.plugin.source {
@@ -396,64 +415,15 @@ impl Choice<'_> {
         self.component.name.as_rstr()
     }
 
-    /// Builds the chosen strategy.
-    pub fn new_strategy(
-        &self,
-        ctx: HostContextBox,
-        config_json: &str,
-    ) -> Result<StrategyBox, PluginError> {
-        match self.module() {
-            Some(lib) => {
-                (lib.module.new_strategy())(self.name(), ctx, config_json.into()).into_result()
-            }
-            None => match builtin_factory(PluginKind::Strategy, &self.component.name)? {
-                Factory::Strategy(f) => f(ctx, config_json),
-                _ => Err(PluginError::other("accel", "kind mismatch")),
-            },
-        }
-    }
-
-    /// Builds the chosen precision policy.
-    pub fn new_precision(
-        &self,
-        ctx: HostContextBox,
-        config_json: &str,
-    ) -> Result<PrecisionBox, PluginError> {
-        match self.module() {
-            Some(lib) => {
-                (lib.module.new_precision())(self.name(), ctx, config_json.into()).into_result()
-            }
-            None => match builtin_factory(PluginKind::Precision, &self.component.name)? {
-                Factory::Precision(f) => f(ctx, config_json),
-                _ => Err(PluginError::other("accel", "kind mismatch")),
-            },
-        }
-    }
-
-    /// Builds the chosen tracker.
-    pub fn new_tracker(&self, settings_json: &str) -> Result<TrackerBox, PluginError> {
-        match self.module() {
-            Some(lib) => {
-                (lib.module.new_tracker())(self.name(), settings_json.into()).into_result()
-            }
-            None => match builtin_factory(PluginKind::Tracker, &self.component.name)? {
-                Factory::Tracker(f) => f(settings_json),
-                _ => Err(PluginError::other("accel", "kind mismatch")),
-            },
-        }
-    }
-
-    /// Builds the chosen launcher.
-    pub fn new_launcher(&self, settings_json: &str) -> Result<LauncherBox, PluginError> {
-        match self.module() {
-            Some(lib) => {
-                (lib.module.new_launcher())(self.name(), settings_json.into()).into_result()
-            }
-            None => match builtin_factory(PluginKind::Launcher, &self.component.name)? {
-                Factory::Launcher(f) => f(settings_json),
-                _ => Err(PluginError::other("accel", "kind mismatch")),
-            },
-        }
+    builders! {
+        /// Builds the chosen strategy.
+        new_strategy(ctx: HostContextBox, config_json: &str) -> StrategyBox, Strategy;
+        /// Builds the chosen precision policy.
+        new_precision(ctx: HostContextBox, config_json: &str) -> PrecisionBox, Precision;
+        /// Builds the chosen tracker.
+        new_tracker(settings_json: &str) -> TrackerBox, Tracker;
+        /// Builds the chosen launcher.
+        new_launcher(settings_json: &str) -> LauncherBox, Launcher;
     }
 
     /// Asks the component to check its config section.
