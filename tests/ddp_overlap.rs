@@ -263,6 +263,12 @@ fn a_rank_stopped_during_training_with_overlap_fails_the_job_within_the_collecti
 #[test]
 fn a_sharded_rank_stopped_with_reductions_in_flight_fails_the_job_within_the_collective_timeout() {
     let dir = tempfile::tempdir().unwrap();
+    let zero1_file = dir.path().join("ds.json");
+    std::fs::write(
+        &zero1_file,
+        r#"{"zero_optimization": {"stage": 1, "reduce_bucket_size": 1}}"#,
+    )
+    .unwrap();
     for (name, distributed_type, section) in [
         (
             "fsdp.yaml",

@@ -106,6 +106,23 @@ fn same_bits(
     );
 }
 
+/// A `deepspeed_config` section for ZeRO `stage` whose DeepSpeed file (in
+/// `dir`) sets `reduce_bucket_size: 1`: every module's gradients are a
+/// bucket of their own (the default, 5e8 elements, holds a test model
+/// whole: one all-reduce when backward ends, nothing to overlap).
+fn small_buckets(dir: &Path, stage: u8) -> String {
+    let file = dir.join(format!("ds{stage}.json"));
+    std::fs::write(
+        &file,
+        format!(r#"{{"zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 1}}}}"#),
+    )
+    .unwrap();
+    format!(
+        "deepspeed_config:\n  deepspeed_config_file: {}\n",
+        file.display()
+    )
+}
+
 /// mlp with `args` under `config`, saving to `save`, engine debug lines on.
 fn mlp_run(config: &Path, save: &Path, args: &[&str]) -> Output {
     launch_with_config(config, args)
@@ -122,6 +139,11 @@ fn prefetch_and_early_reductions_give_the_same_bits_on_2_and_3_ranks() {
         fsdp("  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_backward_prefetch: BACKWARD_POST\n");
     let none = fsdp("  fsdp_backward_prefetch: NO_PREFETCH\n");
     let no_shard = fsdp("  fsdp_sharding_strategy: NO_SHARD\n");
+    let files = tempfile::tempdir().unwrap();
+    let (zero1, zero0) = (
+        small_buckets(files.path(), 1),
+        small_buckets(files.path(), 0),
+    );
     let cases = [
         // (what, strategy, gathers prefetched)
         (
@@ -161,26 +183,10 @@ fn prefetch_and_early_reductions_give_the_same_bits_on_2_and_3_ranks() {
             ),
             true,
         ),
-        // Gradients whole: each module's all-reduce starts as its
+        // Gradients whole: each bucket's all-reduce starts as its modules'
         // gradients are in (ZeRO-1 then steps on its chunks).
-        (
-            "ZeRO-1",
-            (
-                "DEEPSPEED",
-                "accel-zero",
-                "deepspeed_config:\n  zero_stage: 1\n",
-            ),
-            false,
-        ),
-        (
-            "ZeRO-0",
-            (
-                "DEEPSPEED",
-                "accel-zero",
-                "deepspeed_config:\n  zero_stage: 0\n",
-            ),
-            false,
-        ),
+        ("ZeRO-1", ("DEEPSPEED", "accel-zero", zero1.as_str()), false),
+        ("ZeRO-0", ("DEEPSPEED", "accel-zero", zero0.as_str()), false),
         ("NO_SHARD", ("FSDP", "accel-fsdp", no_shard.as_str()), false),
     ];
     let args = adamw_mlp_args("4", &["--grad-accum", "2", "--max-grad-norm", "0.5"]);
@@ -240,13 +246,10 @@ fn frozen_parameters_keep_their_units_gathered_and_the_same_bits() {
             true,
             |cfg, save| freeze_probe(cfg, save, &["block0.w"]),
         );
+        let files = tempfile::tempdir().unwrap();
         same_bits(
             "ZeRO-1 with frozen block0.w",
-            (
-                "DEEPSPEED",
-                "accel-zero",
-                "deepspeed_config:\n  zero_stage: 1\n",
-            ),
+            ("DEEPSPEED", "accel-zero", &small_buckets(files.path(), 1)),
             ranks,
             false,
             |cfg, save| freeze_probe(cfg, save, &["block0.w"]),

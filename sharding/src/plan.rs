@@ -67,6 +67,13 @@ pub struct Plan {
     pub release_freed_memory: Option<bool>,
     /// Communication started early, to run while compute goes on.
     pub overlap: Overlap,
+    /// Without sharded gradients: the most elements one gradient all-reduce
+    /// holds. Units are grouped into buckets up to it, last unit first (the
+    /// order backward reaches them; a unit larger than it is a bucket
+    /// alone), and a bucket's all-reduce starts once all its units'
+    /// backward is done (DeepSpeed's `reduce_bucket_size`). `None`: a
+    /// bucket per unit (FSDP's NO_SHARD).
+    pub reduce_bucket: Option<i64>,
 }
 
 /// When, in backward, the next unit's parameters are gathered ahead of its
@@ -278,6 +285,7 @@ impl Plan {
             reduce_dtype: None,
             release_freed_memory: Some(true),
             overlap: Overlap::NONE,
+            reduce_bucket: None,
         }
     }
 }

@@ -68,6 +68,9 @@ pub fn plan(s: &Settings) -> Plan {
             backward_prefetch: s.backward_prefetch,
             reduce: true,
         },
+        // NO_SHARD: each unit's gradients all-reduced as its backward ends,
+        // as PyTorch's FSDP does.
+        reduce_bucket: None,
     }
 }
 

@@ -1,9 +1,10 @@
 //! `zero`: DeepSpeed ZeRO stages 0 to 3 for `distributed_type: DEEPSPEED`,
 //! on the sharded-parameter engine of `accel-sharding`.
 //!
-//! * stage 0: plain data parallel: each module's gradients (one flat
-//!   buffer per module) are all-reduced and averaged as soon as they are in,
-//!   while backward goes on (DeepSpeed's `overlap_comm`).
+//! * stage 0: plain data parallel: the gradients of buckets of modules (up
+//!   to DeepSpeed's `reduce_bucket_size` elements, one flat buffer each) are
+//!   all-reduced and averaged as soon as they are in, while backward goes on
+//!   (DeepSpeed's `overlap_comm`).
 //! * stage 1: optimizer state partitioned: gradients averaged as at stage
 //!   0, then each rank steps on its chunk of every parameter and the chunks
 //!   are all-gathered into the parameters.
@@ -79,13 +80,15 @@ fn plan(s: &settings::Settings) -> Plan {
         // backward by the order it traced, and `overlap_comm` reduces during
         // backward (prefetching is a no-op below stage 3).
         overlap: s.overlap,
+        reduce_bucket: Some(s.reduce_bucket),
     }
 }
 
 /// Units: one per module (the path before a parameter's last segment), at
 /// every stage: stage 3 gathers parameters module by module, stage 2
 /// reduce-scatters each module's gradients as soon as they are in, and
-/// stages 0 and 1 all-reduce them then (DeepSpeed's `overlap_comm`).
+/// stages 0 and 1 all-reduce buckets of modules then (DeepSpeed's
+/// `overlap_comm` and `reduce_bucket_size`).
 /// Top-level parameters (no `.`) belong to the root unit.
 fn module_units(names: &[String]) -> Vec<(String, Vec<usize>)> {
     let mut units: Vec<(String, Vec<usize>)> = Vec::new();

@@ -27,6 +27,10 @@ pub struct Settings {
     pub offload_param: bool,
     /// What starts early (see [`overlap_of`]).
     pub overlap: Overlap,
+    /// Stages 0-1: the most gradient elements one all-reduce holds (the
+    /// DeepSpeed file's `zero_optimization.reduce_bucket_size`, else
+    /// DeepSpeed's default 5e8): modules are averaged together up to it.
+    pub reduce_bucket: i64,
     /// `gradient_accumulation_steps` (config or file), which wins over the
     /// program's, as DeepSpeed's does in Accelerate.
     pub gradient_accumulation_steps: Option<u32>,
@@ -193,6 +197,8 @@ pub struct FileValues {
     pub overlap_comm: Option<bool>,
     /// `zero_optimization.stage3_prefetch_bucket_size` (0: no prefetch).
     pub prefetch_bucket: Option<f64>,
+    /// `zero_optimization.reduce_bucket_size`.
+    pub reduce_bucket: Option<f64>,
     /// The `optimizer` section, checked.
     pub optimizer: Option<Value>,
     /// The `scheduler` section, checked.
@@ -287,6 +293,10 @@ pub fn file_values(
             .unwrap_or(&Value::Null),
         &format!("{file}: zero_optimization.stage3_prefetch_bucket_size"),
     )?;
+    let reduce_bucket = number_of(
+        zero.get("reduce_bucket_size").unwrap_or(&Value::Null),
+        &format!("{file}: zero_optimization.reduce_bucket_size"),
+    )?;
     // The optimizer and scheduler the host builds (the program asks for
     // them, as Accelerate's DummyOptim / DummyScheduler): checked here so
     // that a type accel lacks is refused when the strategy is made.
@@ -327,6 +337,7 @@ pub fn file_values(
         bf16: enabled("bf16")?,
         overlap_comm,
         prefetch_bucket,
+        reduce_bucket,
         optimizer,
         scheduler,
         file: file.to_owned(),
@@ -542,9 +553,12 @@ pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, 
         pc => pc,
     };
     let overlap = overlap_of(&file);
+    // DeepSpeed's default; at least one element.
+    let reduce_bucket = file.reduce_bucket.unwrap_or(5e8).clamp(1.0, 1e18) as i64;
     Ok(Settings {
         stage,
         overlap,
+        reduce_bucket,
         gradient_accumulation_steps,
         mixed_precision: resolved,
         param_dtype,
@@ -596,6 +610,7 @@ mod tests {
                     backward_prefetch: BackwardPrefetch::Pre,
                     reduce: true,
                 },
+                reduce_bucket: 500_000_000,
                 config_file: None,
                 init_flag: false,
             }

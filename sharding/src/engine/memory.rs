@@ -27,13 +27,13 @@ impl Sharded {
         // Gradients viewing their unit's buffer count once, with it.
         let mut in_buffer = vec![false; self.params.items.len()];
         let mut total = 0;
-        for unit in &self.units {
-            let Some(buffer) = &unit.grad_buffer else {
+        for (b, bucket) in self.buckets.iter().enumerate() {
+            let Some(buffer) = &bucket.buffer else {
                 continue;
             };
             total += bytes(buffer);
             let mut offset = 0;
-            for i in self.trainable(&unit.params) {
+            for i in self.bucket_params(b) {
                 let p = &self.params.items[i].1;
                 let g = p.grad();
                 in_buffer[i] = g.defined() && grad_views_buffer(&g, buffer, offset, p);

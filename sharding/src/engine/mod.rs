@@ -30,13 +30,18 @@ struct Unit {
     gathered: bool,
     /// Whether `post_unit_backward` ran in this backward pass.
     done: bool,
-    /// All-reduce mode: whether this unit's gradients are being averaged
-    /// (or were) in this backward pass.
-    averaging: bool,
-    /// All-reduce mode: the flat buffer (of the reduce dtype) this unit's
-    /// trainable gradients are averaged in; after the first sync they view
-    /// it when it has their dtype (PyTorch's `gradient_as_bucket_view`).
-    grad_buffer: Option<Tensor>,
+}
+
+/// All-reduce mode: units whose gradients are averaged together (the
+/// plan's `reduce_bucket`).
+struct Bucket {
+    units: Vec<usize>,
+    /// Whether its average was started in this backward pass.
+    started: bool,
+    /// The flat buffer (of the reduce dtype) its units' trainable gradients
+    /// are averaged in; after the first sync they view it when it has their
+    /// dtype (PyTorch's `gradient_as_bucket_view`).
+    buffer: Option<Tensor>,
 }
 
 /// The engine: build it with [`Sharded::new`], hand it to the host with
@@ -67,7 +72,11 @@ pub struct Sharded {
     prefetched: BTreeMap<usize, overlap::Prefetch>,
     /// Reduce-scatters in flight, oldest first.
     reducing: VecDeque<overlap::Reducing>,
-    /// All-reduce mode: units' averages in flight, oldest first.
+    /// All-reduce mode: the buckets (made at the first sync), and each
+    /// unit's.
+    buckets: Vec<Bucket>,
+    bucket_of: Vec<usize>,
+    /// All-reduce mode: buckets' averages in flight, oldest first.
     averaging: VecDeque<overlap::Averaging>,
     /// What was started early in this backward (logged at its end).
     counts: overlap::Counts,
@@ -100,6 +109,8 @@ impl Sharded {
             bwd_order: overlap::Order::default(),
             prefetched: BTreeMap::new(),
             reducing: VecDeque::new(),
+            buckets: Vec::new(),
+            bucket_of: Vec::new(),
             averaging: VecDeque::new(),
             counts: overlap::Counts::default(),
             release: false,
@@ -239,8 +250,6 @@ impl Sharded {
                 params: params.clone(),
                 gathered: true,
                 done: false,
-                averaging: false,
-                grad_buffer: None,
             })
             .collect();
         if self.plan.shard_params {

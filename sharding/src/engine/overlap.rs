@@ -71,12 +71,12 @@ pub(super) struct Reducing {
     input: Tensor,
 }
 
-/// All-reduce mode: unit `u`'s gradient buffer being averaged, and the
+/// All-reduce mode: bucket `b`'s gradient buffer being averaged, and the
 /// gradients copied into it (parameter, offset), which view it once it
 /// lands.
 pub(super) struct Averaging {
     pub(super) handle: u64,
-    pub(super) u: usize,
+    pub(super) b: usize,
     pub(super) placed: Vec<(usize, i64)>,
 }
 

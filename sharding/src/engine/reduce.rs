@@ -152,36 +152,96 @@ impl Sharded {
             self.land_averages()?;
             return Err(self.err(message));
         }
-        for u in 0..self.units.len() {
-            if !self.units[u].averaging {
-                self.start_average(u, false)?;
+        self.make_buckets();
+        for b in 0..self.buckets.len() {
+            if !self.buckets[b].started {
+                self.start_average(b, false)?;
             }
         }
         self.land_averages()
     }
 
-    /// Whether every trainable parameter of unit `u` has its gradient.
-    fn has_every_grad(&self, u: usize) -> bool {
-        self.trainable(&self.units[u].params)
-            .iter()
-            .all(|&i| self.params.items[i].1.grad().defined())
+    /// Groups the units into buckets of at most the plan's `reduce_bucket`
+    /// trainable elements, last unit first (each unit alone without a
+    /// cap), once.
+    fn make_buckets(&mut self) {
+        if !self.buckets.is_empty() {
+            return;
+        }
+        self.bucket_of = vec![0; self.units.len()];
+        let mut current: Vec<usize> = Vec::new();
+        let mut size = 0;
+        for u in (0..self.units.len()).rev() {
+            let n: i64 = self
+                .trainable(&self.units[u].params)
+                .iter()
+                .map(|&i| self.numels[i])
+                .sum();
+            let fits = self.plan.reduce_bucket.is_some_and(|cap| size + n <= cap);
+            if !current.is_empty() && !fits {
+                self.close_bucket(std::mem::take(&mut current));
+                size = 0;
+            }
+            current.push(u);
+            size += n;
+        }
+        if !current.is_empty() {
+            self.close_bucket(current);
+        }
     }
 
-    /// All-reduce mode: lays unit `u`'s gradients out in its flat buffer
+    fn close_bucket(&mut self, units: Vec<usize>) {
+        for &u in &units {
+            self.bucket_of[u] = self.buckets.len();
+        }
+        self.buckets.push(super::Bucket {
+            units,
+            started: false,
+            buffer: None,
+        });
+    }
+
+    /// The trainable parameters of bucket `b`, in its buffer's order.
+    pub(super) fn bucket_params(&self, b: usize) -> Vec<usize> {
+        self.buckets[b]
+            .units
+            .iter()
+            .flat_map(|&u| self.trainable(&self.units[u].params))
+            .collect()
+    }
+
+    /// On a synced backward with overlap: starts the average of unit `u`'s
+    /// bucket once every unit of it is done and every trainable parameter
+    /// of it has its gradient.
+    fn average_when_ready(&mut self, u: usize) -> Result<(), PluginError> {
+        self.make_buckets();
+        let b = self.bucket_of[u];
+        let bucket = &self.buckets[b];
+        let ready = !bucket.started
+            && bucket.units.iter().all(|&v| self.units[v].done)
+            && self
+                .bucket_params(b)
+                .iter()
+                .all(|&i| self.params.items[i].1.grad().defined());
+        if ready {
+            self.start_average(b, true)?;
+        }
+        Ok(())
+    }
+
+    /// All-reduce mode: lays bucket `b`'s gradients out in its flat buffer
     /// and averages it: started and left in flight (`background`, until
     /// [`Sharded::land_averages`]), or run here.
-    fn start_average(&mut self, u: usize, background: bool) -> Result<(), PluginError> {
-        self.units[u].averaging = true;
-        let trainable = self.trainable(&self.units[u].params);
+    fn start_average(&mut self, b: usize, background: bool) -> Result<(), PluginError> {
+        self.buckets[b].started = true;
+        let trainable = self.bucket_params(b);
         if trainable.is_empty() {
             return Ok(());
         }
-        let mut buffer = match self.units[u].grad_buffer.take() {
-            Some(b) => b,
-            None => {
-                let total: i64 = trainable.iter().map(|&i| self.numels[i]).sum();
-                Tensor::zeros([total], (self.reduce_kind(), self.compute_device()))
-            }
+        let total: i64 = trainable.iter().map(|&i| self.numels[i]).sum();
+        let mut buffer = match self.buckets[b].buffer.take() {
+            Some(buffer) if buffer.numel() as i64 == total => buffer,
+            _ => Tensor::zeros([total], (self.reduce_kind(), self.compute_device())),
         };
         let mut placed = Vec::new();
         let mut offset = 0;
@@ -206,14 +266,14 @@ impl Sharded {
                 .all_reduce(TensorMut::new(&mut buffer), ReduceOp::Avg)
                 .map(|()| 0)
         };
-        self.units[u].grad_buffer = Some(buffer);
+        self.buckets[b].buffer = Some(buffer);
         let handle = handle.into_result()?;
         self.averaging
-            .push_back(super::overlap::Averaging { handle, u, placed });
+            .push_back(super::overlap::Averaging { handle, b, placed });
         Ok(())
     }
 
-    /// Lands every unit's average in flight, oldest first: the gradients
+    /// Lands every bucket's average in flight, oldest first: the gradients
     /// copied in now view their buffer (when it has their dtype); with a
     /// sharded optimizer the chunks take their part and the whole
     /// gradients are zeroed for the next accumulation — or dropped, when
@@ -222,11 +282,7 @@ impl Sharded {
     pub(super) fn land_averages(&mut self) -> Result<(), PluginError> {
         while let Some(a) = self.averaging.pop_front() {
             self.ctx.wait(a.handle).into_result()?;
-            let Some(buffer) = self.units[a.u]
-                .grad_buffer
-                .as_ref()
-                .map(Tensor::shallow_clone)
-            else {
+            let Some(buffer) = self.buckets[a.b].buffer.as_ref().map(Tensor::shallow_clone) else {
                 continue;
             };
             let views = buffer.kind() == self.compute_kind();
@@ -241,7 +297,7 @@ impl Sharded {
             }
             self.note_peak(0);
             if self.plan.shard_optimizer {
-                let trainable = self.trainable(&self.units[a.u].params);
+                let trainable = self.bucket_params(a.b);
                 let mut offset = 0;
                 for &i in &trainable {
                     let n = self.numels[i];
@@ -272,8 +328,8 @@ impl Sharded {
         self.units[u].done = true;
         if self.plan.shard_grads {
             self.reduce_scatter_unit(u, self.plan.overlap.reduce)?;
-        } else if self.plan.overlap.reduce && self.ctx.sync_gradients() && self.has_every_grad(u) {
-            self.start_average(u, true)?;
+        } else if self.plan.overlap.reduce && self.ctx.sync_gradients() {
+            self.average_when_ready(u)?;
         }
         // Every trainable parameter having its gradient ends the unit's
         // backward only when none is frozen: the gradient of the unit's
@@ -310,8 +366,10 @@ impl Sharded {
         }
         for u in 0..self.units.len() {
             self.units[u].done = false;
-            self.units[u].averaging = false;
             self.reshard(u)?;
+        }
+        for b in &mut self.buckets {
+            b.started = false;
         }
         self.report_overlap();
         Ok(())
