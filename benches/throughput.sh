@@ -22,8 +22,9 @@
 # Usage: bash benches/throughput.sh [OUT_DIR]   (needs scripts/bootstrap.sh)
 #   env: REPEATS=3 LOAD=0|1 GPT2_STEPS=20 MLP_SMALL_STEPS=1500 MLP_BIG_STEPS=100
 #        WORKLOADS="mlp_small mlp_big gpt2" UPDATE_BENCHMARKS=0|1
-#        BENCH_COLUMNS="ddp ddp_no_overlap fsdp zero3 peer single" (also: zero1
-#        zero1_no_overlap: ZeRO-1's per-module all-reduces during backward, on/off)
+#        BENCH_COLUMNS="ddp ddp_no_overlap fsdp zero3 peer single" (also: zero1,
+#        zero1_no_overlap: ZeRO-1 with DeepSpeed's default bucket, overlap on/off;
+#        zero1_modules: a bucket per module, each all-reduced during backward)
 # Writes OUT_DIR/throughput.jsonl (one object per run), OUT_DIR/throughput.md
 # (the table, also printed) and, with UPDATE_BENCHMARKS=1, the block between
 # the throughput markers of BENCHMARKS.md (`throughput` or `throughput-load`).
@@ -71,6 +72,10 @@ deepspeed_config:
 config zero1 "distributed_type: DEEPSPEED
 deepspeed_config:
   zero_stage: 1"
+echo '{"zero_optimization": {"stage": 1, "reduce_bucket_size": 1}}' >"$out/zero1_modules.json"
+config zero1_modules "distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: $out/zero1_modules.json"
 config zero1_no_overlap "distributed_type: DEEPSPEED
 deepspeed_config:
   zero_stage: 1
@@ -161,7 +166,8 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 load = sys.argv[2] == "1"
 names = {"ddp": "accel DDP", "ddp_no_overlap": "accel DDP, no overlap",
          "fsdp": "accel FSDP FULL_SHARD", "zero3": "accel ZeRO-3", "zero1": "accel ZeRO-1",
-         "zero1_no_overlap": "accel ZeRO-1, no overlap", "peer": "Python Accelerate DDP",
+         "zero1_no_overlap": "accel ZeRO-1, no overlap",
+         "zero1_modules": "accel ZeRO-1, a bucket per module", "peer": "Python Accelerate DDP",
          "single": "one process, global batch"}
 # Only the columns this run measured.
 names = {c: n for c, n in names.items() if any(r["column"] == c for r in rows)}
@@ -182,7 +188,7 @@ for w in work:
         if v is None:
             return "-"
         ratios = [f"{v / peer:.2f}×"] if peer and c != "peer" else []
-        if c in ("fsdp", "zero3", "zero1", "zero1_no_overlap") and ddp:
+        if c.startswith(("fsdp", "zero")) and ddp:
             ratios.append(f"{v / ddp:.2f}× DDP")
         if c == "ddp" and single:
             ratios.append(f"{v / single:.0%} of one process")
