@@ -263,26 +263,16 @@ fn a_rank_stopped_during_training_with_overlap_fails_the_job_within_the_collecti
 #[test]
 fn a_sharded_rank_stopped_with_reductions_in_flight_fails_the_job_within_the_collective_timeout() {
     let dir = tempfile::tempdir().unwrap();
-    let zero1_file = dir.path().join("ds.json");
-    std::fs::write(
-        &zero1_file,
+    let by_layer = "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
+                    fsdp_transformer_layer_cls_to_wrap: layers\n";
+    let fsdp = write_config(dir.path(), "fsdp.yaml", "FSDP", 2, by_layer);
+    // A 1-element bucket: each module's all-reduce starts on its own.
+    let zero1 = write_deepspeed_config(
+        dir.path(),
+        "zero1",
         r#"{"zero_optimization": {"stage": 1, "reduce_bucket_size": 1}}"#,
-    )
-    .unwrap();
-    for (name, distributed_type, section) in [
-        (
-            "fsdp.yaml",
-            "FSDP",
-            "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
-             fsdp_transformer_layer_cls_to_wrap: layers\n",
-        ),
-        (
-            "zero1.yaml",
-            "DEEPSPEED",
-            "deepspeed_config:\n  zero_stage: 1\n",
-        ),
-    ] {
-        let config = write_config(dir.path(), name, distributed_type, 2, section);
+    );
+    for config in [fsdp, zero1] {
         stopped_rank_fails_the_job_within_the_timeout(&["--config_file", config.to_str().unwrap()]);
     }
 }

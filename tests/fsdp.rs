@@ -219,8 +219,7 @@ fn a_sharded_checkpoint_on_4_ranks_resumes_exactly_and_only_there() {
         project: &proj,
         straight: &straight_w,
         resumed: &p("resumed.safetensors"),
-        first: &["--loss-log", &first_log],
-        second: &["--loss-log", &second_log],
+        loss_logs: Some((&first_log, &second_log)),
         what: "SHARDED on 4 ranks",
     }
     .run(

@@ -259,8 +259,7 @@ fn checkpoints_hold_the_fp32_masters_and_resume_exactly() {
         project: &p("proj"),
         straight: &w,
         resumed: &p("resumed.safetensors"),
-        first: &["--loss-log", &first],
-        second: &["--loss-log", &second],
+        loss_logs: Some((&first, &second)),
         what: "bf16 under FSDP",
     }
     .run(
@@ -321,16 +320,16 @@ fn zero_fp16_trains_with_loss_scaling_on_two_ranks() {
         &adamw_args(
             "20",
             &[
+                "--save",
+                w.to_str().unwrap(),
+                "--loss-log",
+                log.to_str().unwrap(),
                 "--hidden",
                 "24",
                 "--layers",
                 "2",
                 "--max-grad-norm",
                 "1",
-                "--loss-log",
-                log.to_str().unwrap(),
-                "--save",
-                w.to_str().unwrap(),
                 "--print-memory",
             ],
         ),

@@ -76,11 +76,12 @@ impl HostContext for ThreadRank {
     fn world_size(&self) -> u32 {
         self.world
     }
+    // Every rank is a thread of this one process.
     fn local_rank(&self) -> u32 {
-        self.rank
+        self.rank()
     }
     fn local_world_size(&self) -> u32 {
-        self.world
+        self.world_size()
     }
     fn device(&self) -> DeviceSpec {
         DeviceSpec::CPU

@@ -5,7 +5,8 @@
 
 use accel_integration_tests::{
     adamw_mlp_args, assert_weights_close, describe, launch_mlp, launch_with_config, log_values,
-    max_abs_diff, memory_lines, read_weights, refused, run_ok, write_config, StopResume,
+    max_abs_diff, memory_lines, read_weights, refused, run_ok, write_config,
+    write_deepspeed_config, StopResume,
 };
 use serde_json::Value;
 use std::{
@@ -224,18 +225,8 @@ fn nvme_offload_param_offload_below_stage_3_and_conflicts_are_refused_by_name() 
 #[test]
 fn a_deepspeed_file_picks_the_stage() {
     let dir = tempfile::tempdir().unwrap();
-    let ds = dir.path().join("ds.json");
-    std::fs::write(
-        &ds,
-        r#"{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}"#,
-    )
-    .unwrap();
-    let config = zero_config(
-        dir.path(),
-        "file.yaml",
-        2,
-        &format!("  deepspeed_config_file: {}\n", ds.display()),
-    );
+    let json = r#"{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}"#;
+    let config = write_deepspeed_config(dir.path(), "file", json);
     let out = zero_mlp(&config, &with(&["--print-memory"]));
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("strategy zero (accel-zero)"),
@@ -270,8 +261,7 @@ fn a_sharded_zero_checkpoint_resumes_exactly() {
             project: &p(&format!("proj{stage}")),
             straight: &straight,
             resumed: &p(&format!("resumed{stage}.safetensors")),
-            first: &[],
-            second: &[],
+            loss_logs: None,
             what: &format!("stage {stage}"),
         }
         .run(run, |ckpt| {

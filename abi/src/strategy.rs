@@ -173,9 +173,9 @@ pub trait DistributedStrategy: Send {
     fn gather_optimizer_state(
         &mut self,
         _param: RStr<'_>,
-        state: TensorRef<'_>,
+        t: TensorRef<'_>,
     ) -> PluginResult<OwnedTensor> {
-        unchanged_copy(state)
+        unchanged_copy(t)
     }
 
     /// The inverse of [`DistributedStrategy::gather_optimizer_state`]: this
@@ -184,9 +184,9 @@ pub trait DistributedStrategy: Send {
     fn shard_optimizer_state(
         &mut self,
         _param: RStr<'_>,
-        state: TensorRef<'_>,
+        t: TensorRef<'_>,
     ) -> PluginResult<OwnedTensor> {
-        unchanged_copy(state)
+        unchanged_copy(t)
     }
 
     /// What this rank holds now.

@@ -271,6 +271,11 @@ const fn k(name: &'static str, kind: Kind, doc: &'static str) -> KeySpec {
 const fn kept(name: &'static str, kind: Kind, doc: &'static str) -> KeySpec {
     k(name, kind, doc).by(Owner::Kept)
 }
+/// Another tool's settings section (`tp_config`, `ipex_config`, ...),
+/// accepted and kept as it is, in the cluster scope.
+const fn kept_section(name: &'static str, keys: &'static [KeySpec], doc: &'static str) -> KeySpec {
+    kept(name, Kind::Section(keys), doc).scoped(CLUSTER)
+}
 /// A `deepspeed_config` key: the ZeRO plugin's, with an `accel launch` flag.
 const fn zero(name: &'static str, kind: Kind, doc: &'static str) -> KeySpec {
     k(name, kind, doc).by(ZERO).flag()
@@ -716,7 +721,7 @@ pub const TOP_LEVEL_KEYS: &[KeySpec] = &[
     )
     .scoped(CLUSTER)
     .or(Builtin::Str("main")),
-    kept("fp8_config", Kind::Section(FP8_KEYS), "fp8 settings").scoped(CLUSTER),
+    kept_section("fp8_config", FP8_KEYS, "fp8 settings"),
     k(
         "deepspeed_config",
         Kind::Section(DEEPSPEED_KEYS),
@@ -727,31 +732,16 @@ pub const TOP_LEVEL_KEYS: &[KeySpec] = &[
     k("fsdp_config", Kind::Section(FSDP_KEYS), "FSDP settings")
         .scoped(CLUSTER)
         .by(FSDP),
-    kept("tp_config", Kind::Section(TP_KEYS), "tensor parallelism").scoped(CLUSTER),
-    kept(
-        "megatron_lm_config",
-        Kind::Section(MEGATRON_KEYS),
-        "Megatron-LM settings",
-    )
-    .scoped(CLUSTER),
-    kept(
-        "ipex_config",
-        Kind::Section(IPEX_KEYS),
-        "Intel extension settings",
-    )
-    .scoped(CLUSTER),
+    kept_section("tp_config", TP_KEYS, "tensor parallelism"),
+    kept_section("megatron_lm_config", MEGATRON_KEYS, "Megatron-LM settings"),
+    kept_section("ipex_config", IPEX_KEYS, "Intel extension settings"),
     k(
         "mpirun_config",
         Kind::Section(MPIRUN_KEYS),
         "the mpi launcher's settings",
     )
     .scoped(CLUSTER),
-    kept(
-        "parallelism_config",
-        Kind::Section(PARALLELISM_KEYS),
-        "N-D parallelism",
-    )
-    .scoped(CLUSTER),
+    kept_section("parallelism_config", PARALLELISM_KEYS, "N-D parallelism"),
     k(
         "downcast_bf16",
         Kind::YesNo,

@@ -83,13 +83,11 @@ pub fn batch_sampler_shard(
     }
 }
 
+/// Each rank's batches, in order: lists of sample indices.
+type Batches = Vec<Vec<usize>>;
+
 /// `BatchSamplerShard._iter_with_split`.
-fn split(
-    batches: &[Vec<usize>],
-    batch_size: usize,
-    drop_last: bool,
-    s: Sharding,
-) -> Vec<Vec<usize>> {
+fn split(batches: &[Vec<usize>], batch_size: usize, drop_last: bool, s: Sharding) -> Batches {
     let len = batch_size / s.num_processes;
     let part = |b: &[usize]| -> Vec<usize> {
         let start = (len * s.process_index).min(b.len());
@@ -123,12 +121,7 @@ fn split(
 }
 
 /// `BatchSamplerShard._iter_with_no_split`.
-fn deal(
-    batches: &[Vec<usize>],
-    batch_size: usize,
-    drop_last: bool,
-    s: Sharding,
-) -> Vec<Vec<usize>> {
+fn deal(batches: &[Vec<usize>], batch_size: usize, drop_last: bool, s: Sharding) -> Batches {
     let n = s.num_processes;
     let mut out = Vec::new();
     let mut initial: Vec<usize> = Vec::new();

@@ -16,11 +16,19 @@ use std::{
     time::Duration,
 };
 
-const VALIDATE: u8 = 0;
-const SET: u8 = 1;
-const GET: u8 = 3;
-const WAIT: u8 = 6;
+/// TCPStore's `QueryType`s this client sends (the first byte of a request).
+#[repr(u8)]
+#[derive(Clone, Copy)]
+enum Query {
+    Validate = 0,
+    Set = 1,
+    Get = 3,
+    Wait = 6,
+}
+
+/// The number a `VALIDATE` request carries.
 const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
+/// TCPStore's `WaitResponseType::STOP_WAITING`.
 const STOP_WAITING: u8 = 0;
 /// TCPStore's `keyPrefix_`.
 const KEY_PREFIX: &str = "/";
@@ -46,7 +54,7 @@ impl TorchStoreClient {
             addr: addr.to_owned(),
             stream,
         };
-        let mut buf = vec![VALIDATE];
+        let mut buf = vec![Query::Validate as u8];
         buf.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
         client.send(&buf)?;
         Ok(client)
@@ -65,7 +73,7 @@ impl TorchStoreClient {
 
     /// Sets `key` to `value`.
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        let mut buf = vec![SET];
+        let mut buf = vec![Query::Set as u8];
         put_bytes(&mut buf, format!("{KEY_PREFIX}{key}").as_bytes());
         put_bytes(&mut buf, value);
         self.send(&buf)
@@ -74,7 +82,7 @@ impl TorchStoreClient {
     /// The value of `key`, waiting up to `timeout` for it to be set.
     pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
         let full = format!("{KEY_PREFIX}{key}");
-        let mut buf = vec![WAIT];
+        let mut buf = vec![Query::Wait as u8];
         buf.extend_from_slice(&1u64.to_le_bytes());
         put_bytes(&mut buf, full.as_bytes());
         self.send(&buf)?;
@@ -100,7 +108,7 @@ impl TorchStoreClient {
             }
             Err(e) => return Err(self.io(e)),
         }
-        let mut buf = vec![GET];
+        let mut buf = vec![Query::Get as u8];
         put_bytes(&mut buf, full.as_bytes());
         self.send(&buf)?;
         let mut len = [0u8; 8];

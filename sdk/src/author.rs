@@ -105,24 +105,14 @@ pub trait Strategy: Send + 'static {
 
     /// One optimizer state tensor of optimizer tensor `param`, whole, for a
     /// FULL checkpoint. Default: an unchanged copy.
-    fn gather_optimizer_state(
-        &mut self,
-        param: &str,
-        state: &Tensor,
-    ) -> Result<Tensor, PluginError> {
-        let _ = param;
-        Ok(state.copy())
+    fn gather_optimizer_state(&mut self, _param: &str, t: &Tensor) -> Result<Tensor, PluginError> {
+        Ok(t.copy())
     }
 
     /// This rank's part of a whole optimizer state tensor. Default: an
     /// unchanged copy.
-    fn shard_optimizer_state(
-        &mut self,
-        param: &str,
-        state: &Tensor,
-    ) -> Result<Tensor, PluginError> {
-        let _ = param;
-        Ok(state.copy())
+    fn shard_optimizer_state(&mut self, _param: &str, t: &Tensor) -> Result<Tensor, PluginError> {
+        Ok(t.copy())
     }
 
     /// What this rank holds now.
@@ -198,17 +188,17 @@ impl<S: Strategy> DistributedStrategy for Authored<S> {
     }
     fn gather_optimizer_state(
         &mut self,
-        param: RStr<'_>,
-        state: TensorRef<'_>,
+        p: RStr<'_>,
+        t: TensorRef<'_>,
     ) -> PluginResult<OwnedTensor> {
-        owned(self.0.gather_optimizer_state(param.as_str(), &state.get()))
+        owned(self.0.gather_optimizer_state(p.as_str(), &t.get()))
     }
     fn shard_optimizer_state(
         &mut self,
-        param: RStr<'_>,
-        state: TensorRef<'_>,
+        p: RStr<'_>,
+        t: TensorRef<'_>,
     ) -> PluginResult<OwnedTensor> {
-        owned(self.0.shard_optimizer_state(param.as_str(), &state.get()))
+        owned(self.0.shard_optimizer_state(p.as_str(), &t.get()))
     }
     fn memory_stats(&self) -> PluginResult<MemoryStats> {
         self.0.memory_stats().into()

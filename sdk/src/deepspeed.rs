@@ -290,8 +290,8 @@ impl OptimizerSection {
             )));
         }
         Ok(Self {
-            type_name: type_name.to_owned(),
             algorithm,
+            type_name: type_name.to_owned(),
             lr: num("lr")?,
             weight_decay: num("weight_decay")?,
             betas,
@@ -569,8 +569,9 @@ mod tests {
         for step in 1..=4u64 {
             assert!((s.lr(123.0, step) - ds((step - 1) as f64)).abs() < 1e-12);
         }
-        assert_eq!(s.lr(123.0, 5), 1.0);
-        assert_eq!(s.lr(123.0, 50), 1.0);
+        for step in [5, 50] {
+            assert_eq!(s.lr(123.0, step), 1.0, "step {step}");
+        }
         // WarmupDecayLR decays linearly back to the minimum at the total.
         let d = Schedule::DeepSpeedWarmup {
             min_lr: 0.0,
@@ -579,10 +580,9 @@ mod tests {
             log: false,
             decay_total: Some(8),
         };
-        assert_eq!(d.lr(1.0, 3), 0.5);
-        assert_eq!(d.lr(1.0, 7), 0.5);
-        assert_eq!(d.lr(1.0, 9), 0.0);
-        assert_eq!(d.lr(1.0, 20), 0.0);
+        for (step, rate) in [(3, 0.5), (7, 0.5), (9, 0.0), (20, 0.0)] {
+            assert_eq!(d.lr(1.0, step), rate, "step {step}");
+        }
         let c = Schedule::DeepSpeedWarmupCosine {
             warmup_min_ratio: 0.0,
             warmup: 2,

@@ -37,7 +37,7 @@
 //!
 //! # Mixed precision
 //!
-//! With [`Plan::param_dtype`] (FSDP's `MixedPrecision.param_dtype`,
+//! With [`Dtypes::param`] (FSDP's `MixedPrecision.param_dtype`,
 //! DeepSpeed's bf16/fp16 model weights) the chunks stay in the program's
 //! dtype — the fp32 masters the optimizer steps on, with its state — and
 //! the model's parameters become tensors of the compute dtype (cast once in
@@ -45,7 +45,7 @@
 //! objects). A gathered unit is all-gathered from chunks cast to the compute
 //! dtype (half the traffic of fp32), so the forward and backward run on a
 //! half-precision copy and the gradients arrive in it. Gradients are
-//! reduce-scattered or all-reduced in [`Plan::reduce_dtype`] (default: the
+//! reduce-scattered or all-reduced in [`Dtypes::reduce`] (default: the
 //! compute dtype) and added to the fp32 chunk gradients, which the host's
 //! precision policy unscales (fp16) and the optimizer steps on; a step
 //! all-gathers the updated masters into the kept parameters (ZeRO-1/2) in
@@ -72,5 +72,5 @@ pub use config_keys::{check_keys, report_warnings, validate_parsed};
 pub use engine::Sharded;
 pub use plan::{
     dtype_name, machine_memory, memory_may_be_the_limit, precision_dtype, refuse_unsupported,
-    BackwardPrefetch, EngineSettings, Overlap, Plan, WrapPolicy, ESTIMATED_STATE_SLOTS,
+    BackwardPrefetch, Dtypes, EngineSettings, Overlap, Plan, WrapPolicy, ESTIMATED_STATE_SLOTS,
 };

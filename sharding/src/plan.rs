@@ -53,14 +53,9 @@ pub struct Plan {
     /// What the plugin's config decides over the program's choice
     /// (DeepSpeed's `gradient_accumulation_steps`, `fp16`/`bf16`).
     pub overrides: RunOverrides,
-    /// The dtype the model computes with: the whole parameters (and so
-    /// their gradients) are a copy of the chunks in it. `None`: the
-    /// program's own dtype (no copy). Needs `shard_optimizer`.
-    pub param_dtype: Option<Kind>,
-    /// The dtype gradients are reduced in before they are added to the
-    /// chunks' gradients. `None`: the parameters' dtype (`param_dtype`, else
-    /// the program's). Needs `shard_optimizer`.
-    pub reduce_dtype: Option<Kind>,
+    /// The dtypes the model computes and its gradients are reduced in.
+    /// Other than the program's, they need `shard_optimizer`.
+    pub dtypes: Dtypes,
     /// Hand freed host memory back to the system during each step (on the
     /// CPU; see `EngineSettings::release_freed_memory`). `None`: decided
     /// when the model is prepared, by [`memory_may_be_the_limit`].
@@ -74,6 +69,21 @@ pub struct Plan {
     /// backward is done (DeepSpeed's `reduce_bucket_size`). `None`: a
     /// bucket per unit (FSDP's NO_SHARD).
     pub reduce_bucket: Option<i64>,
+}
+
+/// The dtypes the engine computes and reduces in, apart from the fp32
+/// master chunks the optimizer steps on (FSDP's `MixedPrecision` policy,
+/// DeepSpeed's `bf16`/`fp16` model with `communication_data_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Dtypes {
+    /// The dtype the model computes with (`param_dtype`): the whole
+    /// parameters (and so their gradients) are a copy of the chunks in it.
+    /// `None`: the program's own dtype (no copy).
+    pub param: Option<Kind>,
+    /// The dtype gradients are reduced in before they are added to the
+    /// chunks' gradients (`reduce_dtype`). `None`: the parameters' dtype
+    /// (`param`, else the program's).
+    pub reduce: Option<Kind>,
 }
 
 /// When, in backward, the next unit's parameters are gathered ahead of its
@@ -281,8 +291,7 @@ impl Plan {
             gradient_clipping: 0.0,
             state_dict_kind: StateDictKind::Sharded,
             overrides: RunOverrides::default(),
-            param_dtype: None,
-            reduce_dtype: None,
+            dtypes: Dtypes::default(),
             release_freed_memory: Some(true),
             overlap: Overlap::NONE,
             reduce_bucket: None,

@@ -614,24 +614,26 @@ pub struct StopResume<'a> {
     pub straight: &'a str,
     /// Where the resumed run saves its weights.
     pub resumed: &'a str,
-    /// Extra flags of the first half.
-    pub first: &'a [&'a str],
-    /// Extra flags of the second half.
-    pub second: &'a [&'a str],
+    /// The loss logs (`--loss-log`) of the first and second half, if any.
+    pub loss_logs: Option<(&'a str, &'a str)>,
     /// What is run, for assertion messages.
     pub what: &'a str,
 }
 
-impl StopResume<'_> {
+impl<'a> StopResume<'a> {
     /// Runs both halves with `train` (given the flags), calling `between`
     /// with the checkpoint directory after the first.
     pub fn run(&self, train: impl Fn(&[&str]) -> Output, between: impl FnOnce(&Path)) {
         let stop = ["--stop-at", "4", "--checkpoint-every", "4"];
         let project = ["--project-dir", self.project];
-        train(&[&stop[..], &project, self.first].concat());
+        let log = |half: fn((&'a str, &'a str)) -> &'a str| match self.loss_logs {
+            Some(logs) => vec!["--loss-log", half(logs)],
+            None => vec![],
+        };
+        train(&[&stop[..], &project, &log(|l| l.0)].concat());
         between(&Path::new(self.project).join("checkpoints/checkpoint_0"));
         let resume = ["--resume", "--save", self.resumed];
-        let out = train(&[&resume[..], &project, self.second].concat());
+        let out = train(&[&resume[..], &project, &log(|l| l.1)].concat());
         assert!(
             String::from_utf8_lossy(&out.stdout).contains("at step 4"),
             "{}: {}",

@@ -360,6 +360,11 @@ impl Accelerator {
         }
     }
 
+    /// [`Accelerator::trained_model`] as a [`ModelId`].
+    fn trained_id(&self, alternative: &str) -> Result<ModelId, AccelError> {
+        self.trained_model(alternative).map(ModelId)
+    }
+
     /// The model an optimizer or clipping call without a model means: the
     /// only one, or the only one with trainable parameters.
     pub(super) fn trained_model(&self, alternative: &str) -> Result<usize, AccelError> {
@@ -441,7 +446,7 @@ impl Accelerator {
         config: OptimizerConfig,
         hyper_for: impl Fn(&str, Hyper) -> Hyper,
     ) -> Result<Optimizer, AccelError> {
-        let model = ModelId(self.trained_model("prepare_optimizer_for")?);
+        let model = self.trained_id("prepare_optimizer_for")?;
         self.prepare_optimizer_with_for(model, config, hyper_for)
     }
 
@@ -749,8 +754,7 @@ impl Accelerator {
     /// parameters; name the model with [`Accelerator::clip_grad_norm_of`]
     /// otherwise.
     pub fn clip_grad_norm(&mut self, max_norm: f64, norm_type: f64) -> Result<f64, AccelError> {
-        let model = ModelId(self.trained_model("clip_grad_norm_of")?);
-        self.clip_grad_norm_of(model, max_norm, norm_type)
+        self.clip_grad_norm_of(self.trained_id("clip_grad_norm_of")?, max_norm, norm_type)
     }
 
     /// [`Accelerator::clip_grad_norm`] of `model`'s gradients (Accelerate's
@@ -774,8 +778,7 @@ impl Accelerator {
     /// several models, as [`Accelerator::clip_grad_norm`]
     /// ([`Accelerator::clip_grad_value_of`] names the model).
     pub fn clip_grad_value(&mut self, clip_value: f64) -> Result<(), AccelError> {
-        let model = ModelId(self.trained_model("clip_grad_value_of")?);
-        self.clip_grad_value_of(model, clip_value)
+        self.clip_grad_value_of(self.trained_id("clip_grad_value_of")?, clip_value)
     }
 
     /// [`Accelerator::clip_grad_value`] of `model`'s gradients.

@@ -2,7 +2,7 @@
 //! and no step is skipped.
 
 use accel_sdk::{
-    abi_stable::std_types::{ROk, RSliceMut, RStr, RString},
+    abi_stable::std_types::{ROk, RSliceMut},
     tensor::{OwnedTensor, TensorMut, TensorRef},
     Component, HostContextBox, PluginError, PluginResult, PrecisionBox, PrecisionPolicy,
 };
@@ -18,28 +18,10 @@ inventory::submit! {
 }
 
 impl PrecisionPolicy for FullPrecision {
-    fn forward_begin(&mut self) -> PluginResult<()> {
-        ROk(())
-    }
-    fn forward_end(&mut self) -> PluginResult<()> {
-        ROk(())
-    }
     fn scale_loss(&mut self, loss: TensorRef<'_>) -> PluginResult<OwnedTensor> {
         ROk(OwnedTensor::new(loss.get().shallow_clone()))
     }
     fn unscale_grads(&mut self, _grads: RSliceMut<'_, TensorMut<'_>>) -> PluginResult<bool> {
         ROk(false)
-    }
-    fn update(&mut self, _found_inf: bool) -> PluginResult<()> {
-        ROk(())
-    }
-    fn loss_scale(&self) -> PluginResult<f64> {
-        ROk(1.0)
-    }
-    fn state_json(&self) -> PluginResult<RString> {
-        ROk("{}".into())
-    }
-    fn load_state_json(&mut self, _state: RStr<'_>) -> PluginResult<()> {
-        ROk(())
     }
 }

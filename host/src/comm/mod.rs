@@ -152,16 +152,36 @@ impl Collective {
     }
 }
 
+/// Who a communicator is: its short name (`single`, `mpi`, `nccl`), this
+/// rank, and the number of ranks in the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Group {
+    /// Short name.
+    pub name: &'static str,
+    /// This rank.
+    pub rank: u32,
+    /// Ranks in the job.
+    pub size: u32,
+}
+
 /// Collectives over the ranks of a job. A communicator runs (and may start)
 /// a [`Collective`]; the named calls below are made of those two and are
 /// the same for every communicator.
 pub trait Communicator: Send + Sync {
+    /// Its name, this rank and the ranks in the job.
+    fn group(&self) -> Group;
     /// Short name (`single`, `mpi`, `nccl`).
-    fn name(&self) -> &'static str;
+    fn name(&self) -> &'static str {
+        self.group().name
+    }
     /// This rank.
-    fn rank(&self) -> u32;
+    fn rank(&self) -> u32 {
+        self.group().rank
+    }
     /// Ranks in the job.
-    fn world_size(&self) -> u32;
+    fn world_size(&self) -> u32 {
+        self.group().size
+    }
     /// Runs `collective` from `input` into `output` (shallow clones share
     /// the storage the result is written to) and waits for it.
     fn run(&self, collective: Collective, input: &Tensor, output: &Tensor)
@@ -173,13 +193,8 @@ pub trait Communicator: Send + Sync {
     /// tensors until then, and nothing may touch them. Handles are never 0.
     /// By default the whole collective runs here and the handle is 0:
     /// nothing is left in flight.
-    fn start(
-        &self,
-        collective: Collective,
-        input: &Tensor,
-        output: &Tensor,
-    ) -> Result<u64, CommError> {
-        self.run(collective, input, output)?;
+    fn start(&self, op: Collective, input: &Tensor, output: &Tensor) -> Result<u64, CommError> {
+        self.run(op, input, output)?;
         Ok(0)
     }
     /// Waits (at most the collective timeout) for the collective `handle`
@@ -260,22 +275,15 @@ pub(crate) fn write_back(t: &mut Tensor, work: &Tensor) {
 pub struct SingleProcess;
 
 impl Communicator for SingleProcess {
-    fn name(&self) -> &'static str {
-        "single"
+    fn group(&self) -> Group {
+        Group {
+            name: "single",
+            rank: 0,
+            size: 1,
+        }
     }
-    fn rank(&self) -> u32 {
-        0
-    }
-    fn world_size(&self) -> u32 {
-        1
-    }
-    fn run(
-        &self,
-        collective: Collective,
-        input: &Tensor,
-        output: &Tensor,
-    ) -> Result<(), CommError> {
-        collective.check(input, output, 1)?;
+    fn run(&self, op: Collective, input: &Tensor, output: &Tensor) -> Result<(), CommError> {
+        op.check(input, output, 1)?;
         // All-reduce and broadcast: in place, nothing to do; all-gather and
         // reduce-scatter: the output is the input.
         write_back(&mut output.shallow_clone(), input);

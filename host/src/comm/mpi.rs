@@ -60,7 +60,7 @@
 //! glibc's `on_exit(3)`; on other C libraries only `atexit` exists, the
 //! status is unknown and the handler always finalises.
 
-use super::{pause, seconds, write_back, Collective, CommError, Communicator};
+use super::{pause, seconds, write_back, Collective, CommError, Communicator, Group};
 use accel_rendezvous::Client;
 use accel_sdk::ReduceOp;
 use mpi::{
@@ -93,8 +93,8 @@ pub struct Mpi {
     in_flight: Mutex<BTreeMap<u64, InFlight>>,
     /// Wakes the progress thread when a collective is started.
     progress: Condvar,
-    rank: u32,
-    size: u32,
+    /// `mpi`, this rank and the ranks of `MPI_COMM_WORLD`.
+    group: Group,
     /// How long a collective may wait.
     timeout: Duration,
     /// Collectives this rank has started; every rank starts the same ones in
@@ -376,8 +376,11 @@ impl Mpi {
             let _ = REPORT_TO.set((addr.clone(), attempt.clone()));
         }
         Ok(Mpi {
-            rank: world.rank() as u32,
-            size: world.size() as u32,
+            group: Group {
+                name: "mpi",
+                rank: world.rank() as u32,
+                size: world.size() as u32,
+            },
             world: Mutex::new(world),
             scratch: Mutex::new(Vec::new()),
             in_flight: Mutex::new(BTreeMap::new()),
@@ -454,7 +457,7 @@ impl Mpi {
                 self.arrivals
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .post(self.rank, count);
+                    .post(self.group.rank, count);
                 noted = true;
             }
             pause(waited, self.timeout);
@@ -516,7 +519,7 @@ impl Mpi {
     /// Writes a completed collective's result where it belongs (averaged
     /// for `Avg`) and keeps its receive buffer for the next one.
     fn finish(&self, landing: Landing) {
-        let size = i64::from(self.size);
+        let size = i64::from(self.group.size);
         let Landing {
             collective,
             mut output,
@@ -570,11 +573,11 @@ impl Mpi {
     fn timed_out(&self, op: &str, count: u64, noted: bool) -> (String, String) {
         let mut arrivals = self.arrivals.lock().unwrap_or_else(|p| p.into_inner());
         if !noted {
-            arrivals.post(self.rank, count);
+            arrivals.post(self.group.rank, count);
         }
         let missing = arrivals
-            .missing(self.rank, self.size, count)
-            .or_else(|| (self.size == 2).then(|| vec![1 - self.rank]));
+            .missing(self.group.rank, self.group.size, count)
+            .or_else(|| (self.group.size == 2).then(|| vec![1 - self.group.rank]));
         let who = match &missing {
             Some(m) if m.is_empty() => "every rank arrived, yet it did not complete".to_owned(),
             Some(m) => format!("{} did not arrive", rank_list(m)),
@@ -582,7 +585,7 @@ impl Mpi {
         };
         let message = format!(
             "rank {} waited {} (the collective timeout) and {who} (collective #{count} of this rank): a rank that is stopped, hung, dead or still busy elsewhere; this rank fails so that the job ends. Set the timeout with `accel launch --collective_timeout SECONDS` or `accel.collective_timeout` in the config (default 1800)",
-            self.rank,
+            self.group.rank,
             seconds(self.timeout),
         );
         let summary = match missing {
@@ -704,7 +707,7 @@ impl Mpi {
         output: &Tensor,
     ) -> Result<u64, CommError> {
         let name = collective.name();
-        collective.check(input, output, self.size)?;
+        collective.check(input, output, self.group.size)?;
         let send = work_buffer(name, input)?;
         let count = self.number(name)?;
         let n = output.numel() as i64;
@@ -738,33 +741,17 @@ impl Mpi {
 }
 
 impl Communicator for Mpi {
-    fn name(&self) -> &'static str {
-        "mpi"
-    }
-    fn rank(&self) -> u32 {
-        self.rank
-    }
-    fn world_size(&self) -> u32 {
-        self.size
+    fn group(&self) -> Group {
+        self.group
     }
 
-    fn run(
-        &self,
-        collective: Collective,
-        input: &Tensor,
-        output: &Tensor,
-    ) -> Result<(), CommError> {
-        let handle = self.start_collective(collective, input, output)?;
+    fn run(&self, op: Collective, input: &Tensor, output: &Tensor) -> Result<(), CommError> {
+        let handle = self.start_collective(op, input, output)?;
         self.wait(handle)
     }
 
-    fn start(
-        &self,
-        collective: Collective,
-        input: &Tensor,
-        output: &Tensor,
-    ) -> Result<u64, CommError> {
-        self.start_collective(collective, input, output)
+    fn start(&self, op: Collective, input: &Tensor, output: &Tensor) -> Result<u64, CommError> {
+        self.start_collective(op, input, output)
     }
 
     fn wait(&self, handle: u64) -> Result<(), CommError> {

@@ -18,7 +18,7 @@
 //! [`Communicator::wait`] polls the event recorded after it, with the
 //! deadline of every collective. Not run on a GPU in accel's test suite.
 
-use super::{pause, seconds, write_back, Collective, CommError, Communicator};
+use super::{pause, seconds, write_back, Collective, CommError, Communicator, Group};
 use crate::launch::detect::IdStore;
 use accel_rendezvous::{torch::TorchStoreClient, Client, Server, StoreError};
 use accel_sdk::ReduceOp;
@@ -408,39 +408,27 @@ impl Nccl {
 }
 
 impl Communicator for Nccl {
-    fn name(&self) -> &'static str {
-        "nccl"
-    }
-    fn rank(&self) -> u32 {
-        self.rank
-    }
-    fn world_size(&self) -> u32 {
-        self.size
+    fn group(&self) -> Group {
+        Group {
+            name: "nccl",
+            rank: self.rank,
+            size: self.size,
+        }
     }
 
-    fn run(
-        &self,
-        collective: Collective,
-        input: &Tensor,
-        output: &Tensor,
-    ) -> Result<(), CommError> {
-        collective.check(input, output, self.size)?;
-        let (send, recv) = cuda_buffers(collective, input, output)?;
-        self.enqueue(collective, &send, &recv, std::ptr::null_mut())?;
-        self.wait_default_stream(collective.name())?;
+    fn run(&self, op: Collective, input: &Tensor, output: &Tensor) -> Result<(), CommError> {
+        op.check(input, output, self.size)?;
+        let (send, recv) = cuda_buffers(op, input, output)?;
+        self.enqueue(op, &send, &recv, std::ptr::null_mut())?;
+        self.wait_default_stream(op.name())?;
         write_back(&mut output.shallow_clone(), &recv);
         Ok(())
     }
 
-    fn start(
-        &self,
-        collective: Collective,
-        input: &Tensor,
-        output: &Tensor,
-    ) -> Result<u64, CommError> {
-        collective.check(input, output, self.size)?;
-        let (send, recv) = cuda_buffers(collective, input, output)?;
-        self.start_on_side_stream(collective, send, recv, output)
+    fn start(&self, op: Collective, input: &Tensor, output: &Tensor) -> Result<u64, CommError> {
+        op.check(input, output, self.size)?;
+        let (send, recv) = cuda_buffers(op, input, output)?;
+        self.start_on_side_stream(op, send, recv, output)
     }
 
     fn wait(&self, handle: u64) -> Result<(), CommError> {

@@ -6,14 +6,13 @@
 
 use super::{
     local::{host_store, plans, supervise_starter},
-    options::{from_spec, LaunchOptions},
+    options::{from_spec, launch_with, LaunchOptions},
     supervisor::RankProcess,
 };
 use accel_rendezvous::{Client, Server};
-use accel_sdk::{
-    abi_stable::std_types::{RResult, RVec, Tuple2},
-    ErrorKind, LaunchOutcome, LaunchSpec, Launcher, PluginError, PluginResult, ProcessPlan,
-};
+use accel_sdk::abi_stable::std_types::{RVec, Tuple2};
+use accel_sdk::{ErrorKind, LaunchOutcome, LaunchSpec};
+use accel_sdk::{Launcher, PluginError, PluginResult, ProcessPlan};
 use std::{process::Command, time::Duration};
 
 builtin_launcher!(
@@ -224,8 +223,7 @@ impl Launcher for MpiLauncher {
     }
 
     fn launch(&mut self, spec: &LaunchSpec) -> PluginResult<LaunchOutcome> {
-        let run = || -> Result<LaunchOutcome, PluginError> {
-            let opts = from_spec(spec, "mpi")?;
+        launch_with(spec, "mpi", |opts| {
             // accel's machine hosts the store the ranks meet at.
             let (_store, spec) = spec_at_hosted_store(spec, opts.mpirun_hostfile.is_some())?;
             let process = rank_process_with(&spec, &opts)?;
@@ -236,8 +234,7 @@ impl Launcher for MpiLauncher {
             supervise_starter(&spec, &opts, process, local_ranks, move |attempt| {
                 first_reported_failure(&store_addr, attempt)
             })
-        };
-        RResult::from(run())
+        })
     }
 }
 

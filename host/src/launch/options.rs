@@ -2,7 +2,7 @@
 //! config and the launcher options, inside `LaunchSpec::config_json` as
 //! `{"config": {...}, "launch": {...}}`.
 
-use accel_sdk::{LaunchSpec, PluginError};
+use accel_sdk::{LaunchOutcome, LaunchSpec, PluginError, PluginResult};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::{path::PathBuf, time::Duration};
@@ -43,6 +43,16 @@ pub fn from_spec(spec: &LaunchSpec, launcher: &str) -> Result<LaunchOptions, Plu
     })?;
     serde_json::from_value(v.get("launch").cloned().unwrap_or(Value::Null))
         .map_err(|e| PluginError::config("accel", format!("{launcher}: bad launch options: {e}")))
+}
+
+/// A launcher's `launch`: `run` with the options of `spec` (read for
+/// `launcher`, named in messages), its error handed back across the ABI.
+pub fn launch_with(
+    spec: &LaunchSpec,
+    launcher: &str,
+    run: impl FnOnce(LaunchOptions) -> Result<LaunchOutcome, PluginError>,
+) -> PluginResult<LaunchOutcome> {
+    from_spec(spec, launcher).and_then(run).into()
 }
 
 /// The collective timeout of the job in `spec` (`accel.collective_timeout`

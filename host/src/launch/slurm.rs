@@ -19,11 +19,11 @@
 use super::{
     local::{plans, supervise_starter},
     mpi::{first_reported_failure, spec_at_hosted_store, stored_text},
-    options::from_spec,
+    options::{from_spec, launch_with},
     supervisor::RankProcess,
 };
 use accel_sdk::{
-    abi_stable::std_types::{RResult, RVec, Tuple2},
+    abi_stable::std_types::{RVec, Tuple2},
     LaunchOutcome, LaunchSpec, Launcher, PluginError, PluginResult, ProcessPlan,
 };
 use std::{process::Command, time::Duration};
@@ -192,8 +192,7 @@ impl Launcher for SlurmLauncher {
     }
 
     fn launch(&mut self, spec: &LaunchSpec) -> PluginResult<LaunchOutcome> {
-        let run = || -> Result<LaunchOutcome, PluginError> {
-            let opts = from_spec(spec, "slurm")?;
+        launch_with(spec, "slurm", |opts| {
             let get = |k: &str| std::env::var(k).ok();
             // Ranks on other nodes reach the store through srun's node.
             let several_nodes = nodes(spec, &get) != "1";
@@ -208,8 +207,7 @@ impl Launcher for SlurmLauncher {
             supervise_starter(&spec, &opts, process, None, move |attempt| {
                 failure_report(&store_addr, attempt)
             })
-        };
-        RResult::from(run())
+        })
     }
 }
 

@@ -60,8 +60,7 @@ pub fn plan(s: &Settings) -> Plan {
             StateDictType::Sharded => StateDictKind::Sharded,
         },
         overrides: RunOverrides::default(),
-        param_dtype: s.param_dtype,
-        reduce_dtype: s.reduce_dtype,
+        dtypes: s.dtypes,
         release_freed_memory: None,
         overlap: Overlap {
             forward_prefetch: s.forward_prefetch,

@@ -24,7 +24,7 @@
 //! | `fsdp_offload_params` (also `fsdp_cpu_offload`, as the transformers docs write it) | boolean | `false` | [`Settings::offload_params`] |
 //! | `fsdp_activation_checkpointing` | boolean; `true` checkpoints the wrapped units: the host recomputes each in backward when the model runs it through `ForwardScope::checkpointable` (the host reads the key from this section) | `false` | validated here |
 //! | `fsdp_ignored_modules` | `null` (or empty); anything else is unsupported | `null` | — |
-//! | `fsdp_mixed_precision_policy` | a dtype (`bf16`, `fp16`, `fp32`, `fp8`, or torch's `bfloat16`, `float16`, `float32`, with or without `torch.`) for all three, or a mapping with `param_dtype` and `reduce_dtype` (and `buffer_dtype`, which must equal `param_dtype`) | — (the run's `mixed_precision`) | [`Settings::param_dtype`], [`Settings::reduce_dtype`]; see below |
+//! | `fsdp_mixed_precision_policy` | a dtype (`bf16`, `fp16`, `fp32`, `fp8`, or torch's `bfloat16`, `float16`, `float32`, with or without `torch.`) for all three, or a mapping with `param_dtype` and `reduce_dtype` (and `buffer_dtype`, which must equal `param_dtype`) | — (the run's `mixed_precision`) | [`Settings::dtypes`]; see below |
 //! | `fsdp_cpu_ram_efficient_loading` | boolean; with `true` a program loading a checkpoint through `Accelerator::prepare_model_from` maps its files and each rank reads only its own slices (parameters made with `deferred_var` hold no memory before); the host then broadcasts rank 0's other parameters instead of this plugin's `fsdp_sync_module_states` broadcast | `true` (as `accelerate launch`) | [`Settings::cpu_ram_efficient_loading`] |
 //!
 //! | `fsdp_backward_prefetch` (old name `fsdp_backward_prefetch_policy`) | `BACKWARD_PRE`, `BACKWARD_POST`, `NO_PREFETCH` (any case, or torch's `1`, `2`) | none: no prefetch, as Accelerate's plugin passes `None` to FSDP (`accelerate config` writes `BACKWARD_PRE`) | [`Settings::backward_prefetch`]: in backward, when the next unit's all-gather starts |
@@ -86,7 +86,7 @@ use accel_sdk::{
     tch::Kind,
     PluginError,
 };
-use accel_sharding::{dtype_name, BackwardPrefetch};
+use accel_sharding::{dtype_name, BackwardPrefetch, Dtypes};
 
 use crate::PLUGIN;
 
@@ -146,12 +146,10 @@ pub struct Settings {
     pub state_dict: StateDictType,
     /// Broadcast rank 0's parameters when the model is prepared.
     pub sync_module_states: bool,
-    /// The dtype the gathered parameters are computed in (FSDP's
-    /// `param_dtype`); `None`: the program's own (fp32).
-    pub param_dtype: Option<Kind>,
-    /// The dtype gradients are reduced in (`reduce_dtype`); `None`: the
-    /// parameters' (`param_dtype`, else the program's).
-    pub reduce_dtype: Option<Kind>,
+    /// The dtypes gathered parameters are computed in and gradients are
+    /// reduced in (`fsdp_mixed_precision_policy`'s `param_dtype` and
+    /// `reduce_dtype`); `None`: the program's own (fp32).
+    pub dtypes: Dtypes,
     /// `fsdp_forward_prefetch`: gather the next unit during a unit's
     /// forward.
     pub forward_prefetch: bool,
@@ -772,8 +770,10 @@ pub fn with_precision(section: &Value, mixed_precision: &str) -> Result<Settings
         offload_params,
         state_dict,
         sync_module_states,
-        param_dtype,
-        reduce_dtype,
+        dtypes: Dtypes {
+            param: param_dtype,
+            reduce: reduce_dtype,
+        },
         forward_prefetch,
         backward_prefetch,
         cpu_ram_efficient_loading: cpu_ram_efficient_loading.unwrap_or(true),
@@ -808,8 +808,7 @@ mod tests {
             offload_params: false,
             state_dict: StateDictType::Full,
             sync_module_states: true,
-            param_dtype: None,
-            reduce_dtype: None,
+            dtypes: Dtypes::default(),
             forward_prefetch: false,
             backward_prefetch: BackwardPrefetch::Off,
             cpu_ram_efficient_loading: true,
@@ -1121,7 +1120,7 @@ mod tests {
             let s = with_precision(&section, run).unwrap_or_else(|e| panic!("{section}: {e}"));
             s.check_supported()
                 .unwrap_or_else(|e| panic!("{section}: {e}"));
-            (s.param_dtype, s.reduce_dtype)
+            (s.dtypes.param, s.dtypes.reduce)
         };
         let bf16 = Some(Kind::BFloat16);
         // Accelerate's set_mixed_precision: param = reduce = the run's.
@@ -1151,7 +1150,7 @@ mod tests {
         );
         // NO_SHARD has no master shards: nothing is cast, with a warning.
         let s = with_precision(&json!({"fsdp_sharding_strategy": "NO_SHARD"}), "bf16").unwrap();
-        assert_eq!((s.param_dtype, s.reduce_dtype), (None, None));
+        assert_eq!(s.dtypes, Dtypes::default());
         assert!(
             s.warnings.iter().any(|w| w.contains("NO_SHARD")),
             "{:?}",
@@ -1219,7 +1218,7 @@ mod tests {
         }
         // The settings string carries the run's mixed_precision.
         let s = parse(r#"{"section": {}, "settings": {}, "mixed_precision": "bf16"}"#).unwrap();
-        assert_eq!((s.param_dtype, s.reduce_dtype), (bf16, bf16));
+        assert_eq!((s.dtypes.param, s.dtypes.reduce), (bf16, bf16));
     }
 
     /// YAML (as `yaml-rust2` reads it) to JSON.

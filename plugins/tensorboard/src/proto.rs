@@ -12,10 +12,15 @@
 
 use std::collections::BTreeMap;
 
-/// `tensorflow.DataType::DT_FLOAT`.
-pub const DT_FLOAT: i32 = 1;
-/// `tensorflow.DataType::DT_STRING`.
-pub const DT_STRING: i32 = 7;
+/// `tensorflow.DataType`: the values this plugin writes (`as i32`).
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataType {
+    /// `DT_FLOAT`.
+    Float = 1,
+    /// `DT_STRING`.
+    String = 7,
+}
 
 /// `tensorflow.Event`: one record of an event file.
 #[derive(Clone, PartialEq, ::prost::Message)]
@@ -227,13 +232,20 @@ pub struct Experiment {
     pub hparam_infos: Vec<HParamInfo>,
 }
 
-/// `tensorboard.hparams.DataType::DATA_TYPE_STRING`.
-pub const DATA_TYPE_STRING: i32 = 1;
-/// `tensorboard.hparams.DataType::DATA_TYPE_BOOL`.
-pub const DATA_TYPE_BOOL: i32 = 2;
-/// `tensorboard.hparams.DataType::DATA_TYPE_FLOAT64`.
-pub const DATA_TYPE_FLOAT64: i32 = 3;
-/// `tensorboard.hparams.Status::STATUS_SUCCESS`.
+/// `tensorboard.hparams.DataType`: a hyperparameter's type (`as i32`).
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HParamType {
+    /// `DATA_TYPE_STRING`.
+    String = 1,
+    /// `DATA_TYPE_BOOL`.
+    Bool = 2,
+    /// `DATA_TYPE_FLOAT64`.
+    Float64 = 3,
+}
+
+/// `tensorboard.hparams.Status::STATUS_SUCCESS`, the status of a finished
+/// session.
 pub const STATUS_SUCCESS: i32 = 1;
 
 /// `tensorboard.hparams.HParamInfo`.

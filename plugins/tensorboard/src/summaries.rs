@@ -6,9 +6,9 @@
 
 use crate::proto::{
     hparams_plugin_data::Data, proto_value::Kind as PvKind, summary, summary::value::Kind,
-    Experiment, HParamInfo, HParamsPluginData, HistogramProto, PluginData, ProtoValue,
-    SessionEndInfo, SessionStartInfo, Summary, SummaryMetadata, TensorProto, TensorShapeProto,
-    DATA_TYPE_BOOL, DATA_TYPE_FLOAT64, DATA_TYPE_STRING, DT_FLOAT, DT_STRING, STATUS_SUCCESS,
+    DataType, Experiment, HParamInfo, HParamType, HParamsPluginData, HistogramProto, PluginData,
+    ProtoValue, SessionEndInfo, SessionStartInfo, Summary, SummaryMetadata, TensorProto,
+    TensorShapeProto, STATUS_SUCCESS,
 };
 use accel_sdk::{
     serde_json::{Map, Value},
@@ -45,7 +45,7 @@ pub fn scalar(tag: &str, value: f64) -> summary::Value {
     summary::Value {
         tag: tag.to_owned(),
         kind: Some(Kind::Tensor(TensorProto {
-            dtype: DT_FLOAT,
+            dtype: DataType::Float as i32,
             tensor_shape: scalar_shape(),
             float_val: vec![value as f32],
             string_val: Vec::new(),
@@ -61,7 +61,7 @@ pub fn text(tag: &str, text: &str) -> summary::Value {
     summary::Value {
         tag: tag.to_owned(),
         kind: Some(Kind::Tensor(TensorProto {
-            dtype: DT_STRING,
+            dtype: DataType::String as i32,
             tensor_shape: scalar_shape(),
             float_val: Vec::new(),
             string_val: vec![text.as_bytes().to_vec()],
@@ -149,7 +149,7 @@ fn hparams_value(tag: &str, data: Data) -> summary::Value {
     summary::Value {
         tag: tag.to_owned(),
         kind: Some(Kind::Tensor(TensorProto {
-            dtype: DT_FLOAT,
+            dtype: DataType::Float as i32,
             tensor_shape: Some(TensorShapeProto {
                 dim: vec![crate::proto::Dim { size: 0 }],
             }),
@@ -184,9 +184,9 @@ impl HParam {
 
     fn data_type(&self) -> i32 {
         match self {
-            HParam::Number(_) => DATA_TYPE_FLOAT64,
-            HParam::Text(_) => DATA_TYPE_STRING,
-            HParam::Bool(_) => DATA_TYPE_BOOL,
+            HParam::Number(_) => HParamType::Float64 as i32,
+            HParam::Text(_) => HParamType::String as i32,
+            HParam::Bool(_) => HParamType::Bool as i32,
         }
     }
 }

@@ -111,14 +111,6 @@ pub struct RunRecord {
     pub start_time: Option<Timestamp>,
 }
 
-/// `wandb_internal.ConfigRecord`.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct ConfigRecord {
-    /// Keys set or changed.
-    #[prost(message, repeated, tag = "1")]
-    pub update: Vec<ConfigItem>,
-}
-
 /// `wandb_internal.ConfigItem`.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct ConfigItem {
@@ -128,6 +120,14 @@ pub struct ConfigItem {
     /// The value as JSON.
     #[prost(string, tag = "16")]
     pub value_json: String,
+}
+
+/// `wandb_internal.ConfigRecord`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ConfigRecord {
+    /// Keys set or changed.
+    #[prost(message, repeated, tag = "1")]
+    pub update: Vec<ConfigItem>,
 }
 
 /// `wandb_internal.HistoryRecord`: one logged row.

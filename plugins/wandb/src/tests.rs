@@ -35,6 +35,14 @@ fn offline_tracker(dir: &Path) -> WandbTracker {
     WandbTracker::new(&settings.to_string(), Env::default()).unwrap()
 }
 
+/// An [`offline_tracker`] in a fresh [`temp_dir`], started for `project`.
+fn started_offline(name: &str, project: &str) -> (PathBuf, WandbTracker) {
+    let dir = temp_dir(name);
+    let mut t = offline_tracker(&dir);
+    t.start(project, "{}").unwrap();
+    (dir, t)
+}
+
 /// `<workspace root>/.venv/bin/wandb`, where `scripts/bootstrap.sh` puts it.
 fn wandb_cli() -> PathBuf {
     let cli = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/wandb");
@@ -335,9 +343,7 @@ fn offline_run_reads_back_with_wandb() {
 
 #[test]
 fn big_rows_span_blocks_and_still_read_back() {
-    let dir = temp_dir("big");
-    let mut t = offline_tracker(&dir);
-    t.start("big", "{}").unwrap();
+    let (dir, mut t) = started_offline("big", "big");
     // 70 kB of text crosses two 32 KiB block boundaries.
     let text: String = (0..70_000)
         .map(|i| (b'a' + (i % 26) as u8) as char)
@@ -818,9 +824,7 @@ fn wandb_sync_uploads_an_offline_run() {
 
 #[test]
 fn images_histograms_and_tables_read_back_with_wandb() {
-    let dir = temp_dir("media");
-    let mut t = offline_tracker(&dir);
-    t.start("proj", "{}").unwrap();
+    let (dir, mut t) = started_offline("media", "proj");
     // A 4 x 2 grayscale PNG, pixel (x, y) = 10x + y.
     let pixels: Vec<u8> = (0..2u8)
         .flat_map(|y| (0..4u8).map(move |x| 10 * x + y))

@@ -142,33 +142,18 @@ pub union PJRT_NamedValue_Value {
     pub bool_value: bool,
 }
 
-/// `PJRT_Buffer_Type`.
-pub mod buffer_type {
-    use std::ffi::c_int;
-    pub const PRED: c_int = 1;
-    pub const S8: c_int = 2;
-    pub const S16: c_int = 3;
-    pub const S32: c_int = 4;
-    pub const S64: c_int = 5;
-    pub const U8: c_int = 6;
-    pub const F16: c_int = 10;
-    pub const F32: c_int = 11;
-    pub const F64: c_int = 12;
-    pub const BF16: c_int = 13;
-}
-
 /// `PJRT_HostBufferSemantics_kImmutableOnlyDuringCall`: the data is copied
 /// before `PJRT_Client_BufferFromHostBuffer` returns.
 pub const HOST_BUFFER_IMMUTABLE_ONLY_DURING_CALL: c_int = 0;
 
-/// `PJRT_Error_Code_NOT_FOUND`.
-pub const ERROR_CODE_NOT_FOUND: c_int = 5;
-/// `PJRT_Error_Code_DEADLINE_EXCEEDED`.
-pub const ERROR_CODE_DEADLINE_EXCEEDED: c_int = 4;
-/// `PJRT_Error_Code_UNAVAILABLE`.
-pub const ERROR_CODE_UNAVAILABLE: c_int = 14;
-/// `PJRT_Error_Code_INTERNAL`.
-pub const ERROR_CODE_INTERNAL: c_int = 13;
+/// `PJRT_Error_Code` (the ones accel's key-value callbacks return).
+pub mod error_code {
+    use std::ffi::c_int;
+    pub const DEADLINE_EXCEEDED: c_int = 4;
+    pub const NOT_FOUND: c_int = 5;
+    pub const INTERNAL: c_int = 13;
+    pub const UNAVAILABLE: c_int = 14;
+}
 
 /// `PJRT_Api_Version`.
 #[repr(C)]

@@ -1,31 +1,32 @@
 //! The StableHLO programs the strategy compiles: one `stablehlo.all_reduce`
 //! over a flat vector, across one replica group holding every replica.
 
-use crate::ffi::buffer_type;
 use accel_sdk::tch::Kind;
 use std::ffi::c_int;
 
-/// An element type that can cross to a PJRT device.
+/// An element type that can cross to a PJRT device; its discriminant is
+/// its `PJRT_Buffer_Type`.
+#[repr(i32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Elem {
-    /// `f32`.
-    F32,
+    /// `f32` (`PJRT_Buffer_Type_F32`).
+    F32 = 11,
     /// `f64`.
-    F64,
+    F64 = 12,
     /// `f16`.
-    F16,
+    F16 = 10,
     /// `bf16`.
-    Bf16,
-    /// `i32`.
-    I32,
+    Bf16 = 13,
+    /// `i32` (`PJRT_Buffer_Type_S32`).
+    I32 = 4,
     /// `i64`.
-    I64,
+    I64 = 5,
     /// `i16`.
-    I16,
+    I16 = 3,
     /// `i8`.
-    I8,
+    I8 = 2,
     /// `ui8`.
-    U8,
+    U8 = 6,
 }
 
 impl Elem {
@@ -62,17 +63,7 @@ impl Elem {
 
     /// `PJRT_Buffer_Type`.
     pub fn pjrt(self) -> c_int {
-        match self {
-            Elem::F32 => buffer_type::F32,
-            Elem::F64 => buffer_type::F64,
-            Elem::F16 => buffer_type::F16,
-            Elem::Bf16 => buffer_type::BF16,
-            Elem::I32 => buffer_type::S32,
-            Elem::I64 => buffer_type::S64,
-            Elem::I16 => buffer_type::S16,
-            Elem::I8 => buffer_type::S8,
-            Elem::U8 => buffer_type::U8,
-        }
+        self as c_int
     }
 
     /// The MLIR element type.

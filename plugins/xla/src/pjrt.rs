@@ -404,7 +404,7 @@ type KvFailure = (c_int, String);
 
 /// A store error the plugin may retry later (`UNAVAILABLE`).
 fn unavailable(e: accel_rendezvous::StoreError) -> KvFailure {
-    (ERROR_CODE_UNAVAILABLE, e.to_string())
+    (error_code::UNAVAILABLE, e.to_string())
 }
 
 /// What every key-value callback does around its store operation: counts
@@ -432,7 +432,7 @@ unsafe fn serve_kv<T>(
         Ok(Err((code, message))) => Err(callback_error(errors, code, &message)),
         Err(_) => Err(callback_error(
             errors,
-            ERROR_CODE_INTERNAL,
+            error_code::INTERNAL,
             &format!("key-value {what} panicked"),
         )),
     }
@@ -453,7 +453,7 @@ pub(crate) unsafe extern "C" fn kv_get(
         |store, key| {
             store.lock().get(key, timeout).map_err(|e| match e {
                 accel_rendezvous::StoreError::Timeout(_) => (
-                    ERROR_CODE_DEADLINE_EXCEEDED,
+                    error_code::DEADLINE_EXCEEDED,
                     format!("key `{key}` not set within {timeout_ms} ms"),
                 ),
                 e => unavailable(e),
@@ -480,7 +480,7 @@ pub(crate) unsafe extern "C" fn kv_try_get(
         "try-get",
         |store, key| {
             let value = store.lock().try_get(key).map_err(unavailable)?;
-            value.ok_or_else(|| (ERROR_CODE_NOT_FOUND, format!("key `{key}` not found")))
+            value.ok_or_else(|| (error_code::NOT_FOUND, format!("key `{key}` not found")))
         },
     );
     hand_over(

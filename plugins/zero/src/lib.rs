@@ -32,7 +32,7 @@ use accel_sdk::{
     abi_stable::std_types::RString, Component, HostContextBox, PluginError, RunOverrides,
     StateDictKind, StrategyBox,
 };
-use accel_sharding::{Plan, Sharded};
+use accel_sharding::{Dtypes, Plan, Sharded};
 
 pub mod settings;
 
@@ -73,8 +73,10 @@ fn plan(s: &settings::Settings) -> Plan {
             scheduler: s.scheduler.as_ref().map(|v| v.to_string().into()).into(),
             config_file: s.config_file.clone().map(RString::from).into(),
         },
-        param_dtype: s.param_dtype,
-        reduce_dtype: s.reduce_dtype,
+        dtypes: Dtypes {
+            param: s.param_dtype,
+            reduce: s.reduce_dtype,
+        },
         release_freed_memory: None,
         // DeepSpeed's stage 3 prefetches the next modules in forward and
         // backward by the order it traced, and `overlap_comm` reduces during
@@ -106,6 +108,24 @@ fn module_units(names: &[String]) -> Vec<(String, Vec<usize>)> {
     units
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_module_is_a_unit() {
+        let n = ["bias", "layers.0.weight", "layers.0.bias", "head.weight"].map(String::from);
+        assert_eq!(
+            module_units(&n),
+            vec![
+                ("layers.0".to_owned(), vec![1, 2]),
+                ("head".to_owned(), vec![3]),
+                (String::new(), vec![0]),
+            ]
+        );
+    }
+}
+
 fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError> {
     let s = settings::parse(settings)?;
     s.check_supported()?;
@@ -129,25 +149,3 @@ accel_sdk::inventory::submit! {
 }
 
 accel_sdk::export_plugin!();
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn names(v: &[&str]) -> Vec<String> {
-        v.iter().map(|s| (*s).to_owned()).collect()
-    }
-
-    #[test]
-    fn every_module_is_a_unit() {
-        let n = names(&["bias", "layers.0.weight", "layers.0.bias", "head.weight"]);
-        assert_eq!(
-            module_units(&n),
-            vec![
-                ("layers.0".to_owned(), vec![1, 2]),
-                ("head".to_owned(), vec![3]),
-                (String::new(), vec![0]),
-            ]
-        );
-    }
-}

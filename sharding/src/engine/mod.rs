@@ -139,13 +139,14 @@ impl Sharded {
 
     /// The dtype the model computes with: the whole parameters'.
     fn compute_kind(&self) -> Kind {
-        self.plan.param_dtype.unwrap_or(self.master)
+        self.plan.dtypes.param.unwrap_or(self.master)
     }
 
     /// The dtype gradients are reduced in.
     fn reduce_kind(&self) -> Kind {
         self.plan
-            .reduce_dtype
+            .dtypes
+            .reduce
             .unwrap_or_else(|| self.compute_kind())
     }
 
@@ -188,7 +189,7 @@ impl Sharded {
             )));
         }
         if !self.plan.shard_optimizer {
-            if let Some(k) = self.plan.param_dtype.or(self.plan.reduce_dtype) {
+            if let Some(k) = self.plan.dtypes.param.or(self.plan.dtypes.reduce) {
                 return Err(self.err(format!(
                     "a compute or reduce dtype ({}) needs the optimizer to step on master \
                      chunks apart from the parameters; this plan steps on the parameters",

@@ -3,7 +3,7 @@
 //! and the checks of `prepare_model`.
 
 use super::Sharded;
-use crate::plan::{Plan, WrapPolicy};
+use crate::plan::{Dtypes, Plan, WrapPolicy};
 use accel_sdk::abi_stable::{
     sabi_trait::TD_Opaque,
     std_types::{RArc, RSlice, RSliceMut, RStr},
@@ -187,7 +187,10 @@ fn state_dicts_hold_the_masters_and_load_back() {
     let mut params = model();
     let originals: Vec<Vec<f32>> = params.iter().map(|(_, t)| values(t)).collect();
     let plan = Plan {
-        param_dtype: Some(Kind::BFloat16),
+        dtypes: Dtypes {
+            param: Some(Kind::BFloat16),
+            reduce: None,
+        },
         ..full_shard()
     };
     let mut engine = prepared(plan, two_units(), &mut params);
@@ -258,7 +261,10 @@ fn prepare_model_refuses_what_the_engine_cannot_run() {
                 shard_optimizer: false,
                 shard_grads: false,
                 shard_params: false,
-                reduce_dtype: Some(Kind::Float),
+                dtypes: Dtypes {
+                    param: None,
+                    reduce: Some(Kind::Float),
+                },
                 ..full_shard()
             },
             two_units(),

@@ -133,9 +133,14 @@ mod tests {
 
     #[test]
     fn fields_are_quoted_only_when_needed() {
-        assert_eq!(field("loss"), "loss");
-        assert_eq!(field("a,b"), "\"a,b\"");
-        assert_eq!(field("say \"hi\""), "\"say \"\"hi\"\"\"");
+        let cases = [
+            ("loss", "loss"),
+            ("a,b", "\"a,b\""),
+            ("say \"hi\"", "\"say \"\"hi\"\"\""),
+        ];
+        for (raw, written) in cases {
+            assert_eq!(field(raw), written, "{raw}");
+        }
     }
 
     #[test]
