@@ -4,7 +4,10 @@
 //!    same step with no sync (`distributed_type: NO` in every process);
 //! 2. DDP's bucketed all-reduce (`post_backward(sync=true)` of the ddp
 //!    plugin: flatten into 25 MB buckets, average, copy back) against one
-//!    raw `MPI_Allreduce` of the same bytes.
+//!    raw `MPI_Allreduce` of the same bytes;
+//! 3. one small all-reduce through accel's communicator (1 and 19 000
+//!    floats: a loss average, the small mlp's gradients) against raw
+//!    `MPI_Allreduce`: the fixed cost of accel's collectives.
 //!
 //! `accel launch --cpu --num_processes 2 target/release/ddp_bench [H] [B] [STEPS]`
 //! Rank 0 prints one JSON line per measurement.
@@ -93,9 +96,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .into_result()?;
     drop(handles);
     let bytes: i64 = params.iter().map(|(_, p)| p.numel() as i64 * 4).sum();
-    let reps = 20;
     let world = SimpleCommunicator::world();
-    let time = |f: &mut dyn FnMut()| {
+    let time = |reps: u32, f: &mut dyn FnMut()| {
         for _ in 0..3 {
             f();
         }
@@ -105,9 +107,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             f();
         }
         world.barrier();
-        t.elapsed().as_secs_f64() / reps as f64
+        t.elapsed().as_secs_f64() / f64::from(reps)
     };
-    let bucketed = time(&mut || {
+    let bucketed = time(20, &mut || {
         strategy
             .post_backward(true)
             .into_result()
@@ -115,11 +117,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
     let mut buf = vec![1.0f32; (bytes / 4) as usize];
     let mut out = vec![0.0f32; (bytes / 4) as usize];
-    let raw = time(&mut || {
+    let raw = time(20, &mut || {
         world.all_reduce_into(&buf[..], &mut out[..], SystemOperation::sum());
         std::mem::swap(&mut buf, &mut out);
     });
+    // One small all-reduce through the communicator (what a loss average
+    // or a small model's gradient bucket costs) against raw MPI.
+    let mut small = Vec::new();
+    for n in [1i64, 19_000] {
+        let mut t = Tensor::ones([n], (Kind::Float, Device::Cpu));
+        let accel_s = time(500, &mut || {
+            mpi.all_reduce(&mut t, accel_sdk::ReduceOp::Sum)
+                .expect("all_reduce")
+        });
+        let mut buf = vec![1.0f32; n as usize];
+        let mut out = vec![0.0f32; n as usize];
+        let raw_s = time(500, &mut || {
+            world.all_reduce_into(&buf[..], &mut out[..], SystemOperation::sum());
+            std::mem::swap(&mut buf, &mut out);
+        });
+        small.push(json!({"elements": n, "accel_us": accel_s * 1e6, "raw_mpi_us": raw_s * 1e6}));
+    }
     if rank == 0 {
+        println!("{}", json!({"bench": "small_allreduce", "runs": small}));
         println!(
             "{}",
             json!({"bench": "ddp_step", "hidden": h, "batch": b, "world": mpi.world_size(),
