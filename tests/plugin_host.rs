@@ -4,8 +4,9 @@
 
 use accel::plugins::{DirOrigin, PluginSet, SearchDir};
 use accel_integration_tests::{
-    accel_bin, build_plain_c_library, build_plugin_into, build_plugin_variant_into, describe,
-    plugin_dir, plugins_list_json, run, run_quickstart,
+    accel_bin, build_locked, build_plain_c_library, build_plugin_into, build_plugin_variant_into,
+    describe, plugin_dir, plugin_file_name, plugins_list_json, run, run_quickstart,
+    FIXTURE_PLUGINS,
 };
 use accel_sdk::{abi_stable::std_types::ROption, ErrorKind, LogEntry, PluginKind};
 use serde_json::Value;
@@ -235,4 +236,46 @@ fn a_panicking_plugin_call_is_an_error_and_the_host_survives() {
         err.message.contains("creating tracker `exploding`"),
         "{err}"
     );
+}
+
+/// A workspace build (what `cargo test --workspace` builds too) leaves no
+/// test fixture plugin beside `target/debug/accel`, so the plugins a
+/// contributor's `accel plugins list` shows there are the ones accel ships.
+#[test]
+fn a_workspace_build_leaves_no_fixture_plugin_beside_accel() {
+    let fixtures: Vec<String> = FIXTURE_PLUGINS
+        .iter()
+        .map(|p| plugin_file_name(p))
+        .collect();
+    build_locked(&["--workspace"], &[], |files| {
+        let name = |f: &PathBuf| f.file_name().and_then(|n| n.to_str()).map(str::to_owned);
+        let libraries: Vec<String> = files
+            .iter()
+            .filter_map(name)
+            .filter(|n| n.ends_with(".so"))
+            .collect();
+        for fixture in &fixtures {
+            assert!(
+                !libraries.contains(fixture),
+                "{fixture} built: {libraries:?}"
+            );
+        }
+        let accel = files
+            .iter()
+            .find(|f| name(f).as_deref() == Some("accel"))
+            .expect("target/debug/accel built");
+        let out = run(accel, &["plugins", "list", "--json"]);
+        assert!(out.status.success(), "{}", describe(&out));
+        let list: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let names: Vec<&str> = list["plugins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|p| p["name"].as_str())
+            .collect();
+        assert!(names.contains(&"accel-ddp"), "{names:?}");
+        for fixture in FIXTURE_PLUGINS {
+            assert!(!names.contains(fixture), "{fixture} listed: {names:?}");
+        }
+    });
 }

@@ -34,11 +34,21 @@ pub fn build_locked<T>(
     env: &[(&str, &str)],
     with_artifacts: impl FnOnce(&[PathBuf]) -> T,
 ) -> T {
+    cargo_locked("build", args, env, with_artifacts)
+}
+
+/// [`build_locked`] with another cargo command that builds (`rustc`).
+fn cargo_locked<T>(
+    command: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    with_artifacts: impl FnOnce(&[PathBuf]) -> T,
+) -> T {
     let lock = File::create(std::env::temp_dir().join("accel-tests-cargo.lock")).unwrap();
     lock.lock().unwrap();
     let mut cmd = Command::new(env!("CARGO"));
     cmd.current_dir(workspace_root())
-        .args(["build", "--message-format=json-render-diagnostics"])
+        .args([command, "--message-format=json-render-diagnostics"])
         .args(args);
     for (k, v) in env {
         cmd.env(k, v);
@@ -46,7 +56,7 @@ pub fn build_locked<T>(
     let out = cmd.output().expect("cargo runs");
     assert!(
         out.status.success(),
-        "cargo build {args:?} failed:\n{}",
+        "cargo {command} {args:?} failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     let artifacts: Vec<PathBuf> = String::from_utf8_lossy(&out.stdout)
@@ -71,10 +81,25 @@ pub fn build_locked<T>(
     result
 }
 
-/// The test-only plugins (`tests/fixtures/`): built for the tests that load
-/// them, and never left in the target directory, where the plugin search of
+/// The test-only plugins (`tests/fixtures/`): plain libraries in a
+/// workspace build, built as plugins only for the tests that load them, and
+/// never left in the target directory, where the plugin search of
 /// `target/debug/accel` (its executable directory) would list them to users.
-const FIXTURE_PLUGINS: &[&str] = &["accel-test-faulty"];
+pub const FIXTURE_PLUGINS: &[&str] = &["accel-test-faulty", "accel-test-plain-tracker"];
+
+/// The cargo command and arguments that build `package`'s cdylib: a
+/// fixture's with `cargo rustc --crate-type cdylib`, any other's with
+/// `cargo build`.
+pub fn plugin_build_args(package: &str) -> (&'static str, Vec<&str>) {
+    if FIXTURE_PLUGINS.contains(&package) {
+        (
+            "rustc",
+            vec!["-p", package, "--lib", "--crate-type", "cdylib"],
+        )
+    } else {
+        ("build", vec!["-p", package])
+    }
+}
 
 /// The file name of `package`'s cdylib: `libaccel_ddp.so` for `accel-ddp`.
 pub fn plugin_file_name(package: &str) -> String {
@@ -87,7 +112,8 @@ pub fn plugin_file_name(package: &str) -> String {
 /// of it is still fresh).
 fn build_plugin(package: &str, env: &[(&str, &str)], with_so: impl FnOnce(&Path)) {
     let lib_name = plugin_file_name(package);
-    build_locked(&["-p", package], env, |files| {
+    let (command, args) = plugin_build_args(package);
+    cargo_locked(command, &args, env, |files| {
         let so = files
             .iter()
             .find(|f| f.file_name().is_some_and(|n| n == lib_name.as_str()))
