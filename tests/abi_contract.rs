@@ -5,9 +5,9 @@
 //! builds out of tree and trains 2 ranks.
 
 use accel_integration_tests::{
-    accel_bin, assert_failed_with, assert_stdout_contains, describe, loss_log, max_abs_diff, mlp,
-    plugin_build_args, plugin_file_name, plugins_list_json, read_weights, run, run_quickstart,
-    workspace_root, write_config,
+    accel_bin, assert_failed_with, assert_stdout_contains, describe, fixture_target_dir, loss_log,
+    max_abs_diff, mlp, plugin_build_args, plugin_file_name, plugins_list_json, read_weights, run,
+    run_quickstart, workspace_root, write_config,
 };
 use serde_json::Value;
 use std::{
@@ -30,12 +30,11 @@ fn plain_tracker_dir(env: &[(&str, &str)]) -> tempfile::TempDir {
     let path: Vec<PathBuf> = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
         .filter(|p| !p.to_string_lossy().contains(".venv"))
         .collect();
-    let (command, args) = plugin_build_args(PLAIN);
+    let (command, args) = plugin_build_args(PLAIN, false);
     let mut cmd = Command::new(env!("CARGO"));
     cmd.current_dir(&root)
         .arg(command)
         .args(args)
-        .env("CARGO_TARGET_DIR", root.join("target/fixture-builds"))
         .env("PATH", std::env::join_paths(path).unwrap());
     for var in [
         "LIBTORCH",
@@ -51,7 +50,7 @@ fn plain_tracker_dir(env: &[(&str, &str)]) -> tempfile::TempDir {
     assert!(out.status.success(), "{}", describe(&out));
     let name = plugin_file_name(PLAIN);
     std::fs::copy(
-        root.join("target/fixture-builds/debug").join(&name),
+        fixture_target_dir().join("debug").join(&name),
         dir.path().join(&name),
     )
     .unwrap();

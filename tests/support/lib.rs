@@ -82,23 +82,35 @@ fn cargo_locked<T>(
 }
 
 /// The test-only plugins (`tests/fixtures/`): plain libraries in a
-/// workspace build, built as plugins only for the tests that load them, and
-/// never left in the target directory, where the plugin search of
-/// `target/debug/accel` (its executable directory) would list them to users.
+/// workspace build, built as plugins only for the tests that load them, in
+/// [`fixture_target_dir`].
 pub const FIXTURE_PLUGINS: &[&str] = &["accel-test-faulty", "accel-test-plain-tracker"];
+
+/// Where the fixture plugins (and their test-only variants) are built: a
+/// target directory of their own, never searched for plugins — not by
+/// `target/debug/accel` (its executable directory), nor by the tests that
+/// run an Accelerator in their own process (`target/debug/deps`), which
+/// would otherwise pick up a variant another test has just built (one that
+/// claims `fp16`, say).
+pub fn fixture_target_dir() -> PathBuf {
+    workspace_root().join("target/fixture-builds")
+}
 
 /// The cargo command and arguments that build `package`'s cdylib: a
 /// fixture's with `cargo rustc --crate-type cdylib`, any other's with
-/// `cargo build`.
-pub fn plugin_build_args(package: &str) -> (&'static str, Vec<&str>) {
-    if FIXTURE_PLUGINS.contains(&package) {
-        (
-            "rustc",
-            vec!["-p", package, "--lib", "--crate-type", "cdylib"],
-        )
-    } else {
-        ("build", vec!["-p", package])
+/// `cargo build`; a fixture, or a test-only `variant` of any plugin, into
+/// [`fixture_target_dir`].
+pub fn plugin_build_args(package: &str, variant: bool) -> (&'static str, Vec<String>) {
+    let fixture = FIXTURE_PLUGINS.contains(&package);
+    let mut args: Vec<String> = ["-p", package].map(str::to_owned).to_vec();
+    if fixture {
+        args.extend(["--lib", "--crate-type", "cdylib"].map(str::to_owned));
     }
+    if fixture || variant {
+        args.push("--target-dir".to_owned());
+        args.push(fixture_target_dir().to_string_lossy().into_owned());
+    }
+    (if fixture { "rustc" } else { "build" }, args)
 }
 
 /// The file name of `package`'s cdylib: `libaccel_ddp.so` for `accel-ddp`.
@@ -106,22 +118,19 @@ pub fn plugin_file_name(package: &str) -> String {
     format!("lib{}.so", package.replace('-', "_"))
 }
 
-/// Builds the cdylib of `package` (with extra `env`) and runs `with_so` on
-/// it, under the build lock. A test fixture's copy in the target directory
-/// is removed afterwards (cargo's own in `deps/` stays, so the next build
-/// of it is still fresh).
+/// Builds the cdylib of `package` (with extra `env`: a test-only variant,
+/// built apart from the workspace's own output) and runs `with_so` on it,
+/// under the build lock.
 fn build_plugin(package: &str, env: &[(&str, &str)], with_so: impl FnOnce(&Path)) {
     let lib_name = plugin_file_name(package);
-    let (command, args) = plugin_build_args(package);
+    let (command, args) = plugin_build_args(package, !env.is_empty());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     cargo_locked(command, &args, env, |files| {
         let so = files
             .iter()
             .find(|f| f.file_name().is_some_and(|n| n == lib_name.as_str()))
             .unwrap_or_else(|| panic!("no {lib_name} among {files:?}"));
         with_so(so);
-        if FIXTURE_PLUGINS.contains(&package) {
-            std::fs::remove_file(so).unwrap();
-        }
     });
 }
 
@@ -140,12 +149,13 @@ pub fn plugin_dir(package: &str) -> tempfile::TempDir {
     dir
 }
 
-/// Builds `package` with extra `env` (a test-only variant), copies its
-/// cdylib to `dest`, then rebuilds it without `env` so the workspace's own
-/// output is the ordinary plugin again.
+/// Builds `package` with extra `env` (a test-only variant) in
+/// [`fixture_target_dir`] and copies its cdylib to `dest`: the workspace's
+/// own output stays the ordinary plugin throughout, for the tests running
+/// beside this one.
 pub fn build_plugin_variant_into(package: &str, env: &[(&str, &str)], dest: &Path) {
+    assert!(!env.is_empty(), "a variant is built with extra env");
     build_plugin_into(package, env, dest);
-    build_plugin(package, &[], |_| ());
 }
 
 /// The plugins accel ships, linked beside every test binary as an install
