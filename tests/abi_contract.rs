@@ -117,6 +117,25 @@ fn a_tracker_on_the_contract_alone_builds_without_libtorch_and_runs() {
     let dir = plain_tracker_dir(&[]);
     let plain = plugins_list(dir.path());
     assert_eq!(plain["libtorch_version"], "", "{plain:#}");
+    // Its name is longer than the listing's usual NAME column: the columns
+    // still line up.
+    let out = run(
+        &accel_bin(),
+        &[
+            "plugins",
+            "list",
+            "--plugin-dir",
+            dir.path().to_str().unwrap(),
+        ],
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    let version_at = |line: &str| line.find(" VERSION ").or_else(|| line.find(" 0.1.0 "));
+    let header = table.lines().next().unwrap();
+    let row = table
+        .lines()
+        .find(|l| l.starts_with(PLAIN))
+        .expect("listed");
+    assert_eq!(version_at(header), version_at(row), "{table}");
     assert_eq!(plain["abi_version"], accel_sdk::ABI_VERSION);
     assert_eq!(plain["abi_minor"], accel_sdk::ABI_MINOR);
     let log = trains_with_plain(dir.path());

@@ -108,15 +108,20 @@ fn selectors(p: &Plugin) -> String {
 }
 
 fn list_text(set: &PluginSet, out: &mut dyn Write) -> std::io::Result<()> {
+    // The NAME column fits the longest name (a third party's may be long).
+    let names = set.plugins().iter().map(|p| p.name.len());
+    let w = names
+        .chain(set.shadowed().iter().map(|s| s.name.len()))
+        .fold(22, usize::max);
     writeln!(
         out,
-        "{:<22} {:<9} {:<8} {:<40} PATH",
+        "{:<w$} {:<9} {:<8} {:<40} PATH",
         "NAME", "VERSION", "STATUS", "PROVIDES (kind:selectors)"
     )?;
     for p in set.plugins() {
         writeln!(
             out,
-            "{:<22} {:<9} {:<8} {:<40} {}",
+            "{:<w$} {:<9} {:<8} {:<40} {}",
             p.name,
             p.version,
             "ok",
@@ -127,7 +132,7 @@ fn list_text(set: &PluginSet, out: &mut dyn Write) -> std::io::Result<()> {
     for s in set.shadowed() {
         writeln!(
             out,
-            "{:<22} {:<9} shadowed by {} {}",
+            "{:<w$} {:<9} shadowed by {} {}",
             s.name,
             "-",
             s.by.display(),
