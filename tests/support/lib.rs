@@ -662,14 +662,12 @@ impl<'a> StopResume<'a> {
     pub fn run(&self, train: impl Fn(&[&str]) -> Output, between: impl FnOnce(&Path)) {
         let stop = ["--stop-at", "4", "--checkpoint-every", "4"];
         let project = ["--project-dir", self.project];
-        let log = |half: fn((&'a str, &'a str)) -> &'a str| match self.loss_logs {
-            Some(logs) => vec!["--loss-log", half(logs)],
-            None => vec![],
-        };
-        train(&[&stop[..], &project, &log(|l| l.0)].concat());
+        let (first, second) = self.loss_logs.unzip();
+        let log = |file: Option<&'a str>| file.map_or(vec![], |f| vec!["--loss-log", f]);
+        train(&[&stop[..], &project, &log(first)].concat());
         between(&Path::new(self.project).join("checkpoints/checkpoint_0"));
         let resume = ["--resume", "--save", self.resumed];
-        let out = train(&[&resume[..], &project, &log(|l| l.1)].concat());
+        let out = train(&[&resume[..], &project, &log(second)].concat());
         assert!(
             String::from_utf8_lossy(&out.stdout).contains("at step 4"),
             "{}: {}",
