@@ -479,8 +479,11 @@ impl FakeWandb {
     }
 }
 
-/// Reads one HTTP/1.1 request, answers it, and closes the connection.
-fn serve(mut conn: TcpStream) -> Option<Request> {
+/// Reads one whole HTTP/1.1 request (headers, then a `Content-Length` or
+/// chunked body). A fake server must read all of it before it answers and
+/// closes: closing with request bytes unread resets the connection, which
+/// the client sees as a transient failure and retries.
+fn read_request(conn: &TcpStream) -> Option<Request> {
     conn.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
     let mut reader = BufReader::new(conn.try_clone().ok()?);
     let mut line = String::new();
@@ -515,7 +518,27 @@ fn serve(mut conn: TcpStream) -> Option<Request> {
         body.extend_from_slice(&chunk[..size]);
         chunked = size > 0;
     }
-    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    Some(Request {
+        method,
+        path,
+        authorization,
+        body: serde_json::from_slice(&body).unwrap_or(Value::Null),
+    })
+}
+
+/// Answers `conn`'s request with `status` and a JSON `body`, then closes.
+fn respond(mut conn: &TcpStream, status: &str, body: &str) -> Option<()> {
+    let response = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(response.as_bytes()).ok()
+}
+
+/// Reads one request, answers it as W&B's API would, and closes.
+fn serve(conn: TcpStream) -> Option<Request> {
+    let request = read_request(&conn)?;
+    let (path, body) = (&request.path, &request.body);
     let query = body["query"].as_str().unwrap_or("");
     let (status, answer) = if path == "/graphql" && query.contains("createRunFiles") {
         // `wandb sync` uploads config.yaml and wandb-summary.json: hand out
@@ -555,17 +578,8 @@ fn serve(mut conn: TcpStream) -> Option<Request> {
         // file_stream, uploads, wandb-core's telemetry.
         ("200 OK", "{}".to_owned())
     };
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{answer}",
-        answer.len()
-    );
-    conn.write_all(response.as_bytes()).ok()?;
-    Some(Request {
-        method,
-        path,
-        authorization,
-        body,
-    })
+    respond(&conn, status, &answer)?;
+    Some(request)
 }
 
 fn online_settings(dir: &Path, base_url: &str, extra: Value) -> String {
@@ -736,20 +750,26 @@ fn a_refused_key_is_not_retried() {
     let base_url = format!("http://{}", listener.local_addr().unwrap());
     let count = Arc::new(Mutex::new(0));
     let seen = Arc::clone(&count);
+    // Only this test's key is counted: a test that probes a closed port
+    // could reach this listener if the kernel hands the port out again.
+    let key = format!("Basic {}", crate::online::base64(b"api:refused-key"));
     thread::spawn(move || {
-        for mut conn in listener.incoming().flatten() {
-            let mut buf = [0u8; 65536];
-            let _ = conn.read(&mut buf);
-            *seen.lock().unwrap() += 1;
+        for conn in listener.incoming().flatten() {
+            let Some(request) = read_request(&conn) else {
+                continue;
+            };
+            if request.authorization == key {
+                *seen.lock().unwrap() += 1;
+            }
             let body = r#"{"errors":[{"message":"invalid api key"}]}"#;
-            let _ = write!(
-                conn,
-                "HTTP/1.1 401 Unauthorized\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
+            let _ = respond(&conn, "401 Unauthorized", body);
         }
     });
-    let settings = online_settings(&dir, &base_url, json!({"max_retries": 3}));
+    let settings = online_settings(
+        &dir,
+        &base_url,
+        json!({"max_retries": 3, "api_key": "refused-key"}),
+    );
     let mut t = WandbTracker::new(&settings, Env::default()).unwrap();
     t.start("proj", "{}").unwrap();
     t.log(row(0).as_slice(), Some(0)).unwrap();
