@@ -104,6 +104,9 @@ fn check_env_contract(launcher: &str) {
             .is_some_and(|p| !p.is_empty()));
         // Every rank met the others at the launcher's rendezvous store.
         assert_eq!(r["joined"], 4);
+        // Each rank leads a session of its own, as torchrun's workers: with
+        // the kernel's autogroup, a session's share of the CPU each.
+        assert_eq!(r["sid"], r["pid"], "rank {i} leads no session: {r}");
     }
 }
 
@@ -182,6 +185,23 @@ fn sigint_to_accel_reaches_every_rank() {
     assert_eq!(out.status.code(), Some(130), "{}", describe(&out));
     assert!(String::from_utf8_lossy(&out.stderr).contains("accel received SIGINT"));
     assert_no_leftovers(&marker);
+}
+
+/// `kill -9` of `accel launch` itself: the local launcher's ranks die with
+/// it (their parent-death signal); under mpirun, mpirun dies with accel and
+/// the ranks with mpirun (`__rank-exec` sets theirs), so the probes, which
+/// are no MPI programs and would never notice mpirun is gone, are not left
+/// running. Before `__rank-exec` set it, the mpi case left every rank behind.
+#[test]
+fn kill_9_of_accel_leaves_no_rank_behind() {
+    for launcher in ["local", "mpi"] {
+        let dir = tempfile::tempdir().unwrap();
+        let marker = dir.path().to_str().unwrap().to_owned();
+        let mut child = hanging_job_under(launcher, dir.path(), &[]);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_no_leftovers(&marker);
+    }
 }
 
 /// Under mpirun, accel supervises one process (mpirun), not the ranks: the

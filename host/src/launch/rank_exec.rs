@@ -1,6 +1,10 @@
 //! `accel __rank-exec -- PROGRAM ARGS`: the first thing a rank started by
 //! mpirun or srun runs. It sets the env contract's rank variables from the
-//! process manager's own and replaces itself with PROGRAM.
+//! process manager's own, moves to a session of its own (as torchrun's
+//! workers and the local launcher's ranks; see the supervisor's docs) and
+//! replaces itself with PROGRAM, which dies with mpirun (`kill -9` of
+//! `accel launch` leaves no rank behind). mpirun and the launcher's
+//! supervisor still reach it: they signal ranks by pid.
 //!
 //! Under srun, started by `accel launch` (whose store is at
 //! `MASTER_ADDR:MASTER_PORT`), it instead runs PROGRAM as its child and
@@ -42,10 +46,49 @@ pub fn run(program: &str, args: &[String]) -> anyhow::Result<i32> {
     if let (true, Some(store)) = (manager.name == "srun", store) {
         return wait_under_srun(program, args, &vars, &store);
     }
+    new_session();
+    die_with_parent()?;
     let err = Command::new(program).args(args).envs(vars).exec();
     Err(anyhow::anyhow!(
         "__rank-exec: cannot run `{program}`: {err}"
     ))
+}
+
+/// Moves this process to a session (and process group) of its own, both
+/// with its pid. mpirun makes each rank a process group leader, which
+/// `setsid` refuses, so the rank first joins its session leader's group
+/// (the group it led is then empty, and gone). A signal mpirun sends to the
+/// rank or to its group still reaches it. Where either call fails, the rank
+/// stays where it was.
+fn new_session() {
+    // SAFETY: these calls change only this process's group and session.
+    unsafe {
+        if libc::getpgrp() == libc::getpid() {
+            libc::setpgid(0, libc::getsid(0));
+        }
+        libc::setsid();
+    }
+}
+
+/// Makes the kernel SIGKILL this process (and so PROGRAM, which keeps the
+/// setting across exec) when mpirun, its parent, ends: the supervisor's
+/// parent-death signal takes mpirun down with a killed `accel launch`, and
+/// this takes the ranks down with mpirun, so `kill -9` of the launcher
+/// leaves no rank behind (ranks that are not MPI programs, or are stuck,
+/// would not notice mpirun is gone). A parent already gone is an error.
+fn die_with_parent() -> anyhow::Result<()> {
+    // SAFETY: prctl sets only this process's parent-death signal.
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) } != 0 {
+        anyhow::bail!(
+            "__rank-exec: cannot set the parent-death signal: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    // SAFETY: getppid only reads this process's parent.
+    if unsafe { libc::getppid() } == 1 {
+        anyhow::bail!("__rank-exec: mpirun, which started this rank, is gone");
+    }
+    Ok(())
 }
 
 /// The signals passed on to the program (what `scancel` and srun send).
