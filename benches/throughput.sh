@@ -7,7 +7,9 @@
 # reduce-scatter overlap on: the defaults, plus `fsdp_forward_prefetch` and
 # `fsdp_backward_prefetch: BACKWARD_PRE` as `accelerate config` writes
 # them), beside Python Accelerate DDP (torchrun, 2 gloo ranks) on the same
-# model, data and optimizer, and one process alone on the same global batch
+# model, data and optimizer, PyTorch's FSDP2 on the same units (`--fsdp` of
+# the peers: Accelerate itself falls back to DDP on a CPU-only machine), and
+# one process alone on the same global batch
 # (the same program without `accel launch`: every core, no communication;
 # the ceiling). With LOAD=1 the same runs happen with one competing
 # CPU-bound process per core.
@@ -17,12 +19,14 @@
 # the machine hits every column alike. The exposed fraction is DDP's
 # communication time left after backward with overlap (the mean per synced
 # step the plugin logs at debug level) over the same time without overlap
-# (all of the all-reduce), rank 0's.
+# (all of the all-reduce), rank 0's. Only the DDP columns log at debug
+# level: a debug line per step costs the sharded columns 5-10 % on the
+# small mlp.
 #
 # Usage: bash benches/throughput.sh [OUT_DIR]   (needs scripts/bootstrap.sh)
 #   env: REPEATS=3 LOAD=0|1 GPT2_STEPS=20 MLP_SMALL_STEPS=1500 MLP_BIG_STEPS=100
 #        WORKLOADS="mlp_small mlp_big gpt2" UPDATE_BENCHMARKS=0|1
-#        BENCH_COLUMNS="ddp ddp_no_overlap fsdp zero3 peer single" (also: zero1,
+#        BENCH_COLUMNS="ddp ddp_no_overlap fsdp zero3 peer peer_fsdp single" (also: zero1,
 #        zero1_no_overlap: ZeRO-1 with DeepSpeed's default bucket, overlap on/off;
 #        zero1_modules: a bucket per module, each all-reduced during backward)
 # Writes OUT_DIR/throughput.jsonl (one object per run), OUT_DIR/throughput.md
@@ -82,7 +86,7 @@ deepspeed_config:
 accel:
   plugins:
     accel-zero: {overlap_comm: false}"
-read -r -a columns <<<"${BENCH_COLUMNS:-ddp ddp_no_overlap fsdp zero3 peer single}"
+read -r -a columns <<<"${BENCH_COLUMNS:-ddp ddp_no_overlap fsdp zero3 peer peer_fsdp single}"
 
 # --- workloads ------------------------------------------------------------------
 # args WORKLOAD BATCH: the program's arguments (accel and peer take the same).
@@ -103,22 +107,24 @@ units() { case $1 in gpt2) echo GPT2Block ;; *) echo l1,l2,l3 ;; esac; }
 
 # run_one WORKLOAD COLUMN LOG: one run; its output in LOG.
 run_one() {
-    local w=$1 c=$2 log=$3 port=$((29600 + RANDOM % 300)) b prog=$rel/mlp extra=()
+    local w=$1 c=$2 log=$3 port=$((29600 + RANDOM % 300)) b prog=$rel/mlp extra=() log_level=warn,plugin=info
     b=$(batch "$w")
     [ "$w" = gpt2 ] && prog=$rel/gpt2
     [ "$w" = gpt2 ] || extra=(--optimizer sgd)
     # shellcheck disable=SC2046
     case $c in
-        peer)
-            local script=$mlp_peer
+        peer | peer_fsdp)
+            local script=$mlp_peer fsdp=()
             [ "$w" = gpt2 ] && script="$gpt2_peer train"
-            torchrun --nproc_per_node 2 --master_port $port $script $(args "$w" "$b") ;;
+            [ "$c" = peer_fsdp ] && fsdp=(--fsdp)
+            torchrun --nproc_per_node 2 --master_port $port $script $(args "$w" "$b") "${fsdp[@]}" ;;
         single)
             "$prog" $(args "$w" $((2 * b))) "${extra[@]}" ;;
         *)
             local flags=()
             [ "$c" = fsdp ] && flags=(--fsdp_transformer_layer_cls_to_wrap "$(units "$w")")
-            ACCEL_LOG=plugin=debug "$rel/accel" launch -q --config_file "$out/$c.yaml" "${flags[@]}" \
+            case $c in ddp | ddp_no_overlap) log_level=plugin=debug ;; esac
+            ACCEL_LOG=$log_level "$rel/accel" launch -q --config_file "$out/$c.yaml" "${flags[@]}" \
                 "$prog" $(args "$w" "$b") "${extra[@]}" ;;
     esac >"$log" 2>&1 || { cat "$log" >&2; echo "throughput.sh: $w under $c failed" >&2; exit 1; }
 }
@@ -168,7 +174,7 @@ names = {"ddp": "accel DDP", "ddp_no_overlap": "accel DDP, no overlap",
          "fsdp": "accel FSDP FULL_SHARD", "zero3": "accel ZeRO-3", "zero1": "accel ZeRO-1",
          "zero1_no_overlap": "accel ZeRO-1, no overlap",
          "zero1_modules": "accel ZeRO-1, a bucket per module", "peer": "Python Accelerate DDP",
-         "single": "one process, global batch"}
+         "peer_fsdp": "PyTorch FSDP2 FULL_SHARD", "single": "one process, global batch"}
 # Only the columns this run measured.
 names = {c: n for c, n in names.items() if any(r["column"] == c for r in rows)}
 work = {"mlp_small": "mlp h128 b32", "mlp_big": "mlp h1024 b256", "gpt2": "gpt2 6x384 b8 block128"}
@@ -176,13 +182,15 @@ def med(w, c, key="steps_per_s"):
     vals = [r[key] for r in rows if r["workload"] == w and r["column"] == c and key in r]
     return statistics.median(vals) if vals else None
 print(f"2 CPU ranks{', one competing CPU-bound process per core' if load else ', quiet machine'}; "
-      "median steps/s of the runs (× Python Accelerate DDP; the sharded columns also × accel DDP)\n")
+      "median steps/s of the runs (× Python Accelerate DDP; the sharded columns also × their own "
+      "side's DDP, and accel FSDP × PyTorch FSDP2)\n")
 print("| workload | " + " | ".join(names.values()) + " | DDP all-reduce exposed after backward |")
 print("|---" * (len(names) + 2) + "|")
 for w in work:
     if not any(r["workload"] == w for r in rows):
         continue
     peer, ddp, single = med(w, "peer"), med(w, "ddp"), med(w, "single")
+    peer_fsdp = med(w, "peer_fsdp")
     def cell(c):
         v = med(w, c)
         if v is None:
@@ -190,6 +198,10 @@ for w in work:
         ratios = [f"{v / peer:.2f}×"] if peer and c != "peer" else []
         if c.startswith(("fsdp", "zero")) and ddp:
             ratios.append(f"{v / ddp:.2f}× DDP")
+        if c == "fsdp" and peer_fsdp:
+            ratios.append(f"{v / peer_fsdp:.2f}× FSDP2")
+        if c == "peer_fsdp" and peer:
+            ratios = [f"{v / peer:.2f}× DDP"]
         if c == "ddp" and single:
             ratios.append(f"{v / single:.0%} of one process")
         return f"{v:.2f}" + (f" ({', '.join(ratios)})" if ratios else "")

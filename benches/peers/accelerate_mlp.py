@@ -1,13 +1,22 @@
 """accel's `mlp` in Python Accelerate, for side-by-side runs.
 
 torchrun --nproc_per_node 2 accelerate_mlp.py --data D --init I --hidden H \
-    --batch-size B --steps N --lr LR --loss-log FILE
+    --batch-size B --steps N --lr LR --loss-log FILE [--fsdp]
 Same model, data order (Accelerate's batch sharding, no shuffle), plain SGD
 and per-step mean loss across ranks as `mlp --loss-log` (averaged across
 ranks in one all-reduce every 20 steps, as mlp does); prints steps/s.
+
+--fsdp: PyTorch's FSDP2 (`fully_shard`, FULL_SHARD: resharded after
+forward) on l1, l2, l3 and the root instead of DDP, the units accel's FSDP
+column wraps. Accelerate turns FSDP off on a CPU-only machine (it falls
+back to MULTI_CPU, i.e. DDP), and FSDP1 refuses to run without an
+accelerator, so the model is sharded by torch itself and Accelerate
+prepares only the optimizer and the data.
 """
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
@@ -24,6 +33,7 @@ p.add_argument("--batch-size", type=int)
 p.add_argument("--steps", type=int)
 p.add_argument("--lr", type=float)
 p.add_argument("--loss-log")
+p.add_argument("--fsdp", action="store_true")
 a = p.parse_args()
 
 
@@ -40,9 +50,19 @@ acc = Accelerator()
 data = load_file(a.data)
 model = Mlp(data["x"].shape[1], a.hidden, data["y"].shape[1])
 model.load_state_dict(load_file(a.init))
-opt = torch.optim.SGD(model.parameters(), lr=a.lr)
 loader = DataLoader(TensorDataset(data["x"], data["y"]), batch_size=a.batch_size, shuffle=False)
-model, opt, loader = acc.prepare(model, opt, loader)
+if a.fsdp:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (acc.num_processes,))
+    for unit in (model.l1, model.l2, model.l3, model):
+        fully_shard(unit, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+    opt, loader = acc.prepare(opt, loader)
+else:
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+    model, opt, loader = acc.prepare(model, opt, loader)
 
 log = open(a.loss_log, "w") if acc.is_main_process and a.loss_log else None
 REPORT_EVERY = 20  # as mlp: one all-reduce of the step losses every 20 steps
@@ -77,3 +97,10 @@ secs = time.perf_counter() - start
 if log:
     log.close()
 acc.print(f"accelerate: {step} steps, loss {first:.6f} -> {last:.6f}, {step / secs:.1f} steps/s")
+# The results are out: leave without Python's teardown, where gloo's
+# threads (FSDP2's above all, and DDP's under load) can outlive the process
+# group and abort the rank ("terminate called without an active
+# exception", SIGABRT), failing the run after it measured.
+acc.end_training()
+sys.stdout.flush()
+os._exit(0)

@@ -8,9 +8,12 @@ Subcommands:
     train --model DIR --data FILE [--token-dtype u16|u32] --block-size B --batch-size N --steps K
           [--epochs E] [--lr 6e-4] [--weight-decay 0.01] [--scheduler constant|linear|cosine] [--warmup W]
           [--data-seed S] [--grad-accum G] [--max-grad-norm M] [--freeze REGEX ...]
-          [--loss-log FILE] [--save DIR]
+          [--loss-log FILE] [--save DIR] [--fsdp]
         The same loop as examples/gpt2.rs. Run with plain python (one process) or
         `torchrun --nproc_per_node 2` (CPU, gloo; `accelerate launch --cpu` starts only one process).
+        --fsdp: PyTorch's FSDP2 (`fully_shard`, FULL_SHARD) on every GPT2Block and the root instead
+        of DDP, for the benchmarks (Accelerate falls back to DDP on a CPU-only machine and FSDP1
+        needs an accelerator, so torch shards the model and Accelerate prepares the rest).
 
     logits --ids 1,2,3 --model DIR FILE [--model DIR2 FILE2 ...]
         GPT2LMHeadModel.from_pretrained(DIR) (default attention) in eval mode; writes the logits for
@@ -118,6 +121,13 @@ def cmd_train(a):
     for name, p in model.named_parameters():
         if any(re.search(f, name) for f in a.freeze):
             p.requires_grad_(False)
+    if a.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cuda" if a.cuda else "cpu", (acc.num_processes,))
+        for unit in [*model.transformer.h, model]:
+            fully_shard(unit, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
     total = a.steps * acc.num_processes
     if a.scheduler == "constant":
@@ -128,7 +138,10 @@ def cmd_train(a):
         sched = get_cosine_schedule_with_warmup(opt, a.warmup, total)
     ds = TokenWindows(a.data, a.token_dtype, a.block_size)
     dl = DataLoader(ds, batch_size=a.batch_size, shuffle=True)
-    model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
+    if a.fsdp:
+        opt, dl, sched = acc.prepare(opt, dl, sched)
+    else:
+        model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
     vocab = acc.unwrap_model(model).config.vocab_size
 
     log = open(a.loss_log, "w") if (a.loss_log and acc.is_main_process) else None
@@ -206,6 +219,7 @@ def main(argv):
     t.add_argument("--cuda", action="store_true", help="train on the GPU (default: CPU)")
     t.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
     t.add_argument("--save")
+    t.add_argument("--fsdp", action="store_true")
     lg = sub.add_parser("logits")
     lg.add_argument("--ids", required=True)
     lg.add_argument("--model", nargs=2, action="append", required=True, metavar=("DIR", "FILE"))
