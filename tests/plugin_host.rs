@@ -60,6 +60,22 @@ fn template_plugin_is_listed_ok_from_a_plugin_dir() {
     assert_eq!(list["search_path"][0]["origin"], "flag");
 }
 
+/// `accel plugins list | head -1`: a reader that leaves early is no error
+/// (no "Broken pipe" message, status 0), as with ripgrep or ls.
+#[test]
+fn a_listing_whose_reader_went_away_ends_quietly() {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = std::process::Command::new(accel_bin())
+        .args(["plugins", "list"])
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", describe(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "");
+}
+
 #[test]
 fn template_plugin_is_called_through_the_plugin_dir_and_writes_csv() {
     let dir = tempfile::tempdir().unwrap();

@@ -107,27 +107,53 @@ fn selectors(p: &Plugin) -> String {
     all.join(" ")
 }
 
+/// Width of the listing's PROVIDES column: longer lists wrap inside it.
+const PROVIDES_WIDTH: usize = 40;
+
+/// `text`'s space-separated words in lines of at most `width` characters
+/// (a longer word gets a line of its own).
+fn wrap_words(text: &str, width: usize) -> Vec<String> {
+    let mut lines: Vec<String> = Vec::new();
+    for word in text.split(' ') {
+        match lines.last_mut() {
+            Some(line) if line.len() + 1 + word.len() <= width => {
+                line.push(' ');
+                line.push_str(word);
+            }
+            _ => lines.push(word.to_owned()),
+        }
+    }
+    lines
+}
+
 fn list_text(set: &PluginSet, out: &mut dyn Write) -> std::io::Result<()> {
     // The NAME column fits the longest name (a third party's may be long).
     let names = set.plugins().iter().map(|p| p.name.len());
     let w = names
         .chain(set.shadowed().iter().map(|s| s.name.len()))
         .fold(22, usize::max);
+    let pw = PROVIDES_WIDTH;
     writeln!(
         out,
-        "{:<w$} {:<9} {:<8} {:<40} PATH",
+        "{:<w$} {:<9} {:<8} {:<pw$} PATH",
         "NAME", "VERSION", "STATUS", "PROVIDES (kind:selectors)"
     )?;
     for p in set.plugins() {
+        let provides = wrap_words(&selectors(p), pw);
+        let (first, rest) = provides
+            .split_first()
+            .map_or(("", &[][..]), |(f, r)| (f.as_str(), r));
         writeln!(
             out,
-            "{:<w$} {:<9} {:<8} {:<40} {}",
+            "{:<w$} {:<9} {:<8} {first:<pw$} {}",
             p.name,
             p.version,
             "ok",
-            selectors(p),
             p.location()
         )?;
+        for more in rest {
+            writeln!(out, "{:<w$} {:<9} {:<8} {more}", "", "", "")?;
+        }
     }
     for s in set.shadowed() {
         writeln!(
@@ -223,5 +249,43 @@ pub fn run(args: PluginsArgs, plugin_dirs: &[PathBuf], out: &mut dyn Write) -> a
                 Ok(1)
             }
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_provides_list_wraps_inside_its_column() {
+        let mut out = Vec::new();
+        list_text(&PluginSet::builtins(), &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let header = text.lines().next().unwrap();
+        let (provides_at, path_at) = (
+            header.find("PROVIDES").unwrap(),
+            header.find("PATH").unwrap(),
+        );
+        // The built-in row (its list is over 100 characters) keeps PATH
+        // in its column ...
+        let row = text.lines().nth(1).unwrap();
+        assert!(row.starts_with("accel "), "{text}");
+        assert_eq!(row.find("built-in"), Some(path_at), "{text}");
+        // ... and the rest of its list follows on lines of its own, in the
+        // PROVIDES column and no wider.
+        let more: Vec<&str> = text.lines().skip(2).collect();
+        assert!(!more.is_empty(), "{text}");
+        for line in &more {
+            assert_eq!(line.find(|c| c != ' '), Some(provides_at), "{text}");
+            assert!(line.len() <= provides_at + PROVIDES_WIDTH, "{text}");
+        }
+        for selector in ["strategy:NO", "tracker:jsonl", "launcher:slurm"] {
+            assert!(text.contains(selector), "{selector} missing:\n{text}");
+        }
+    }
+
+    #[test]
+    fn a_word_longer_than_the_width_gets_a_line_of_its_own() {
+        assert_eq!(wrap_words("ab cd efghij k", 5), ["ab cd", "efghij", "k"]);
     }
 }
