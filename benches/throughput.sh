@@ -107,7 +107,7 @@ units() { case $1 in gpt2) echo GPT2Block ;; *) echo l1,l2,l3 ;; esac; }
 
 # run_one WORKLOAD COLUMN LOG: one run; its output in LOG.
 run_one() {
-    local w=$1 c=$2 log=$3 port=$((29600 + RANDOM % 300)) b prog=$rel/mlp extra=() log_level=warn,plugin=info
+    local w=$1 c=$2 log=$3 port=$((29600 + RANDOM % 300)) b prog=$rel/mlp extra=() log_env=()
     b=$(batch "$w")
     [ "$w" = gpt2 ] && prog=$rel/gpt2
     [ "$w" = gpt2 ] || extra=(--optimizer sgd)
@@ -123,8 +123,8 @@ run_one() {
         *)
             local flags=()
             [ "$c" = fsdp ] && flags=(--fsdp_transformer_layer_cls_to_wrap "$(units "$w")")
-            case $c in ddp | ddp_no_overlap) log_level=plugin=debug ;; esac
-            ACCEL_LOG=$log_level "$rel/accel" launch -q --config_file "$out/$c.yaml" "${flags[@]}" \
+            case $c in ddp | ddp_no_overlap) log_env=(ACCEL_LOG=plugin=debug) ;; esac
+            env "${log_env[@]}" "$rel/accel" launch -q --config_file "$out/$c.yaml" "${flags[@]}" \
                 "$prog" $(args "$w" "$b") "${extra[@]}" ;;
     esac >"$log" 2>&1 || { cat "$log" >&2; echo "throughput.sh: $w under $c failed" >&2; exit 1; }
 }

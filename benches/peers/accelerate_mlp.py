@@ -58,10 +58,11 @@ if a.fsdp:
     mesh = init_device_mesh("cpu", (acc.num_processes,))
     for unit in (model.l1, model.l2, model.l3, model):
         fully_shard(unit, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+# After sharding: the optimizer steps on the sharded parameters.
+opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+if a.fsdp:
     opt, loader = acc.prepare(opt, loader)
 else:
-    opt = torch.optim.SGD(model.parameters(), lr=a.lr)
     model, opt, loader = acc.prepare(model, opt, loader)
 
 log = open(a.loss_log, "w") if acc.is_main_process and a.loss_log else None
