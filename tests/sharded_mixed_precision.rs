@@ -179,7 +179,9 @@ fn bf16_under_fsdp_and_zero_tracks_ddps_bf16_autocast() {
     assert_stdout_contains(&out, "precision bf16");
     assert_close("ZeRO-3 bf16 vs FSDP bf16", &losses(&z3_log), &fsdp, 1e-6);
     for m in memory_lines(&out, 2) {
-        assert_eq!(m["param_bytes"].as_u64(), Some(4 * chunk), "{m}");
+        // The fp32 masters, and every parameter of this small mlp whole in
+        // bf16: all are under DeepSpeed's persistence threshold.
+        assert_eq!(m["param_bytes"].as_u64(), Some(4 * chunk + 2 * n), "{m}");
     }
     let ckpt = Path::new(&zproj).join("checkpoints/checkpoint_0");
     for r in 0..2 {

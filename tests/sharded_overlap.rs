@@ -111,15 +111,10 @@ fn same_bits(
 /// bucket of their own (the default, 5e8 elements, holds a test model
 /// whole: one all-reduce when backward ends, nothing to overlap).
 fn small_buckets(dir: &Path, stage: u8) -> String {
-    let file = dir.join(format!("ds{stage}.json"));
-    std::fs::write(
-        &file,
-        format!(r#"{{"zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 1}}}}"#),
-    )
-    .unwrap();
-    format!(
-        "deepspeed_config:\n  deepspeed_config_file: {}\n",
-        file.display()
+    deepspeed_file_section(
+        dir,
+        &format!("ds{stage}"),
+        &format!(r#"{{"zero_optimization": {{"stage": {stage}, "reduce_bucket_size": 1}}}}"#),
     )
 }
 
@@ -144,6 +139,7 @@ fn prefetch_and_early_reductions_give_the_same_bits_on_2_and_3_ranks() {
         small_buckets(files.path(), 1),
         small_buckets(files.path(), 0),
     );
+    let zero3 = zero3_shard_everything(files.path(), "ds3");
     let cases = [
         // (what, strategy, gathers prefetched)
         (
@@ -175,13 +171,20 @@ fn prefetch_and_early_reductions_give_the_same_bits_on_2_and_3_ranks() {
             false,
         ),
         (
+            "ZeRO-3, every parameter sharded",
+            ("DEEPSPEED", "accel-zero", zero3.as_str()),
+            true,
+        ),
+        // DeepSpeed's persistence threshold (1e5 elements) keeps every
+        // parameter of the test mlp whole: nothing is gathered at all.
+        (
             "ZeRO-3",
             (
                 "DEEPSPEED",
                 "accel-zero",
                 "deepspeed_config:\n  zero_stage: 3\n",
             ),
-            true,
+            false,
         ),
         // Gradients whole: each bucket's all-reduce starts as its modules'
         // gradients are in (ZeRO-1 then steps on its chunks).

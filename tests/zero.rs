@@ -6,7 +6,7 @@
 use accel_integration_tests::{
     adamw_mlp_args, assert_weights_close, describe, launch_mlp, launch_with_config, log_values,
     max_abs_diff, memory_lines, read_weights, refused, run_ok, write_config,
-    write_deepspeed_config, StopResume,
+    write_deepspeed_config, zero3_shard_everything, StopResume,
 };
 use serde_json::Value;
 use std::{
@@ -47,14 +47,28 @@ fn every_stage_reaches_ddps_weights_on_2_and_4_ranks() {
         );
         let want = read_weights(&ddp);
         let offload = "  offload_optimizer_device: cpu\n  offload_param_device: cpu\n";
-        for (stage, extra) in [(0, ""), (1, ""), (2, ""), (3, ""), (3, offload)] {
+        // DeepSpeed's persistence threshold keeps every parameter of this
+        // mlp whole at stage 3; with it at 0 every one is sharded.
+        let everything = zero3_shard_everything(dir.path(), "everything");
+        let sharded = everything.trim_start_matches("deepspeed_config:\n");
+        for (case, (stage, extra)) in [
+            (0, ""),
+            (1, ""),
+            (2, ""),
+            (3, ""),
+            (3, offload),
+            (3, sharded),
+        ]
+        .into_iter()
+        .enumerate()
+        {
             let config = zero_config(
                 dir.path(),
-                &format!("z{stage}n{ranks}.yaml"),
+                &format!("z{case}n{ranks}.yaml"),
                 ranks,
                 &format!("  zero_stage: {stage}\n{extra}"),
             );
-            let saved = dir.path().join(format!("z{stage}n{ranks}.safetensors"));
+            let saved = dir.path().join(format!("z{case}n{ranks}.safetensors"));
             let out = zero_mlp(&config, &with(&["--save", saved.to_str().unwrap()]));
             assert!(
                 String::from_utf8_lossy(&out.stdout).contains("strategy zero (accel-zero)"),
@@ -127,16 +141,24 @@ fn four_ranks_hold_a_quarter_of_the_optimizer_state_from_stage_1_gradients_from_
 ) {
     let dir = tempfile::tempdir().unwrap();
     let ddp = memory_lines(&launch_mlp(4, &with(&["--print-memory"])), 4);
-    let stage = |s: u32| {
-        let config = zero_config(
-            dir.path(),
-            &format!("z{s}.yaml"),
-            4,
-            &format!("  zero_stage: {s}\n"),
-        );
+    let run = |name: &str, lines: &str| {
+        let config = zero_config(dir.path(), &format!("{name}.yaml"), 4, lines);
         memory_lines(&zero_mlp(&config, &with(&["--print-memory"])), 4)
     };
-    let (z0, z1, z2, z3) = (stage(0), stage(1), stage(2), stage(3));
+    let stage = |s: u32| run(&format!("z{s}"), &format!("  zero_stage: {s}\n"));
+    let everything = zero3_shard_everything(dir.path(), "everything");
+    let (z0, z1, z2, z3) = (
+        stage(0),
+        stage(1),
+        stage(2),
+        run(
+            "z3-sharded",
+            everything.trim_start_matches("deepspeed_config:\n"),
+        ),
+    );
+    // DeepSpeed's default persistence threshold (1e5 elements): every
+    // parameter of this mlp stays whole beside its quarter.
+    let persisted = stage(3);
     let n = |v: &Value, k: &str| v[k].as_u64().unwrap() as f64;
     for r in 0..4 {
         let (d, a, b, c, e) = (&ddp[r], &z0[r], &z1[r], &z2[r], &z3[r]);
@@ -148,7 +170,7 @@ fn four_ranks_hold_a_quarter_of_the_optimizer_state_from_stage_1_gradients_from_
         assert_eq!(n(a, "grad_bytes"), grads, "{a}");
         // From stage 1 on, each rank's optimizer state covers a quarter
         // (its partition, padded to a multiple of 4 elements).
-        for z in [b, c, e] {
+        for z in [b, c, e, &persisted[r]] {
             let ratio = n(z, "optimizer_state_bytes") / opt;
             assert!(
                 (0.25..0.27).contains(&ratio),
@@ -162,19 +184,26 @@ fn four_ranks_hold_a_quarter_of_the_optimizer_state_from_stage_1_gradients_from_
         }
         // Stage 1 keeps the full gradients; stages 2 and 3 only a quarter.
         assert!(n(b, "grad_bytes") >= grads, "{b}");
-        for z in [c, e] {
+        for z in [c, e, &persisted[r]] {
             let ratio = n(z, "grad_bytes") / grads;
             assert!((0.25..0.27).contains(&ratio), "gradient ratio {ratio}: {z}");
             assert!(n(z, "peak_bytes") >= n(z, "param_bytes"), "{z}");
         }
         // Stages 1 and 2 keep every parameter (plus their fp32 partition);
-        // stage 3 holds only its quarter between steps.
+        // stage 3 holds only its quarter between steps, or, under the
+        // default threshold, every (small) parameter whole beside it.
         let params = n(d, "param_bytes");
         assert!(n(c, "param_bytes") >= params, "{c}");
         let ratio = n(e, "param_bytes") / params;
         assert!(
             (0.25..0.27).contains(&ratio),
             "parameter ratio {ratio}: {e}"
+        );
+        let ratio = n(&persisted[r], "param_bytes") / params;
+        assert!(
+            (1.25..1.27).contains(&ratio),
+            "parameter ratio {ratio} with persistent parameters: {}",
+            persisted[r]
         );
     }
 }

@@ -30,6 +30,11 @@
 //! * step: the optimizer updates the chunks; when parameters are not
 //!   sharded (ZeRO-1/2) the chunks are all-gathered back into them.
 //!
+//! Persistent parameters ([`Persistence`], DeepSpeed ZeRO-3's small
+//! parameters) are the exception to "freed outside compute": they keep
+//! their data, a unit's gather and reshard skip them, and after each step
+//! they are all-gathered from their stepped chunks in one collective.
+//!
 //! Gradient accumulation: sharded gradients are reduce-scattered on every
 //! micro-step and summed in the chunks (PyTorch FSDP's behaviour outside
 //! `no_sync`), which needs no whole-model gradient buffer; all-reduced
@@ -72,5 +77,6 @@ pub use config_keys::{check_keys, report_warnings, validate_parsed};
 pub use engine::Sharded;
 pub use plan::{
     dtype_name, machine_memory, memory_may_be_the_limit, precision_dtype, refuse_unsupported,
-    BackwardPrefetch, Dtypes, EngineSettings, Overlap, Plan, WrapPolicy, ESTIMATED_STATE_SLOTS,
+    BackwardPrefetch, Dtypes, EngineSettings, Overlap, Persistence, Plan, WrapPolicy,
+    ESTIMATED_STATE_SLOTS,
 };

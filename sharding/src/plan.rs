@@ -69,6 +69,69 @@ pub struct Plan {
     /// backward is done (DeepSpeed's `reduce_bucket_size`). `None`: a
     /// bucket per unit (FSDP's NO_SHARD).
     pub reduce_bucket: Option<i64>,
+    /// With `shard_params`: the small parameters that stay whole on every
+    /// rank (DeepSpeed ZeRO-3's persistent parameters; FSDP: none).
+    pub persistence: Persistence,
+}
+
+/// The parameters small enough to stay whole on every rank while the rest
+/// are sharded (DeepSpeed ZeRO-3's `stage3_param_persistence_threshold` and
+/// `stage3_model_persistence_threshold`). They are never freed after a
+/// unit's forward or backward, so a unit holding only such parameters (a
+/// LayerNorm, a bias-only module) costs no gather at all, only its
+/// gradients' reduce-scatter. Their chunks are still what the optimizer
+/// steps on: after each optimizer step all of them are all-gathered again,
+/// in one collective (DeepSpeed's `_post_step`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Persistence {
+    /// A parameter of at most this many elements stays whole
+    /// (`stage3_param_persistence_threshold`).
+    pub param_elements: u64,
+    /// ... while the whole ones, taken in parameter order, total at most
+    /// this many elements (`stage3_model_persistence_threshold`).
+    pub model_elements: u64,
+}
+
+impl Persistence {
+    /// Every parameter sharded (FSDP; a threshold of 0).
+    pub const NONE: Persistence = Persistence {
+        param_elements: 0,
+        model_elements: 0,
+    };
+
+    /// DeepSpeed's defaults: parameters of up to 1e5 elements, however many.
+    pub const DEEPSPEED: Persistence = Persistence {
+        param_elements: 100_000,
+        model_elements: u64::MAX,
+    };
+
+    /// The indices of the parameters (of `numels` elements each, in model
+    /// order) that stay whole, as DeepSpeed marks them: each of at most
+    /// `param_elements`, skipped once it would take the total past
+    /// `model_elements`. Parameters without elements are never chosen.
+    ///
+    /// ```
+    /// use accel_sharding::Persistence;
+    /// let p = Persistence { param_elements: 100, model_elements: 150 };
+    /// // 120 is too big; 80 + 60 fit in 150, 40 more would not; 10 does.
+    /// assert_eq!(p.choose(&[80, 120, 60, 40, 0, 10]), vec![0, 2, 5]);
+    /// assert!(Persistence::NONE.choose(&[1, 2]).is_empty());
+    /// ```
+    pub fn choose(&self, numels: &[i64]) -> Vec<usize> {
+        let mut total = 0u64;
+        let mut chosen = Vec::new();
+        for (i, &n) in numels.iter().enumerate() {
+            let n = n.max(0) as u64;
+            if n == 0 || total.saturating_add(n) > self.model_elements {
+                continue;
+            }
+            if n <= self.param_elements {
+                chosen.push(i);
+                total += n;
+            }
+        }
+        chosen
+    }
 }
 
 /// The dtypes the engine computes and reduces in, apart from the fp32
@@ -295,6 +358,7 @@ impl Plan {
             release_freed_memory: Some(true),
             overlap: Overlap::NONE,
             reduce_bucket: None,
+            persistence: Persistence::NONE,
         }
     }
 }

@@ -530,21 +530,33 @@ pub fn write_zero_config(dir: &Path, name: &str, stage: u32) -> PathBuf {
     )
 }
 
+/// A `deepspeed_config` section whose `deepspeed_config_file` is
+/// `<dir>/<name>.json`, written with `json`.
+pub fn deepspeed_file_section(dir: &Path, name: &str, json: &str) -> String {
+    let file = dir.join(format!("{name}.json"));
+    std::fs::write(&file, json).unwrap();
+    format!(
+        "deepspeed_config:\n  deepspeed_config_file: {}\n",
+        file.display()
+    )
+}
+
+/// A `deepspeed_config` section for ZeRO-3 with every parameter sharded
+/// (`stage3_param_persistence_threshold: 0`; DeepSpeed's default keeps a
+/// test model's small parameters whole), its file `<dir>/<name>.json`.
+pub fn zero3_shard_everything(dir: &Path, name: &str) -> String {
+    deepspeed_file_section(
+        dir,
+        name,
+        r#"{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}"#,
+    )
+}
+
 /// A 2-rank DEEPSPEED config `<dir>/<name>.yaml` whose
 /// `deepspeed_config_file` is `<dir>/<name>.json`, written with `json`.
 pub fn write_deepspeed_config(dir: &Path, name: &str, json: &str) -> PathBuf {
-    let file = dir.join(format!("{name}.json"));
-    std::fs::write(&file, json).unwrap();
-    write_config(
-        dir,
-        &format!("{name}.yaml"),
-        "DEEPSPEED",
-        2,
-        &format!(
-            "deepspeed_config:\n  deepspeed_config_file: {}\n",
-            file.display()
-        ),
-    )
+    let section = deepspeed_file_section(dir, name, json);
+    write_config(dir, &format!("{name}.yaml"), "DEEPSPEED", 2, &section)
 }
 
 /// `accel launch -q --config_file <config> mlp <args>`, not yet run.

@@ -18,10 +18,14 @@
 //! | strategy | parameters | gradients | optimizer | peak |
 //! | --- | --- | --- | --- | --- |
 //! | DDP | P | P | 2P | 4P + one bucket (min(P, bucket_cap_mb)) |
-//! | ZeRO-1 | P + P/N (the partition's copy) | P + P/N | 2P/N | 2P + 4P/N |
-//! | ZeRO-2 | P + P/N | P/N | 2P/N | P + 4P/N + L (one module's whole gradients at a time: each is reduce-scattered as its backward ends) |
-//! | ZeRO-3 | P/N | P/N | 2P/N | 4P/N + 3L (a unit gathered with its gradients, the next prefetched, the gradients of the unit whose reduce-scatter is in flight) |
+//! | ZeRO-1 | P + P/N (the partition's copy) | P + P/N | 2P/N | 2P + 4P/N + L + L/N (a module all-gathered back into the parameters after a step) |
+//! | ZeRO-2 | P + P/N | P/N | 2P/N | P + 4P/N + L + L/N (the same; in backward, one module's whole gradients at a time: each is reduce-scattered as its backward ends) |
+//! | ZeRO-3 | P/N + K | P/N | 2P/N | 4P/N + K + max(3L, K + K/N) (a unit gathered with its gradients, the next prefetched, the gradients of the unit whose reduce-scatter is in flight; or the persistent parameters' all-gather after a step) |
 //! | FSDP (FULL_SHARD) | P/N | P/N | 2P/N | 4P/N + 3L (the same) |
+//!
+//! K is the persistent parameters ZeRO-3 keeps whole on every rank: the
+//! tensors of at most 1e5 elements (DeepSpeed's default
+//! `stage3_param_persistence_threshold`, which accel-zero follows).
 //!
 //! A "layer" is what Accelerate treats as one: the tensors under a numbered
 //! block (`transformer.h.3.*`), else those of one module
@@ -148,7 +152,14 @@ pub struct ModelSize {
     pub dtypes: BTreeMap<String, usize>,
     /// The largest layer and its elements.
     pub largest_layer: (String, u64),
+    /// Elements of the tensors ZeRO-3 keeps whole on every rank (those of
+    /// at most [`PERSISTENCE_THRESHOLD`] elements).
+    pub persistent: u64,
 }
+
+/// DeepSpeed's default `stage3_param_persistence_threshold`, accel-zero's
+/// too: ZeRO-3 keeps a tensor of at most this many elements whole.
+pub const PERSISTENCE_THRESHOLD: u64 = 100_000;
 
 impl ModelSize {
     /// Sizes from a checkpoint's headers; an error names a tensor whose
@@ -160,6 +171,7 @@ impl ModelSize {
             stored_bytes: 0,
             dtypes: BTreeMap::new(),
             largest_layer: (String::new(), 0),
+            persistent: 0,
         };
         let mut layers: BTreeMap<&str, u64> = BTreeMap::new();
         for (name, info) in ckpt.tensors() {
@@ -179,6 +191,9 @@ impl ModelSize {
                     )
                 })?;
             size.parameters = size.parameters.saturating_add(numel);
+            if numel <= PERSISTENCE_THRESHOLD {
+                size.persistent += numel;
+            }
             size.tensors += 1;
             size.stored_bytes = size
                 .stored_bytes
@@ -215,9 +230,14 @@ pub struct RankMemory {
 }
 
 /// Per-rank memory of each strategy on `n` processes for a model of `p`
-/// fp32 bytes whose largest layer has `l` fp32 bytes (see the module docs).
-pub fn per_rank(p: u64, l: u64, n: u64, bucket_bytes: u64) -> Vec<RankMemory> {
-    let shard = p.div_ceil(n.max(1));
+/// fp32 bytes whose largest layer has `l` fp32 bytes and whose persistent
+/// tensors (ZeRO-3 keeps them whole) `k` (see the module docs).
+pub fn per_rank(p: u64, l: u64, k: u64, n: u64, bucket_bytes: u64) -> Vec<RankMemory> {
+    let n = n.max(1);
+    let shard = p.div_ceil(n);
+    // After a step ZeRO-1/2 all-gather each module back (its part sent,
+    // the whole received).
+    let regather = l + l.div_ceil(n);
     let row = |strategy, param_bytes, grad_bytes, optimizer_bytes, peak_bytes| RankMemory {
         strategy,
         param_bytes,
@@ -227,9 +247,27 @@ pub fn per_rank(p: u64, l: u64, n: u64, bucket_bytes: u64) -> Vec<RankMemory> {
     };
     vec![
         row("DDP", p, p, 2 * p, 4 * p + p.min(bucket_bytes)),
-        row("ZeRO-1", p + shard, p + shard, 2 * shard, 2 * p + 4 * shard),
-        row("ZeRO-2", p + shard, shard, 2 * shard, p + 4 * shard + l),
-        row("ZeRO-3", shard, shard, 2 * shard, 4 * shard + 3 * l),
+        row(
+            "ZeRO-1",
+            p + shard,
+            p + shard,
+            2 * shard,
+            2 * p + 4 * shard + regather,
+        ),
+        row(
+            "ZeRO-2",
+            p + shard,
+            shard,
+            2 * shard,
+            p + 4 * shard + regather,
+        ),
+        row(
+            "ZeRO-3",
+            shard + k,
+            shard,
+            2 * shard,
+            4 * shard + k + (3 * l).max(k + k.div_ceil(n)),
+        ),
         row("FSDP", shard, shard, 2 * shard, 4 * shard + 3 * l),
     ]
 }
@@ -342,7 +380,7 @@ pub fn run(
     let p = size.fp32_bytes();
     let l = size.largest_layer.1 * 4;
     let bucket = (args.bucket_cap_mb * 1024.0 * 1024.0) as u64;
-    let ranks = per_rank(p, l, u64::from(n), bucket);
+    let ranks = per_rank(p, l, size.persistent * 4, u64::from(n), bucket);
     let location = args.model.display().to_string();
     if args.json {
         let dtypes: Vec<Value> = args
@@ -377,6 +415,7 @@ pub fn run(
             "stored_bytes": size.stored_bytes,
             "stored_dtypes": size.dtypes,
             "largest_layer": {"name": size.largest_layer.0, "parameters": size.largest_layer.1},
+            "persistent_parameters": size.persistent,
             "dtypes": dtypes,
             "num_processes": n,
             "strategies": strategies,
@@ -449,8 +488,9 @@ pub fn run(
     )?;
     writeln!(
         out,
-        "fp32 parameters and Adam moments, activations not included; the ZeRO-3 and FSDP peaks add 3 times the largest layer ({}) for the units being gathered and reduced, ZeRO-2's once",
-        human(l as f64)
+        "fp32 parameters and Adam moments, activations not included; the ZeRO-3 and FSDP peaks add 3 times the largest layer ({}) for the units being gathered and reduced, ZeRO-1's and ZeRO-2's once and a part for its all-gather after each step; ZeRO-3 keeps the {} of tensors of at most {PERSISTENCE_THRESHOLD} elements whole on every rank (DeepSpeed's stage3_param_persistence_threshold)",
+        human(l as f64),
+        human((size.persistent * 4) as f64),
     )?;
     Ok(0)
 }
@@ -479,12 +519,20 @@ mod tests {
 
     #[test]
     fn sharding_divides_what_each_stage_shards() {
-        let r = per_rank(1000, 100, 4, 1 << 20);
+        let r = per_rank(1000, 100, 0, 4, 1 << 20);
         assert_eq!(r[0].peak_bytes, 5000);
         assert_eq!(r[1].optimizer_bytes, 500);
-        assert_eq!((r[2].grad_bytes, r[2].peak_bytes), (250, 2100));
+        assert_eq!((r[1].param_bytes, r[1].peak_bytes), (1250, 3125));
+        assert_eq!((r[2].grad_bytes, r[2].peak_bytes), (250, 2125));
         assert_eq!((r[3].param_bytes, r[3].peak_bytes), (250, 1300));
         assert_eq!(r[4].peak_bytes, 1300);
+        // 40 persistent bytes: held whole by ZeRO-3 only.
+        let r = per_rank(1000, 100, 40, 4, 1 << 20);
+        assert_eq!((r[3].param_bytes, r[3].peak_bytes), (290, 1340));
+        assert_eq!((r[4].param_bytes, r[4].peak_bytes), (250, 1300));
+        // Persistent tensors larger than 3 layers: their gather is the peak.
+        let r = per_rank(1000, 10, 400, 4, 1 << 20);
+        assert_eq!(r[3].peak_bytes, 1000 + 400 + 400 + 100);
     }
 
     #[test]

@@ -22,7 +22,7 @@
 //! README).
 
 use accel_sdk::{Component, HostContextBox, PluginError, RunOverrides, StateDictKind, StrategyBox};
-use accel_sharding::{Overlap, Plan, Sharded};
+use accel_sharding::{Overlap, Persistence, Plan, Sharded};
 use settings::{Settings, ShardingStrategy, StateDictType, WrapPolicy};
 
 pub mod settings;
@@ -70,6 +70,7 @@ pub fn plan(s: &Settings) -> Plan {
         // NO_SHARD: each unit's gradients all-reduced as its backward ends,
         // as PyTorch's FSDP does.
         reduce_bucket: None,
+        persistence: Persistence::NONE,
     }
 }
 

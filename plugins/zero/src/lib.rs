@@ -83,6 +83,7 @@ fn plan(s: &settings::Settings) -> Plan {
         // backward (prefetching is a no-op below stage 3).
         overlap: s.overlap,
         reduce_bucket: Some(s.reduce_bucket),
+        persistence: s.persistence,
     }
 }
 

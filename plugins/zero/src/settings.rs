@@ -7,7 +7,7 @@ use accel_sdk::{
     tch::Kind,
     PluginError,
 };
-use accel_sharding::{dtype_name, BackwardPrefetch, Overlap};
+use accel_sharding::{dtype_name, BackwardPrefetch, Overlap, Persistence};
 use std::path::Path;
 
 use crate::PLUGIN;
@@ -31,6 +31,10 @@ pub struct Settings {
     /// DeepSpeed file's `zero_optimization.reduce_bucket_size`, else
     /// DeepSpeed's default 5e8): modules are averaged together up to it.
     pub reduce_bucket: i64,
+    /// Stage 3: the parameters that stay whole on every rank (the DeepSpeed
+    /// file's `stage3_param_persistence_threshold`, default 1e5 elements,
+    /// and `stage3_model_persistence_threshold`, default unlimited).
+    pub persistence: Persistence,
     /// `gradient_accumulation_steps` (config or file), which wins over the
     /// program's, as DeepSpeed's does in Accelerate.
     pub gradient_accumulation_steps: Option<u32>,
@@ -199,6 +203,10 @@ pub struct FileValues {
     pub prefetch_bucket: Option<f64>,
     /// `zero_optimization.reduce_bucket_size`.
     pub reduce_bucket: Option<f64>,
+    /// `zero_optimization.stage3_param_persistence_threshold`.
+    pub param_persistence: Option<f64>,
+    /// `zero_optimization.stage3_model_persistence_threshold`.
+    pub model_persistence: Option<f64>,
     /// The `optimizer` section, checked.
     pub optimizer: Option<Value>,
     /// The `scheduler` section, checked.
@@ -297,6 +305,21 @@ pub fn file_values(
         zero.get("reduce_bucket_size").unwrap_or(&Value::Null),
         &format!("{file}: zero_optimization.reduce_bucket_size"),
     )?;
+    // DeepSpeed reads these under their `stage3_` names or without it.
+    let threshold = |what: &str| {
+        let key = format!("stage3_{what}_persistence_threshold");
+        let (key, v) = match zero.get(&key) {
+            Some(v) => (key, v),
+            None => {
+                let short = format!("{what}_persistence_threshold");
+                let v = zero.get(&short).unwrap_or(&Value::Null);
+                (short, v)
+            }
+        };
+        number_of(v, &format!("{file}: zero_optimization.{key}"))
+    };
+    let param_persistence = threshold("param")?;
+    let model_persistence = threshold("model")?;
     // The optimizer and scheduler the host builds (the program asks for
     // them, as Accelerate's DummyOptim / DummyScheduler): checked here so
     // that a type accel lacks is refused when the strategy is made.
@@ -338,6 +361,8 @@ pub fn file_values(
         overlap_comm,
         prefetch_bucket,
         reduce_bucket,
+        param_persistence,
+        model_persistence,
         optimizer,
         scheduler,
         file: file.to_owned(),
@@ -555,10 +580,23 @@ pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, 
     let overlap = overlap_of(&file);
     // DeepSpeed's default; at least one element.
     let reduce_bucket = file.reduce_bucket.unwrap_or(5e8).clamp(1.0, 1e18) as i64;
+    // Absent or "auto": DeepSpeed's defaults. (Accelerate fills an "auto"
+    // param threshold with 10 × the model config's hidden_size; accel's
+    // strategies see tensors, not a model config.)
+    let defaults = Persistence::DEEPSPEED;
+    let persistence = Persistence {
+        param_elements: file
+            .param_persistence
+            .map_or(defaults.param_elements, |x| x as u64),
+        model_elements: file
+            .model_persistence
+            .map_or(defaults.model_elements, |x| x as u64),
+    };
     Ok(Settings {
         stage,
         overlap,
         reduce_bucket,
+        persistence,
         gradient_accumulation_steps,
         mixed_precision: resolved,
         param_dtype,
@@ -611,6 +649,7 @@ mod tests {
                     reduce: true,
                 },
                 reduce_bucket: 500_000_000,
+                persistence: Persistence::DEEPSPEED,
                 config_file: None,
                 init_flag: false,
             }
@@ -745,6 +784,38 @@ mod tests {
         .unwrap();
         let s = from_section(&section(json!({})), "no").unwrap();
         assert_eq!((s.overlap.reduce, s.overlap.forward_prefetch), (true, true));
+        // Persistence thresholds, under either of DeepSpeed's names.
+        for (zero, param, model) in [
+            (r#"{"stage3_param_persistence_threshold": 0}"#, 0, u64::MAX),
+            (
+                r#"{"param_persistence_threshold": 1e3, "stage3_model_persistence_threshold": "5000"}"#,
+                1000,
+                5000,
+            ),
+            (
+                r#"{"stage3_param_persistence_threshold": "auto"}"#,
+                100_000,
+                u64::MAX,
+            ),
+        ] {
+            std::fs::write(&file, format!(r#"{{"zero_optimization": {zero}}}"#)).unwrap();
+            let s = from_section(&section(json!({})), "no").unwrap();
+            let want = Persistence {
+                param_elements: param,
+                model_elements: model,
+            };
+            assert_eq!(s.persistence, want, "{zero}");
+        }
+        std::fs::write(
+            &file,
+            r#"{"zero_optimization": {"stage3_param_persistence_threshold": -1}}"#,
+        )
+        .unwrap();
+        let m = msg(from_section(&section(json!({})), "no"));
+        assert!(
+            m.contains("zero_optimization.stage3_param_persistence_threshold must be a number >= 0, got -1"),
+            "{m}"
+        );
         std::fs::write(&file, r#"{"zero_optimization": {"overlap_comm": 1}}"#).unwrap();
         let m = msg(from_section(&section(json!({})), "no"));
         assert!(

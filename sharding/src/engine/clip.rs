@@ -54,12 +54,14 @@ impl Sharded {
             self.clip(self.plan.gradient_clipping, 2.0)?;
         }
         step.step().into_result()?;
+        // The next step's peak starts here: it holds what follows.
+        self.peak = self.resident();
         if self.plan.shard_optimizer && !self.plan.shard_params {
             for u in 0..self.units.len() {
                 self.fill_unit(u)?;
             }
         }
-        self.peak = self.resident();
-        Ok(())
+        // The whole parameters that train follow their stepped chunks.
+        self.fill_persistent(true)
     }
 }

@@ -102,36 +102,55 @@ impl Sharded {
         Ok(self.split_whole(idx, &recv))
     }
 
-    /// Unit `u`'s chunks in the compute dtype: what gathering it sends.
-    pub(super) fn unit_parts(&self, u: usize) -> Vec<Tensor> {
+    /// The chunks of the parameters `idx` in the compute dtype: what
+    /// gathering them sends.
+    pub(super) fn compute_parts(&self, idx: &[usize]) -> Vec<Tensor> {
         let compute = self.compute_kind();
-        self.units[u]
-            .params
-            .iter()
+        idx.iter()
             .map(|&i| self.chunks[i].detach().to_kind(compute))
             .collect()
     }
 
-    /// Writes the whole values `wholes` of unit `u`'s parameters into their
-    /// storage: the unit is gathered.
-    pub(super) fn fill_from(&mut self, u: usize, wholes: Vec<Tensor>) -> Result<(), PluginError> {
-        for (&i, whole) in self.units[u].params.iter().zip(&wholes) {
+    /// Writes the whole values `wholes` of the parameters `idx` into their
+    /// storage (given back first where it was freed).
+    fn fill_params(&self, idx: &[usize], wholes: Vec<Tensor>) -> Result<(), PluginError> {
+        for (&i, whole) in idx.iter().zip(&wholes) {
             shim::fill_storage(&self.params.items[i].1, whole)
                 .map_err(|e| self.err(e.to_string()))?;
         }
-        drop(wholes);
+        Ok(())
+    }
+
+    /// Writes the whole values `wholes` of unit `u`'s sharded parameters
+    /// into their storage: the unit is gathered.
+    pub(super) fn fill_from(&mut self, u: usize, wholes: Vec<Tensor>) -> Result<(), PluginError> {
+        self.fill_params(&self.units[u].shard, wholes)?;
         self.units[u].gathered = true;
         self.note_peak(0);
         Ok(())
     }
 
-    /// Writes the chunks of unit `u` back into its parameters' storage,
-    /// all-gathered in the compute dtype.
+    /// Writes the chunks of unit `u`'s sharded parameters back into their
+    /// storage, all-gathered in the compute dtype.
     pub(super) fn fill_unit(&mut self, u: usize) -> Result<(), PluginError> {
-        let idx = self.units[u].params.clone();
-        let parts = self.unit_parts(u);
-        let wholes = self.gather_whole(&idx, &parts)?;
+        let idx = self.units[u].shard.clone();
+        let wholes = self.gather_whole(&idx, &self.compute_parts(&idx))?;
         self.fill_from(u, wholes)
+    }
+
+    /// Writes the persistent parameters (all, or `only_trained`: those that
+    /// train, the ones a step changes) from their chunks, all-gathered in
+    /// one collective.
+    pub(super) fn fill_persistent(&mut self, only_trained: bool) -> Result<(), PluginError> {
+        let idx = if only_trained {
+            self.trainable(&self.persistent)
+        } else {
+            self.persistent.clone()
+        };
+        let wholes = self.gather_whole(&idx, &self.compute_parts(&idx))?;
+        self.fill_params(&idx, wholes)?;
+        self.note_peak(0);
+        Ok(())
     }
 
     /// Gathers unit `u` unless it is: from its prefetch when one is in
@@ -146,11 +165,13 @@ impl Sharded {
         }
     }
 
+    /// Frees unit `u`'s sharded parameters (a unit of persistent ones only
+    /// stays gathered).
     pub(super) fn reshard(&mut self, u: usize) -> Result<(), PluginError> {
-        if !self.plan.shard_params || !self.units[u].gathered {
+        if !self.plan.shard_params || !self.units[u].gathered || self.units[u].shard.is_empty() {
             return Ok(());
         }
-        for &i in &self.units[u].params {
+        for &i in &self.units[u].shard {
             shim::free_storage(&self.params.items[i].1).map_err(|e| self.err(e.to_string()))?;
         }
         self.units[u].gathered = false;

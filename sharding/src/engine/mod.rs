@@ -26,7 +26,10 @@ mod tests;
 struct Unit {
     name: String,
     params: Vec<usize>,
-    /// Whether the parameters hold their data now.
+    /// The parameters gathered for its compute and freed after: all of
+    /// `params` but the persistent ones.
+    shard: Vec<usize>,
+    /// Whether the `shard` parameters hold their data now.
     gathered: bool,
     /// Whether `post_unit_backward` ran in this backward pass.
     done: bool,
@@ -57,6 +60,9 @@ pub struct Sharded {
     /// This rank's chunk of every parameter (when anything is sharded).
     chunks: Vec<Tensor>,
     units: Vec<Unit>,
+    /// The parameters that stay whole while the rest are sharded (the
+    /// plan's [`Persistence`](crate::Persistence)), in model order.
+    persistent: Vec<usize>,
     /// Shard group size and this rank's index in it.
     group: i64,
     group_rank: i64,
@@ -101,6 +107,7 @@ impl Sharded {
             chunk_len: Vec::new(),
             chunks: Vec::new(),
             units: Vec::new(),
+            persistent: Vec::new(),
             group: 1,
             group_rank: 0,
             master: Kind::Float,
@@ -244,11 +251,19 @@ impl Sharded {
                 && memory_may_be_the_limit(whole, self.ctx.local_world_size(), machine_memory())
         });
         self.cast_params();
+        if self.plan.shard_params {
+            self.persistent = self.plan.persistence.choose(&self.numels);
+        }
         self.units = units
             .iter()
             .map(|(name, params)| Unit {
                 name: name.clone(),
                 params: params.clone(),
+                shard: params
+                    .iter()
+                    .copied()
+                    .filter(|i| !self.persistent.contains(i))
+                    .collect(),
                 gathered: true,
                 done: false,
             })
@@ -257,6 +272,8 @@ impl Sharded {
             for u in 0..self.units.len() {
                 self.reshard(u)?;
             }
+            // Under mixed precision they were made anew, unread.
+            self.fill_persistent(false)?;
         }
         self.peak = self.resident();
         Ok(self

@@ -87,7 +87,7 @@ impl Sharded {
         if !self.plan.shard_params || self.units[u].gathered || self.prefetched.contains_key(&u) {
             return Ok(());
         }
-        let send = self.gather_send(&self.unit_parts(u));
+        let send = self.gather_send(&self.compute_parts(&self.units[u].shard));
         let mut recv = self.gather_recv(&send);
         let handle = self
             .ctx
@@ -102,8 +102,7 @@ impl Sharded {
     pub(super) fn land_prefetch(&mut self, u: usize, flight: Prefetch) -> Result<(), PluginError> {
         self.ctx.wait(flight.handle).into_result()?;
         self.counts.prefetched += 1;
-        let idx = self.units[u].params.clone();
-        let wholes = self.split_whole(&idx, &flight.recv);
+        let wholes = self.split_whole(&self.units[u].shard, &flight.recv);
         drop(flight);
         self.fill_from(u, wholes)
     }

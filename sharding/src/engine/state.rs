@@ -119,7 +119,7 @@ impl Sharded {
                 self.fill_unit(u)?;
             }
         }
-        Ok(())
+        self.fill_persistent(false)
     }
 
     pub(super) fn optimizer_state_whole(

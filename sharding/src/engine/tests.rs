@@ -3,7 +3,7 @@
 //! and the checks of `prepare_model`.
 
 use super::Sharded;
-use crate::plan::{Dtypes, Plan, WrapPolicy};
+use crate::plan::{Dtypes, Persistence, Plan, WrapPolicy};
 use accel_sdk::abi_stable::{
     sabi_trait::TD_Opaque,
     std_types::{RArc, RSlice, RSliceMut, RStr},
@@ -11,7 +11,9 @@ use accel_sdk::abi_stable::{
 use accel_sdk::context::HostContext_TO;
 use accel_sdk::tch::{Kind, Tensor};
 use accel_sdk::{
+    abi_stable::sabi_types::RMut,
     shim,
+    strategy::{OptimizerStep, OptimizerStep_TO},
     tensor::{NamedOwnedTensor, NamedTensorMut, NamedTensorRef, TensorMut, TensorRef},
     DeviceSpec, DistributedStrategy, HostContext, LogLevel, PluginResult, ReduceOp, StateDictKind,
 };
@@ -99,6 +101,16 @@ fn prepared(plan: Plan, wrap: WrapPolicy, params: &mut [(String, Tensor)]) -> Sh
     engine
 }
 
+/// The sum of `p^2 / 2` over the parameters, whose gradient with respect
+/// to each is its value.
+fn half_square_sum(params: &[(String, Tensor)]) -> Tensor {
+    params
+        .iter()
+        .map(|(_, p)| p.square().sum(Kind::Float) / 2.0)
+        .reduce(|a, b| a + b)
+        .unwrap()
+}
+
 fn values(t: &Tensor) -> Vec<f32> {
     Vec::<f32>::try_from(t.to_kind(Kind::Float).reshape([-1])).expect("f32 values")
 }
@@ -143,12 +155,7 @@ fn gradients_reach_the_chunks_and_clipping_scales_them_to_the_norm() {
     for u in 0..2 {
         engine.pre_forward(u).into_result().unwrap();
     }
-    // d/dp of sum(p^2)/2 is p: the gradients are the parameters' values.
-    let loss = params
-        .iter()
-        .map(|(_, p)| p.square().sum(Kind::Float) / 2.0)
-        .reduce(|a, b| a + b)
-        .unwrap();
+    let loss = half_square_sum(&params);
     loss.backward();
     for u in 0..2 {
         engine.post_unit_backward(u).into_result().unwrap();
@@ -246,6 +253,114 @@ fn state_dicts_hold_the_masters_and_load_back() {
         .into_result()
         .unwrap_err();
     assert!(err.to_string().contains("does not fit"), "{err}");
+}
+
+/// Plain SGD with a learning rate of 1 over the tensors the engine hands
+/// the optimizer.
+struct Sgd(Vec<Tensor>);
+
+impl OptimizerStep for Sgd {
+    fn step(&mut self) -> PluginResult<()> {
+        accel_sdk::tch::no_grad(|| {
+            for t in &self.0 {
+                let g = t.grad();
+                if g.defined() {
+                    let _ = t.shallow_clone().g_sub_(&g);
+                }
+            }
+        });
+        PluginResult::ROk(())
+    }
+}
+
+#[test]
+fn small_parameters_stay_whole_and_follow_each_step_and_load() {
+    let mut params = model();
+    let originals: Vec<Vec<f32>> = params.iter().map(|(_, t)| values(t)).collect();
+    // `b.w` (5 elements) persists, `a.w` (6) is sharded; each is a unit.
+    let plan = Plan {
+        persistence: Persistence {
+            param_elements: 5,
+            model_elements: u64::MAX,
+        },
+        dtypes: Dtypes {
+            param: Some(Kind::BFloat16),
+            reduce: None,
+        },
+        ..full_shard()
+    };
+    let units: WrapPolicy = Box::new(|_, _| {
+        Ok(vec![
+            ("a".to_owned(), vec![0]),
+            ("b".to_owned(), vec![1]),
+            (String::new(), vec![]),
+        ])
+    });
+    let mut engine = prepared(plan, units, &mut params);
+    let whole = |params: &[(String, Tensor)]| {
+        assert_eq!(params[1].1.kind(), Kind::BFloat16);
+        values(&params[1].1)
+    };
+    assert_eq!(shim::storage_bytes(&params[0].1), 0, "a.w sharded");
+    assert_eq!(whole(&params), originals[1], "b.w whole, in bf16");
+    for u in 0..3 {
+        engine.pre_forward(u).into_result().unwrap();
+    }
+    let loss = half_square_sum(&params);
+    for u in 0..3 {
+        engine.post_forward(u).into_result().unwrap();
+    }
+    assert_eq!(shim::storage_bytes(&params[0].1), 0, "freed after forward");
+    assert_eq!(whole(&params), originals[1], "kept after forward");
+    for u in (0..3).rev() {
+        engine.pre_backward(u).into_result().unwrap();
+    }
+    loss.backward();
+    for u in (0..3).rev() {
+        engine.post_unit_backward(u).into_result().unwrap();
+    }
+    engine.post_backward(true).into_result().unwrap();
+    assert_eq!(whole(&params), originals[1], "kept after backward");
+    assert!(!params[1].1.grad().defined(), "its whole gradient is freed");
+    let chunks: Vec<Tensor> = engine
+        .prepare_optimizer()
+        .into_result()
+        .unwrap()
+        .iter()
+        .map(|t| t.tensor.as_tensor_ref().get().shallow_clone())
+        .collect();
+    assert_eq!(values(&chunks[1].grad()), originals[1], "reduced as others");
+    // p - 1 * p: the step zeroes the masters, and the whole copy follows.
+    let mut sgd = Sgd(chunks);
+    engine
+        .optimizer_step(OptimizerStep_TO::from_ptr(RMut::new(&mut sgd), TD_Opaque))
+        .into_result()
+        .unwrap();
+    assert_eq!(whole(&params), [0.0; 5], "re-gathered after the step");
+    assert_eq!(shim::storage_bytes(&params[0].1), 0);
+    // Loading a state dict refills it too.
+    let refs: Vec<NamedTensorRef<'_>> = params
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .zip(&sgd.0)
+        .map(|(name, chunk)| NamedTensorRef {
+            name: name.into(),
+            tensor: TensorRef::new(chunk),
+        })
+        .collect();
+    tch_fill(&sgd.0[1], 7.0);
+    engine
+        .load_state_dict(StateDictKind::Sharded, RSlice::from(&refs[..]))
+        .into_result()
+        .unwrap();
+    assert_eq!(whole(&params), [7.0; 5], "refilled by a load");
+}
+
+/// Sets every element of `t` to `v` outside autograd.
+fn tch_fill(t: &Tensor, v: f64) {
+    accel_sdk::tch::no_grad(|| {
+        let _ = t.shallow_clone().fill_(v);
+    });
 }
 
 #[test]
