@@ -13,15 +13,35 @@ use accel_sdk::{
 };
 
 impl Sharded {
-    /// Parameter `i`'s whole value (flattened) padded to `G` chunks.
-    pub(super) fn padded(&self, i: usize, whole: &Tensor) -> Tensor {
-        let n = self.numels[i];
-        let padded = Tensor::zeros(
-            [self.chunk_len[i] * self.group],
-            (whole.kind(), whole.device()),
-        );
-        tch::no_grad(|| padded.narrow(0, 0, n).copy_(&whole.detach().reshape([-1])));
-        padded
+    /// Writes parameter `i`'s whole value `whole` (`None`: zeros) into
+    /// `block`, a `[G, chunk]` view: row `r` is rank `r`'s chunk, the
+    /// elements past the parameter's end zeros. Each element is written
+    /// once (no padded copy in between).
+    pub(super) fn lay_out(&self, i: usize, whole: Option<&Tensor>, block: &Tensor) {
+        let Some(whole) = whole else {
+            tch::no_grad(|| {
+                let _ = block.shallow_clone().zero_();
+            });
+            return;
+        };
+        let (n, c) = (self.numels[i], self.chunk_len[i]);
+        if c == 0 {
+            return;
+        }
+        let flat = whole.detach().reshape([-1]);
+        let (full, rest) = (n / c, n % c);
+        tch::no_grad(|| {
+            block
+                .narrow(0, 0, full)
+                .copy_(&flat.narrow(0, 0, full * c).view([full, c]));
+            if full < self.group {
+                let tail = block.narrow(0, full, self.group - full);
+                let _ = tail.shallow_clone().zero_();
+                tail.select(0, 0)
+                    .narrow(0, 0, rest)
+                    .copy_(&flat.narrow(0, full * c, rest));
+            }
+        });
     }
 
     /// This rank's chunk of a whole-parameter tensor of parameter `i`,
@@ -54,7 +74,8 @@ impl Sharded {
 
     /// The buffer every rank's `send` is gathered into.
     pub(super) fn gather_recv(&self, send: &Tensor) -> Tensor {
-        Tensor::zeros(
+        // Every element is written by the gather.
+        Tensor::empty(
             [self.world() * send.numel() as i64],
             (send.kind(), send.device()),
         )

@@ -42,19 +42,13 @@ impl Sharded {
         }
         let device = self.compute_device();
         let s: i64 = idx.iter().map(|&i| self.chunk_len[i]).sum();
-        let input = Tensor::zeros([self.group, s], (self.reduce_kind(), device));
+        // Every element is written below: a gradient or padding zeros.
+        let input = Tensor::empty([self.group, s], (self.reduce_kind(), device));
         let mut offset = 0;
         for &i in &idx {
             let c = self.chunk_len[i];
             let g = self.params.items[i].1.grad();
-            if g.defined() {
-                let padded = self.padded(i, &g);
-                tch::no_grad(|| {
-                    input
-                        .narrow(1, offset, c)
-                        .copy_(&padded.view([self.group, c]))
-                });
-            }
+            self.lay_out(i, g.defined().then_some(&g), &input.narrow(1, offset, c));
             offset += c;
         }
         for &i in &idx {
@@ -75,7 +69,8 @@ impl Sharded {
     /// The buffer this rank's block of the parameters `idx` lands in.
     pub(super) fn reduce_output(&self, idx: &[usize]) -> Tensor {
         let s: i64 = idx.iter().map(|&i| self.chunk_len[i]).sum();
-        Tensor::zeros([s], (self.reduce_kind(), self.compute_device()))
+        // Every element is written by the reduce-scatter.
+        Tensor::empty([s], (self.reduce_kind(), self.compute_device()))
     }
 
     /// Adds the reduced block `out` of the parameters `idx` to their
@@ -84,11 +79,12 @@ impl Sharded {
         let mut offset = 0;
         for &i in idx {
             let c = self.chunk_len[i];
+            // A view of `out` where it already is in the chunks' dtype and
+            // place (`out` is this reduction's own buffer).
             let part = out
                 .narrow(0, offset, c)
                 .to_device(self.chunk_device())
-                .to_kind(self.master)
-                .copy();
+                .to_kind(self.master);
             self.add_chunk_grad(i, part)?;
             offset += c;
         }
