@@ -8,6 +8,7 @@ use accel_sdk::tch::{Device, Kind, Tensor};
 use accel_sdk::{
     abi_stable::std_types::{RSliceMut, RVec},
     params::ParamSet,
+    shim,
     tensor::NamedTensorMut,
     HostContextBox, PluginError, WrapUnit,
 };
@@ -272,7 +273,13 @@ impl Sharded {
             for u in 0..self.units.len() {
                 self.reshard(u)?;
             }
-            // Under mixed precision they were made anew, unread.
+            // The persistent ones get memory of their own, filled from the
+            // chunks: not what the program gave them (a checkpoint file's
+            // mapping under `zero3_init_flag`, which they would keep
+            // alive; unread memory under mixed precision).
+            for &i in &self.persistent {
+                shim::free_storage(&self.params.items[i].1).map_err(|e| self.err(e.to_string()))?;
+            }
             self.fill_persistent(false)?;
         }
         self.peak = self.resident();

@@ -356,6 +356,56 @@ fn small_parameters_stay_whole_and_follow_each_step_and_load() {
     assert_eq!(whole(&params), [7.0; 5], "refilled by a load");
 }
 
+#[test]
+fn persistent_parameters_let_go_of_the_memory_the_program_gave_them() {
+    use std::sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    };
+    /// The memory a checkpoint mapping would be: says when it is dropped.
+    struct Mapping {
+        _memory: Box<[f32]>,
+        released: Arc<AtomicBool>,
+    }
+    impl Drop for Mapping {
+        fn drop(&mut self) {
+            self.released.store(true, Ordering::SeqCst);
+        }
+    }
+    let mut params = model();
+    let originals: Vec<Vec<f32>> = params.iter().map(|(_, t)| values(t)).collect();
+    let released = Arc::new(AtomicBool::new(false));
+    let bytes: Box<[f32]> = originals[1].clone().into_boxed_slice();
+    let data = bytes.as_ptr() as *mut u8;
+    // SAFETY: the mapping (moved into the owner) holds the 20 bytes at
+    // `data`, used only through `b.w`.
+    unsafe {
+        shim::adopt_storage(
+            &params[1].1,
+            data,
+            20,
+            Box::new(Mapping {
+                _memory: bytes,
+                released: released.clone(),
+            }),
+        )
+    }
+    .unwrap();
+    let plan = Plan {
+        persistence: Persistence {
+            param_elements: 5,
+            model_elements: u64::MAX,
+        },
+        ..full_shard()
+    };
+    let _engine = prepared(plan, two_units(), &mut params);
+    assert!(
+        released.load(Ordering::SeqCst),
+        "b.w still holds the memory it was given"
+    );
+    assert_eq!(values(&params[1].1), originals[1], "and keeps its value");
+}
+
 /// Sets every element of `t` to `v` outside autograd.
 fn tch_fill(t: &Tensor, v: f64) {
     accel_sdk::tch::no_grad(|| {
