@@ -111,6 +111,25 @@ fn half_square_sum(params: &[(String, Tensor)]) -> Tensor {
         .unwrap()
 }
 
+/// Compute in bf16 over fp32 masters, reduce in bf16.
+const BF16_COMPUTE: Dtypes = Dtypes {
+    param: Some(Kind::BFloat16),
+    reduce: None,
+};
+
+/// Parameters of at most `elements` elements stay whole, however many.
+fn up_to(elements: u64) -> Persistence {
+    Persistence {
+        param_elements: elements,
+        model_elements: u64::MAX,
+    }
+}
+
+/// Every parameter's values, in order.
+fn all_values(params: &[(String, Tensor)]) -> Vec<Vec<f32>> {
+    params.iter().map(|(_, t)| values(t)).collect()
+}
+
 fn values(t: &Tensor) -> Vec<f32> {
     Vec::<f32>::try_from(t.to_kind(Kind::Float).reshape([-1])).expect("f32 values")
 }
@@ -126,7 +145,7 @@ fn by_name(state: &[NamedOwnedTensor], name: &str) -> Vec<f32> {
 #[test]
 fn units_are_freed_outside_compute_and_gathered_for_it() {
     let mut params = model();
-    let originals: Vec<Vec<f32>> = params.iter().map(|(_, t)| values(t)).collect();
+    let originals = all_values(&params);
     let mut engine = prepared(full_shard(), two_units(), &mut params);
     for (_, p) in &params {
         assert_eq!(shim::storage_bytes(p), 0, "resharded after prepare_model");
@@ -192,12 +211,9 @@ fn gradients_reach_the_chunks_and_clipping_scales_them_to_the_norm() {
 #[test]
 fn state_dicts_hold_the_masters_and_load_back() {
     let mut params = model();
-    let originals: Vec<Vec<f32>> = params.iter().map(|(_, t)| values(t)).collect();
+    let originals = all_values(&params);
     let plan = Plan {
-        dtypes: Dtypes {
-            param: Some(Kind::BFloat16),
-            reduce: None,
-        },
+        dtypes: BF16_COMPUTE,
         ..full_shard()
     };
     let mut engine = prepared(plan, two_units(), &mut params);
@@ -276,17 +292,11 @@ impl OptimizerStep for Sgd {
 #[test]
 fn small_parameters_stay_whole_and_follow_each_step_and_load() {
     let mut params = model();
-    let originals: Vec<Vec<f32>> = params.iter().map(|(_, t)| values(t)).collect();
+    let originals = all_values(&params);
     // `b.w` (5 elements) persists, `a.w` (6) is sharded; each is a unit.
     let plan = Plan {
-        persistence: Persistence {
-            param_elements: 5,
-            model_elements: u64::MAX,
-        },
-        dtypes: Dtypes {
-            param: Some(Kind::BFloat16),
-            reduce: None,
-        },
+        persistence: up_to(5),
+        dtypes: BF16_COMPUTE,
         ..full_shard()
     };
     let units: WrapPolicy = Box::new(|_, _| {
@@ -373,7 +383,7 @@ fn persistent_parameters_let_go_of_the_memory_the_program_gave_them() {
         }
     }
     let mut params = model();
-    let originals: Vec<Vec<f32>> = params.iter().map(|(_, t)| values(t)).collect();
+    let originals = all_values(&params);
     let released = Arc::new(AtomicBool::new(false));
     let bytes: Box<[f32]> = originals[1].clone().into_boxed_slice();
     let data = bytes.as_ptr() as *mut u8;
@@ -392,10 +402,7 @@ fn persistent_parameters_let_go_of_the_memory_the_program_gave_them() {
     }
     .unwrap();
     let plan = Plan {
-        persistence: Persistence {
-            param_elements: 5,
-            model_elements: u64::MAX,
-        },
+        persistence: up_to(5),
         ..full_shard()
     };
     let _engine = prepared(plan, two_units(), &mut params);
