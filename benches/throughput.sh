@@ -28,7 +28,9 @@
 #        WORKLOADS="mlp_small mlp_big gpt2" UPDATE_BENCHMARKS=0|1
 #        BENCH_COLUMNS="ddp ddp_no_overlap fsdp zero3 peer peer_fsdp single" (also: zero1,
 #        zero1_no_overlap: ZeRO-1 with DeepSpeed's default bucket, overlap on/off;
-#        zero1_modules: a bucket per module, each all-reduced during backward)
+#        zero1_modules: a bucket per module, each all-reduced during backward;
+#        zero3_bucket: ZeRO-3 with reduce_bucket_size 5e8, the modules'
+#        gradients reduce-scattered together)
 # Writes OUT_DIR/throughput.jsonl (one object per run), OUT_DIR/throughput.md
 # (the table, also printed) and, with UPDATE_BENCHMARKS=1, the block between
 # the throughput markers of BENCHMARKS.md (`throughput` or `throughput-load`).
@@ -80,6 +82,10 @@ echo '{"zero_optimization": {"stage": 1, "reduce_bucket_size": 1}}' >"$out/zero1
 config zero1_modules "distributed_type: DEEPSPEED
 deepspeed_config:
   deepspeed_config_file: $out/zero1_modules.json"
+echo '{"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8}}' >"$out/zero3_bucket.json"
+config zero3_bucket "distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: $out/zero3_bucket.json"
 config zero1_no_overlap "distributed_type: DEEPSPEED
 deepspeed_config:
   zero_stage: 1
@@ -171,7 +177,8 @@ import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 load = sys.argv[2] == "1"
 names = {"ddp": "accel DDP", "ddp_no_overlap": "accel DDP, no overlap",
-         "fsdp": "accel FSDP FULL_SHARD", "zero3": "accel ZeRO-3", "zero1": "accel ZeRO-1",
+         "fsdp": "accel FSDP FULL_SHARD", "zero3": "accel ZeRO-3",
+         "zero3_bucket": "accel ZeRO-3, reduce_bucket_size 5e8", "zero1": "accel ZeRO-1",
          "zero1_no_overlap": "accel ZeRO-1, no overlap",
          "zero1_modules": "accel ZeRO-1, a bucket per module", "peer": "Python Accelerate DDP",
          "peer_fsdp": "PyTorch FSDP2 FULL_SHARD", "single": "one process, global batch"}

@@ -257,6 +257,20 @@ fn frozen_parameters_keep_their_units_gathered_and_the_same_bits() {
             false,
             |cfg, save| freeze_probe(cfg, save, &["block0.w"]),
         );
+        // A module with nothing to train holds no bucket back: with
+        // DeepSpeed's default bucket (the whole model) and block0 frozen
+        // whole, the all-reduce still starts during backward.
+        same_bits(
+            "ZeRO-1 with block0 frozen, one bucket",
+            (
+                "DEEPSPEED",
+                "accel-zero",
+                "deepspeed_config:\n  zero_stage: 1\n",
+            ),
+            ranks,
+            false,
+            |cfg, save| freeze_probe(cfg, save, &["block0.w", "block0.b"]),
+        );
     }
 }
 
@@ -282,4 +296,59 @@ fn freeze_probe(config: &Path, save: &Path, frozen: &[&str]) -> Output {
         std::fs::copy(dir.join("out.safetensors"), save).unwrap();
     }
     out
+}
+
+#[test]
+fn a_reduce_bucket_reduce_scatters_modules_together_with_the_same_bits() {
+    let files = tempfile::tempdir().unwrap();
+    let args = adamw_mlp_args("4", &["--grad-accum", "2", "--max-grad-norm", "0.5"]);
+    let stages = [
+        ("ZeRO-2", r#""stage": 2"#),
+        (
+            "ZeRO-3, every parameter sharded",
+            r#""stage": 3, "stage3_param_persistence_threshold": 0"#,
+        ),
+    ];
+    for ranks in [2, 3] {
+        for (s, (what, zero)) in stages.iter().enumerate() {
+            // (weights, reduce-scatters per backward) module by module, then
+            // in DeepSpeed's default bucket (5e8 elements: the whole mlp).
+            let mut runs = Vec::new();
+            for (b, bucket) in ["", r#", "reduce_bucket_size": 5e8"#].iter().enumerate() {
+                let name = format!("r{ranks}s{s}b{b}");
+                let json = format!(r#"{{"zero_optimization": {{{zero}{bucket}}}}}"#);
+                let section = deepspeed_file_section(files.path(), &name, &json);
+                let cfg = write_config(
+                    files.path(),
+                    &format!("{name}.yaml"),
+                    "DEEPSPEED",
+                    ranks,
+                    &section,
+                );
+                let save = files.path().join(format!("{name}.safetensors"));
+                let out = mlp_run(&cfg, &save, &args);
+                assert!(out.status.success(), "{what} {json}: {}", describe(&out));
+                let backwards = String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .filter(|l| l.contains("(s) started during backward"))
+                    .count() as u64;
+                assert!(backwards > 0, "{what} {json}: no debug lines");
+                let (_, reduces) = started_early(&out);
+                runs.push((
+                    std::fs::read(&save).unwrap(),
+                    reduces as f64 / backwards as f64,
+                ));
+            }
+            let (per_module, bucketed) = (runs[0].1, runs[1].1);
+            assert!(
+                per_module >= 4.0 && bucketed == 1.0,
+                "{what} on {ranks} ranks: {per_module} reduce-scatters a backward module by \
+                 module, {bucketed} in one bucket"
+            );
+            assert!(
+                runs[0].0 == runs[1].0,
+                "{what} on {ranks} ranks: the weights differ with a reduce bucket"
+            );
+        }
+    }
 }

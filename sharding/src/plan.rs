@@ -62,12 +62,15 @@ pub struct Plan {
     pub release_freed_memory: Option<bool>,
     /// Communication started early, to run while compute goes on.
     pub overlap: Overlap,
-    /// Without sharded gradients: the most elements one gradient all-reduce
-    /// holds. Units are grouped into buckets up to it, last unit first (the
-    /// order backward reaches them; a unit larger than it is a bucket
-    /// alone), and a bucket's all-reduce starts once all its units'
-    /// backward is done (DeepSpeed's `reduce_bucket_size`). `None`: a
-    /// bucket per unit (FSDP's NO_SHARD).
+    /// The most gradient elements one reduction holds: the all-reduce of
+    /// whole gradients, or the reduce-scatter with `shard_grads`. Units are
+    /// grouped into buckets up to it, last unit first (the order backward
+    /// reaches them; a unit larger than it is a bucket alone; units with
+    /// nothing to train belong to none), and a bucket's reduction starts
+    /// once all its units' backward is done (DeepSpeed's
+    /// `reduce_bucket_size`). The whole gradients of a bucket's units wait
+    /// for it, so it bounds what sharded gradients hold beyond a unit's.
+    /// `None`: a bucket per unit (FSDP).
     pub reduce_bucket: Option<i64>,
     /// With `shard_params`: the small parameters that stay whole on every
     /// rank (DeepSpeed ZeRO-3's persistent parameters; FSDP: none).

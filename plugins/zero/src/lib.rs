@@ -10,8 +10,9 @@
 //!   are all-gathered into the parameters.
 //! * stage 2: gradients partitioned too: reduce-scattered (averaged) into
 //!   the chunks' gradients, module by module as each module's gradients
-//!   are in (started during backward, as DeepSpeed's `overlap_comm`);
-//!   whole gradients freed.
+//!   are in (started during backward, as DeepSpeed's `overlap_comm`), or
+//!   in buckets of modules up to a `reduce_bucket_size` the DeepSpeed file
+//!   sets; whole gradients freed.
 //! * stage 3: parameters partitioned too: every module (the VarStore path
 //!   holding a parameter, `layers.3.fc1`) is a unit, gathered for its
 //!   forward and backward inside `Accelerator::forward` / `ForwardScope::unit`
@@ -82,16 +83,16 @@ fn plan(s: &settings::Settings) -> Plan {
         // backward by the order it traced, and `overlap_comm` reduces during
         // backward (prefetching is a no-op below stage 3).
         overlap: s.overlap,
-        reduce_bucket: Some(s.reduce_bucket),
+        reduce_bucket: s.reduce_bucket,
         persistence: s.persistence,
     }
 }
 
 /// Units: one per module (the path before a parameter's last segment), at
-/// every stage: stage 3 gathers parameters module by module, stage 2
-/// reduce-scatters each module's gradients as soon as they are in, and
-/// stages 0 and 1 all-reduce buckets of modules then (DeepSpeed's
-/// `overlap_comm` and `reduce_bucket_size`).
+/// every stage: stage 3 gathers parameters module by module, stages 2-3
+/// reduce-scatter each module's gradients (or a bucket of modules') as soon
+/// as they are in, and stages 0 and 1 all-reduce buckets of modules then
+/// (DeepSpeed's `overlap_comm` and `reduce_bucket_size`).
 /// Top-level parameters (no `.`) belong to the root unit.
 fn module_units(names: &[String]) -> Vec<(String, Vec<usize>)> {
     let mut units: Vec<(String, Vec<usize>)> = Vec::new();

@@ -27,10 +27,14 @@ pub struct Settings {
     pub offload_param: bool,
     /// What starts early (see [`overlap_of`]).
     pub overlap: Overlap,
-    /// Stages 0-1: the most gradient elements one all-reduce holds (the
-    /// DeepSpeed file's `zero_optimization.reduce_bucket_size`, else
-    /// DeepSpeed's default 5e8): modules are averaged together up to it.
-    pub reduce_bucket: i64,
+    /// The most gradient elements one reduction holds (the DeepSpeed
+    /// file's `zero_optimization.reduce_bucket_size`): modules are reduced
+    /// together up to it. Absent or `"auto"`: stages 0-1 take DeepSpeed's
+    /// default, 5e8 (their gradients are whole anyway); stages 2-3 reduce
+    /// each module alone (`None`), since a bucket holds its modules' whole
+    /// gradients until it is full and DeepSpeed's default would keep a
+    /// model's every gradient to the end of backward.
+    pub reduce_bucket: Option<i64>,
     /// Stage 3: the parameters that stay whole on every rank (the DeepSpeed
     /// file's `stage3_param_persistence_threshold`, default 1e5 elements,
     /// and `stage3_model_persistence_threshold`, default unlimited).
@@ -578,8 +582,13 @@ pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, 
         pc => pc,
     };
     let overlap = overlap_of(&file);
-    // DeepSpeed's default; at least one element.
-    let reduce_bucket = file.reduce_bucket.unwrap_or(5e8).clamp(1.0, 1e18) as i64;
+    // At least one element.
+    let reduce_bucket = match (file.reduce_bucket, stage) {
+        (Some(n), _) => Some(n),
+        (None, 0 | 1) => Some(5e8),
+        (None, _) => None,
+    }
+    .map(|n| n.clamp(1.0, 1e18) as i64);
     // Absent or "auto": DeepSpeed's defaults. (Accelerate fills an "auto"
     // param threshold with 10 × the model config's hidden_size; accel's
     // strategies see tensors, not a model config.)
@@ -648,7 +657,7 @@ mod tests {
                     backward_prefetch: BackwardPrefetch::Pre,
                     reduce: true,
                 },
-                reduce_bucket: 500_000_000,
+                reduce_bucket: Some(500_000_000),
                 persistence: Persistence::DEEPSPEED,
                 config_file: None,
                 init_flag: false,
@@ -784,6 +793,22 @@ mod tests {
         .unwrap();
         let s = from_section(&section(json!({})), "no").unwrap();
         assert_eq!((s.overlap.reduce, s.overlap.forward_prefetch), (true, true));
+        // The reduce bucket: DeepSpeed's default at stages 0-1, a module
+        // at a time at stages 2-3 unless the file sizes it.
+        for (zero, want) in [
+            (r#"{"stage": 1}"#, Some(500_000_000)),
+            (r#"{"stage": 2}"#, None),
+            (r#"{"stage": 3, "reduce_bucket_size": "auto"}"#, None),
+            (
+                r#"{"stage": 3, "reduce_bucket_size": 5e7}"#,
+                Some(50_000_000),
+            ),
+            (r#"{"stage": 2, "reduce_bucket_size": 0}"#, Some(1)),
+        ] {
+            std::fs::write(&file, format!(r#"{{"zero_optimization": {zero}}}"#)).unwrap();
+            let s = from_section(&section(json!({})), "no").unwrap();
+            assert_eq!(s.reduce_bucket, want, "{zero}");
+        }
         // Persistence thresholds, under either of DeepSpeed's names.
         for (zero, param, model) in [
             (r#"{"stage3_param_persistence_threshold": 0}"#, 0, u64::MAX),

@@ -36,15 +36,16 @@ struct Unit {
     done: bool,
 }
 
-/// All-reduce mode: units whose gradients are averaged together (the
-/// plan's `reduce_bucket`).
+/// Units whose gradients are reduced together (the plan's
+/// `reduce_bucket`): all-reduced, or reduce-scattered with sharded
+/// gradients.
 struct Bucket {
     units: Vec<usize>,
-    /// Whether its average was started in this backward pass.
+    /// Whether its reduction was started in this backward pass.
     started: bool,
-    /// The flat buffer (of the reduce dtype) its units' trainable gradients
-    /// are averaged in; after the first sync they view it when it has their
-    /// dtype (PyTorch's `gradient_as_bucket_view`).
+    /// All-reduce mode: the flat buffer (of the reduce dtype) its units'
+    /// trainable gradients are averaged in; after the first sync they view
+    /// it when it has their dtype (PyTorch's `gradient_as_bucket_view`).
     buffer: Option<Tensor>,
 }
 
@@ -79,10 +80,10 @@ pub struct Sharded {
     prefetched: BTreeMap<usize, overlap::Prefetch>,
     /// Reduce-scatters in flight, oldest first.
     reducing: VecDeque<overlap::Reducing>,
-    /// All-reduce mode: the buckets (made at the first sync), and each
-    /// unit's.
+    /// The buckets (made at the first reduction), and each unit's (`None`:
+    /// nothing in it trains).
     buckets: Vec<Bucket>,
-    bucket_of: Vec<usize>,
+    bucket_of: Vec<Option<usize>>,
     /// All-reduce mode: buckets' averages in flight, oldest first.
     averaging: VecDeque<overlap::Averaging>,
     /// What was started early in this backward (logged at its end).

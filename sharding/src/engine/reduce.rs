@@ -1,8 +1,9 @@
-//! Gradient reduction: reduce-scatter per unit into the chunks' gradients
-//! (sharded gradients), or an all-reduce of each unit's flat gradient
-//! buffer on sync steps (ZeRO-0/1, NO_SHARD), started as the unit's
-//! backward ends when overlapping; and the end of a unit's and of the whole
-//! backward.
+//! Gradient reduction, by buckets of units (the plan's `reduce_bucket`; a
+//! unit each without it): a reduce-scatter into the chunks' gradients
+//! (sharded gradients), or an all-reduce of the bucket's flat gradient
+//! buffer on sync steps (ZeRO-0/1, NO_SHARD), started as the backward of
+//! the bucket's last unit ends when overlapping; and the end of a unit's
+//! and of the whole backward.
 
 use super::Sharded;
 use accel_sdk::tch::{self, Tensor};
@@ -28,30 +29,23 @@ impl Sharded {
         }
     }
 
-    /// What reduce-scattering unit `u`'s gradients sends: its trainable
-    /// parameters and their gradients padded and laid out in blocks, one
-    /// per rank of the group (in the reduce dtype); the whole gradients are
-    /// freed. `None` when nothing in the unit trains.
-    pub(super) fn reduce_input(
-        &mut self,
-        u: usize,
-    ) -> Result<Option<(Vec<usize>, Tensor)>, PluginError> {
-        let idx = self.trainable(&self.units[u].params);
-        if idx.is_empty() {
-            return Ok(None);
-        }
+    /// What reduce-scattering the gradients of the trainable parameters
+    /// `idx` sends: the gradients padded and laid out in blocks, one per
+    /// rank of the group (in the reduce dtype); the whole gradients are
+    /// freed.
+    fn reduce_input(&mut self, idx: &[usize]) -> Result<Tensor, PluginError> {
         let device = self.compute_device();
         let s: i64 = idx.iter().map(|&i| self.chunk_len[i]).sum();
         // Every element is written below: a gradient or padding zeros.
         let input = Tensor::empty([self.group, s], (self.reduce_kind(), device));
         let mut offset = 0;
-        for &i in &idx {
+        for &i in idx {
             let c = self.chunk_len[i];
             let g = self.params.items[i].1.grad();
             self.lay_out(i, g.defined().then_some(&g), &input.narrow(1, offset, c));
             offset += c;
         }
-        for &i in &idx {
+        for &i in idx {
             shim::set_grad(&self.params.items[i].1, &Tensor::new())
                 .map_err(|e| self.err(e.to_string()))?;
         }
@@ -63,7 +57,7 @@ impl Sharded {
         } else {
             input
         };
-        Ok(Some((idx, input.reshape([-1]))))
+        Ok(input.reshape([-1]))
     }
 
     /// The buffer this rank's block of the parameters `idx` lands in.
@@ -91,24 +85,26 @@ impl Sharded {
         Ok(())
     }
 
-    /// Reduce-scatters (averages, in the reduce dtype) unit `u`'s gradients
-    /// into its chunks' gradients and frees the whole gradients: started
-    /// and left in flight under [`Overlap::reduce`](crate::Overlap),
+    /// Reduce-scatters (averages, in the reduce dtype) the gradients of
+    /// `units` (one bucket's, or those of it backward reached) into their
+    /// chunks' gradients, in one collective, and frees the whole gradients:
+    /// started and left in flight under [`Overlap::reduce`](crate::Overlap),
     /// waited for here otherwise.
-    pub(super) fn reduce_scatter_unit(
-        &mut self,
-        u: usize,
-        overlap: bool,
-    ) -> Result<(), PluginError> {
+    fn reduce_scatter_units(&mut self, units: &[usize], overlap: bool) -> Result<(), PluginError> {
         if overlap {
-            // The one in flight has had this unit's backward to run: it
-            // lands before this unit's gradients are laid out, so one
-            // unit's whole gradients wait to be reduced at a time.
+            // The one in flight has had these units' backward to run: it
+            // lands before their gradients are laid out, so one bucket's
+            // whole gradients wait to be reduced at a time.
             self.land_reduces()?;
         }
-        let Some((idx, input)) = self.reduce_input(u)? else {
+        let idx: Vec<usize> = units
+            .iter()
+            .flat_map(|&u| self.trainable(&self.units[u].params))
+            .collect();
+        if idx.is_empty() {
             return Ok(());
-        };
+        }
+        let input = self.reduce_input(&idx)?;
         if overlap {
             return self.start_reduce(idx, input);
         }
@@ -157,14 +153,16 @@ impl Sharded {
         self.land_averages()
     }
 
-    /// Groups the units into buckets of at most the plan's `reduce_bucket`
-    /// trainable elements, last unit first (each unit alone without a
-    /// cap), once.
+    /// Groups the units with something to train into buckets of at most
+    /// the plan's `reduce_bucket` trainable elements, last unit first (each
+    /// unit alone without a cap), once. A unit with nothing to train never
+    /// ends its backward ([`Sharded::post_unit`] is not called for it), so
+    /// it would hold its bucket back: it belongs to none.
     fn make_buckets(&mut self) {
         if !self.buckets.is_empty() {
             return;
         }
-        self.bucket_of = vec![0; self.units.len()];
+        self.bucket_of = vec![None; self.units.len()];
         let mut current: Vec<usize> = Vec::new();
         let mut size = 0;
         for u in (0..self.units.len()).rev() {
@@ -173,6 +171,9 @@ impl Sharded {
                 .iter()
                 .map(|&i| self.numels[i])
                 .sum();
+            if n == 0 {
+                continue;
+            }
             let fits = self.plan.reduce_bucket.is_some_and(|cap| size + n <= cap);
             if !current.is_empty() && !fits {
                 self.close_bucket(std::mem::take(&mut current));
@@ -188,7 +189,7 @@ impl Sharded {
 
     fn close_bucket(&mut self, units: Vec<usize>) {
         for &u in &units {
-            self.bucket_of[u] = self.buckets.len();
+            self.bucket_of[u] = Some(self.buckets.len());
         }
         self.buckets.push(super::Bucket {
             units,
@@ -206,20 +207,30 @@ impl Sharded {
             .collect()
     }
 
-    /// On a synced backward with overlap: starts the average of unit `u`'s
-    /// bucket once every unit of it is done and every trainable parameter
-    /// of it has its gradient.
-    fn average_when_ready(&mut self, u: usize) -> Result<(), PluginError> {
+    /// Once every unit of unit `u`'s bucket is done: starts its reduction.
+    /// Sharded gradients: the reduce-scatter (in the background under
+    /// [`Overlap::reduce`](crate::Overlap)); all-reduce mode, on a synced
+    /// backward with overlap: the average, once every trainable parameter
+    /// of the bucket has its gradient.
+    fn reduce_when_ready(&mut self, u: usize) -> Result<(), PluginError> {
         self.make_buckets();
-        let b = self.bucket_of[u];
+        let Some(b) = self.bucket_of[u] else {
+            return Ok(());
+        };
         let bucket = &self.buckets[b];
-        let ready = !bucket.started
-            && bucket.units.iter().all(|&v| self.units[v].done)
-            && self
-                .bucket_params(b)
-                .iter()
-                .all(|&i| self.params.items[i].1.grad().defined());
-        if ready {
+        if bucket.started || !bucket.units.iter().all(|&v| self.units[v].done) {
+            return Ok(());
+        }
+        if self.plan.shard_grads {
+            self.buckets[b].started = true;
+            let units = self.buckets[b].units.clone();
+            return self.reduce_scatter_units(&units, self.plan.overlap.reduce);
+        }
+        let all_in = self
+            .bucket_params(b)
+            .iter()
+            .all(|&i| self.params.items[i].1.grad().defined());
+        if all_in {
             self.start_average(b, true)?;
         }
         Ok(())
@@ -322,10 +333,8 @@ impl Sharded {
             return Ok(());
         }
         self.units[u].done = true;
-        if self.plan.shard_grads {
-            self.reduce_scatter_unit(u, self.plan.overlap.reduce)?;
-        } else if self.plan.overlap.reduce && self.ctx.sync_gradients() {
-            self.average_when_ready(u)?;
+        if self.plan.shard_grads || (self.plan.overlap.reduce && self.ctx.sync_gradients()) {
+            self.reduce_when_ready(u)?;
         }
         // Every trainable parameter having its gradient ends the unit's
         // backward only when none is frozen: the gradient of the unit's
@@ -346,16 +355,26 @@ impl Sharded {
         self.fwd_order.fix();
         self.bwd_order.fix();
         if self.plan.shard_grads {
-            // Units some parameter of which got no gradient (unused in this
-            // forward) never completed: reduce what there is.
-            for u in 0..self.units.len() {
-                let reached = self.units[u]
-                    .params
-                    .iter()
-                    .any(|&i| self.params.items[i].1.grad().defined());
-                if !self.units[u].done && reached {
-                    self.reduce_scatter_unit(u, false)?;
+            // Buckets with a unit some parameter of which got no gradient
+            // (unused in this forward) never started: reduce what there is.
+            self.make_buckets();
+            for b in 0..self.buckets.len() {
+                if self.buckets[b].started {
+                    continue;
                 }
+                let reached: Vec<usize> = self.buckets[b]
+                    .units
+                    .iter()
+                    .copied()
+                    .filter(|&u| {
+                        self.units[u].done
+                            || self.units[u]
+                                .params
+                                .iter()
+                                .any(|&i| self.params.items[i].1.grad().defined())
+                    })
+                    .collect();
+                self.reduce_scatter_units(&reached, false)?;
             }
         } else if sync {
             self.all_reduce_grads()?;
