@@ -47,15 +47,13 @@ import json, re, sys
 name, overlap, log = sys.argv[1:]
 text = open(log).read()
 sps = float(re.findall(r"([0-9.]+) steps/s", text)[-1])
-# The last debug line of each rank: the mean over all its synced steps.
-means = {}
-for rank_line in re.finditer(r"mean ([0-9.]+) ms over (\d+) syncs, (\d+) bucket\(s\) started early", text):
-    means[rank_line.group(2)] = means.get(rank_line.group(2), []) + [float(rank_line.group(1))]
-syncs = max(means, key=int)
-early = re.findall(r"sync \d+: (\d+) of (\d+) bucket", text)[-1]
+# Each rank's debug line of totals (logged as its model is dropped).
+totals = re.findall(r"(\d+) bucket\(s\) a sync; post_backward communicated mean ([0-9.]+) ms "
+                    r"over (\d+) syncs, (\d+) bucket\(s\) started early", text)
+buckets, _, syncs, early = totals[0]
 print(json.dumps({"run": name, "overlap": overlap == "true", "steps_per_s": sps,
-                  "exposed_ms_per_step": [round(m, 3) for m in means[syncs]],
-                  "buckets_started_in_backward": f"{early[0]} of {early[1]}"}))
+                  "exposed_ms_per_step": [round(float(m), 3) for _, m, _, _ in totals],
+                  "buckets_started_in_backward": f"{int(early) / int(syncs):g} of {buckets}"}))
 PY
         done
     done

@@ -18,10 +18,10 @@
 # alternate columns (accel, peer, ..., accel, peer, ...) so that a drift of
 # the machine hits every column alike. The exposed fraction is DDP's
 # communication time left after backward with overlap (the mean per synced
-# step the plugin logs at debug level) over the same time without overlap
-# (all of the all-reduce), rank 0's. Only the DDP columns log at debug
-# level: a debug line per step costs the sharded columns 5-10 % on the
-# small mlp.
+# step, in the line of totals the plugin logs at debug level as the model is
+# dropped) over the same time without overlap (all of the all-reduce), the
+# first rank to log's. Only the DDP columns log at debug level: the
+# sharded engine's debug line per backward costs 5-10 % on the small mlp.
 #
 # Usage: bash benches/throughput.sh [OUT_DIR]   (needs scripts/bootstrap.sh)
 #   env: REPEATS=3 LOAD=0|1 GPT2_STEPS=20 MLP_SMALL_STEPS=1500 MLP_BIG_STEPS=100
@@ -160,8 +160,8 @@ if not sps:
 row = {"workload": w, "column": c, "run": int(r), "load": int(load), "steps_per_s": sps[-1]}
 if int(tps):
     row["tokens_per_s"] = round(sps[-1] * int(tps))
-# The ddp plugin's debug lines: the mean communication time per synced step
-# left after backward; the first rank's last line covers every sync.
+# The ddp plugin's debug line of totals (one per rank): the mean
+# communication time per synced step left after backward.
 means = re.findall(r"mean ([\d.]+) ms over (\d+) syncs", text)
 if means:
     syncs = max(int(n) for _, n in means)

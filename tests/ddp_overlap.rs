@@ -34,22 +34,24 @@ fn config(dir: &Path, ranks: u32, overlap: bool, settings: &[&str]) -> std::path
     )
 }
 
-/// How many buckets the plugin's debug lines say started during backward.
-fn started_early(out: &Output) -> u64 {
-    String::from_utf8_lossy(&out.stderr)
+/// How many buckets the plugin's debug lines (each rank's totals, logged
+/// as its model is dropped: `... over N syncs, K bucket(s) started early`)
+/// say started during backward. Panics unless every rank logged them.
+fn started_early(out: &Output, ranks: u32) -> u64 {
+    let totals: Vec<u64> = String::from_utf8_lossy(&out.stderr)
         .lines()
-        .filter(|l| l.contains("started during backward"))
         .filter_map(|l| {
-            l.split("sync ")
-                .nth(1)?
-                .split(": ")
-                .nth(1)?
-                .split(' ')
-                .next()?
+            l.split(" bucket(s) started early")
+                .next()
+                .filter(|head| head.len() < l.len())?
+                .split_whitespace()
+                .last()?
                 .parse::<u64>()
                 .ok()
         })
-        .sum()
+        .collect();
+    assert_eq!(totals.len(), ranks as usize, "{}", describe(out));
+    totals.iter().sum()
 }
 
 /// Trains mlp with `args` on `ranks` ranks with overlap on and off (plugin
@@ -69,7 +71,7 @@ fn same_bits(ranks: u32, settings: &[&str], args: &[&str]) -> Vec<serde_json::Va
                 .args(["--loss-log", log.to_str().unwrap()])
                 .env("ACCEL_LOG", "plugin=debug"),
         );
-        let early = started_early(&out);
+        let early = started_early(&out, ranks);
         assert_eq!(
             early > 0,
             overlap,
