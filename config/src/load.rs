@@ -46,9 +46,8 @@ pub struct Loaded {
 /// [`ConfigError`] whose lines name the file, line and column.
 ///
 /// ```
-/// # let dir = std::env::temp_dir().join(format!("accel-config-doc-{}", std::process::id()));
-/// # std::fs::create_dir_all(&dir).unwrap();
-/// let path = dir.join("config.yaml");
+/// # let dir = tempfile::tempdir().unwrap();
+/// let path = dir.path().join("config.yaml");
 /// std::fs::write(&path, "distributed_type: MULTI_CPU\nnum_processes: 2\n").unwrap();
 /// let loaded = accel_config::load_file(&path, &Default::default()).unwrap();
 /// assert_eq!(loaded.config.num_processes, Some(2));

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use accel_config::cli::{run_with_env, ConfigArgs, ConfigSubcommand, PluginHooks};
 use accel_config::PluginProblem;
+use accel_test_kit::CaseDir;
 use clap::Parser;
 
 #[derive(Parser)]
@@ -24,13 +25,6 @@ fn parse(args: &[&str]) -> ConfigArgs {
     match TestCli::try_parse_from(v).unwrap().cmd {
         Cmd::Config(c) => c,
     }
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("accel-config-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 struct Out {
@@ -97,7 +91,7 @@ fn both_flag_spellings_parse() {
 
 #[test]
 fn questionnaire_through_stdin_writes_a_valid_file() {
-    let d = tmpdir("quiz");
+    let d = CaseDir::new();
     let target = d.join("answers.yaml");
     // LOCAL_MACHINE, MULTI_CPU, 1 machine, no mpirun, 4 processes, no dynamo, bf16
     let answers = "0\nMULTI_CPU\n1\nno\n4\nno\nbf16\n";
@@ -124,7 +118,7 @@ fn questionnaire_through_stdin_writes_a_valid_file() {
 
 #[test]
 fn questionnaire_deepspeed_with_retries_and_defaults() {
-    let d = tmpdir("quiz-ds");
+    let d = CaseDir::new();
     // bad answers are asked again; end of input takes the remaining defaults
     let answers = "0\n42\nDEEPSPEED\n1\n\n7\n3\ncpu\ncpu\nyes\nno\n4\n3\n";
     let out = run_in(&d, &parse(&[]), answers, &[]);
@@ -152,7 +146,7 @@ fn questionnaire_deepspeed_with_retries_and_defaults() {
 
 #[test]
 fn questionnaire_fsdp_asks_the_key_tables_questions() {
-    let d = tmpdir("quiz-fsdp");
+    let d = CaseDir::new();
     // LOCAL_MACHINE, FSDP, 1 machine, FSDP1, SHARD_GRAD_OP, offload no,
     // SIZE_BASED_WRAP, 5000 params, FULL_STATE_DICT, efficient loading yes,
     // activation checkpointing yes, 2 processes; the rest defaults.
@@ -185,7 +179,7 @@ fn questionnaire_fsdp_asks_the_key_tables_questions() {
 
 #[test]
 fn questionnaire_offers_plugin_types() {
-    let d = tmpdir("quiz-plugin");
+    let d = CaseDir::new();
     let target = d.join("p.yaml");
     let out = run_in(
         &d,
@@ -205,7 +199,7 @@ fn questionnaire_offers_plugin_types() {
 
 #[test]
 fn default_writes_once_and_never_overwrites() {
-    let d = tmpdir("default");
+    let d = CaseDir::new();
     let out = run_in(
         &d,
         &parse(&["default", "--mixed_precision", "bf16"]),
@@ -241,7 +235,7 @@ fn default_writes_once_and_never_overwrites() {
 
 #[test]
 fn update_rewrites_an_old_file() {
-    let d = tmpdir("update");
+    let d = CaseDir::new();
     let p = d.join("old.yaml");
     std::fs::write(&p, "compute_environment: LOCAL_MACHINE\ndistributed_type: TPU\nfp16: true\ndynamo_backend: INDUCTOR\nnum_processes: 8\nfsdp_config: {}\n").unwrap();
     let out = run_in(&d, &parse(&["update", p.to_str().unwrap()]), "", &[]);
@@ -275,7 +269,7 @@ fn update_rewrites_an_old_file() {
 
 #[test]
 fn validate_reports_one_line_per_problem() {
-    let d = tmpdir("validate");
+    let d = CaseDir::new();
     let good = d.join("good.yaml");
     std::fs::write(&good, "distributed_type: NO\n").unwrap();
     let bad = d.join("bad.yaml");
@@ -301,7 +295,7 @@ fn validate_reports_one_line_per_problem() {
 
 #[test]
 fn validate_places_plugin_problems_at_the_key_they_name() {
-    let d = tmpdir("plugin-problems");
+    let d = CaseDir::new();
     let file = d.join("fsdp.yaml");
     std::fs::write(
         &file,
@@ -406,7 +400,7 @@ fn every_shipped_config_validates() {
         let l = accel_config::load_file(f, &Default::default()).unwrap_or_else(|e| panic!("{e}"));
         assert!(l.warnings.is_empty(), "{}: {:?}", f.display(), l.warnings);
     }
-    let d = tmpdir("shipped");
+    let d = CaseDir::new();
     let refs: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
     let out = validate(&d, &refs);
     assert_eq!(out.code, 0, "{}", out.stderr);

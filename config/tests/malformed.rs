@@ -1,19 +1,10 @@
 //! Malformed input gives a clear error naming file:line:col — never a panic.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use accel_config::{load_bytes, load_file, load_str, Format, LoadOptions, Loaded, Origin};
+use accel_test_kit::CaseDir;
 use proptest::prelude::*;
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "accel-config-malformed-{}-{name}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 fn err_of(text: &str) -> String {
     load_str(text, "cfg.yaml", Format::Yaml, &LoadOptions::default())
@@ -268,7 +259,7 @@ fn invalid_utf8_names_the_position() {
 
 #[test]
 fn random_bytes_file() {
-    let d = tmpdir("rand");
+    let d = CaseDir::new();
     let p = d.join("noise.yaml");
     let bytes: Vec<u8> = (0u32..4096)
         .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
@@ -281,10 +272,10 @@ fn random_bytes_file() {
 
 #[test]
 fn a_directory_or_a_missing_file() {
-    let d = tmpdir("dir");
+    let d = CaseDir::new();
     for (path, needle) in [
         (
-            d.clone(),
+            d.to_path_buf(),
             ":1:1: error: this is a directory, not a config file",
         ),
         (

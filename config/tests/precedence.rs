@@ -6,14 +6,8 @@ use std::path::{Path, PathBuf};
 use accel_config::{
     resolve_launch, resolve_training, ConfigError, LaunchInputs, ResolvedConfig, Source,
 };
+use accel_test_kit::CaseDir;
 use serde_json::json;
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("accel-config-prec-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// A default file: 2 CPU processes in bf16.
 const TWO_CPUS_BF16: &str =
@@ -21,9 +15,10 @@ const TWO_CPUS_BF16: &str =
 /// A config file: 4 CPU processes.
 const FOUR_CPUS: &str = "distributed_type: MULTI_CPU\nnum_processes: 4\n";
 
-/// A fresh directory for test `name` and an environment of `vars` there.
-fn setup(name: &str, vars: &[(&str, &str)]) -> (PathBuf, Env) {
-    let d = tmpdir(name);
+/// A fresh directory (removed when dropped) and an environment of `vars`
+/// there.
+fn setup(vars: &[(&str, &str)]) -> (CaseDir, Env) {
+    let d = CaseDir::new();
     let env = Env::new(&d, vars);
     (d, env)
 }
@@ -91,7 +86,7 @@ fn write_default(dir: &Path, text: &str) -> PathBuf {
 
 #[test]
 fn builtin_defaults_apply_when_nothing_is_set() {
-    let (_, env) = setup("builtin", &[]);
+    let (_d, env) = setup(&[]);
     let r = env.launch(&[], None).unwrap();
     assert_eq!(r.config.distributed_type.as_ref().unwrap().as_str(), "NO");
     assert_eq!(r.config.num_processes, Some(1));
@@ -101,7 +96,7 @@ fn builtin_defaults_apply_when_nothing_is_set() {
 
 #[test]
 fn default_file_beats_builtin() {
-    let (d, env) = setup("deffile", &[]);
+    let (d, env) = setup(&[]);
     let p = write_default(&d, TWO_CPUS_BF16);
     let r = env.launch(&[], None).unwrap();
     assert_eq!(r.config.num_processes, Some(2));
@@ -111,7 +106,7 @@ fn default_file_beats_builtin() {
 
 #[test]
 fn config_file_beats_default_file_and_replaces_it() {
-    let (d, env) = setup("cfgfile", &[]);
+    let (d, env) = setup(&[]);
     write_default(&d, TWO_CPUS_BF16);
     let f = write_file(&d, "mine.yaml", FOUR_CPUS);
     let r = env.launch(&[], Some(&f)).unwrap();
@@ -124,13 +119,10 @@ fn config_file_beats_default_file_and_replaces_it() {
 
 #[test]
 fn env_beats_config_file() {
-    let (d, env) = setup(
-        "env",
-        &[
-            ("ACCELERATE_MIXED_PRECISION", "bf16"),
-            ("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3"),
-        ],
-    );
+    let (d, env) = setup(&[
+        ("ACCELERATE_MIXED_PRECISION", "bf16"),
+        ("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3"),
+    ]);
     let f = write_file(&d, "mine.yaml", "distributed_type: DEEPSPEED\nnum_processes: 2\nmixed_precision: fp16\ndeepspeed_config:\n  zero_stage: 2\n");
     let r = env.launch(&[], Some(&f)).unwrap();
     assert_eq!(r.config.mixed_precision.unwrap().as_str(), "bf16");
@@ -145,14 +137,11 @@ fn env_beats_config_file() {
 
 #[test]
 fn env_switches_select_the_distributed_type() {
-    let (_, env) = setup(
-        "envswitch",
-        &[
-            ("ACCELERATE_USE_FSDP", "true"),
-            ("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"),
-            ("ACCELERATE_USE_CPU", "False"),
-        ],
-    );
+    let (_d, env) = setup(&[
+        ("ACCELERATE_USE_FSDP", "true"),
+        ("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"),
+        ("ACCELERATE_USE_CPU", "False"),
+    ]);
     let r = env.launch(&[], None).unwrap();
     assert_eq!(r.config.distributed_type.as_ref().unwrap().as_str(), "FSDP");
     assert_eq!(
@@ -167,7 +156,7 @@ fn env_switches_select_the_distributed_type() {
 
 #[test]
 fn cli_beats_env() {
-    let (_, env) = setup("cli-env", &[("ACCELERATE_MIXED_PRECISION", "bf16")]);
+    let (_d, env) = setup(&[("ACCELERATE_MIXED_PRECISION", "bf16")]);
     let cli = flags(&[("mixed_precision", "fp16")]);
     let r = env.launch(&cli, None).unwrap();
     assert_eq!(r.config.mixed_precision.unwrap().as_str(), "fp16");
@@ -176,7 +165,7 @@ fn cli_beats_env() {
 
 #[test]
 fn cli_beats_config_file_top_level() {
-    let (d, env) = setup("cli-file", &[]);
+    let (d, env) = setup(&[]);
     let f = write_file(&d, "mine.yaml", FOUR_CPUS);
     let cli = flags(&[("num-processes", "2")]);
     let r = env.launch(&cli, Some(&f)).unwrap();
@@ -188,7 +177,7 @@ fn cli_beats_config_file_top_level() {
 #[test]
 fn cli_flag_beats_a_nested_section_value() {
     // Accelerate issue 3409: a section value overrode the explicit flag.
-    let (d, env) = setup("nested", &[("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")]);
+    let (d, env) = setup(&[("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")]);
     let f = write_file(&d, "zero.yaml", "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: none\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n");
     let cli = flags(&[
         ("zero_stage", "3"),
@@ -233,7 +222,7 @@ fn cli_flag_beats_a_nested_section_value() {
 
 #[test]
 fn cli_switches_and_bad_flag_values() {
-    let (d, env) = setup("switch", &[]);
+    let (d, env) = setup(&[]);
     let cli = flags(&[("use_deepspeed", "true"), ("num_processes", "2")]);
     let r = env.launch(&cli, None).unwrap();
     assert_eq!(
@@ -251,7 +240,7 @@ fn cli_switches_and_bad_flag_values() {
 
 #[test]
 fn num_processes_forced_to_one_for_no() {
-    let (_, env) = setup("no1", &[]);
+    let (_d, env) = setup(&[]);
     let cli = flags(&[("num_processes", "3")]);
     let r = env.launch(&cli, None).unwrap();
     assert_eq!(r.config.num_processes, Some(1));
@@ -285,7 +274,7 @@ fn training_builder_beats_env_beats_builtin() {
 
 #[test]
 fn plugin_settings_and_plugin_dir() {
-    let (d, env) = setup("plugins", &[("ACCEL_PLUGIN_DIR", "/x:/y")]);
+    let (d, env) = setup(&[("ACCEL_PLUGIN_DIR", "/x:/y")]);
     let f = write_file(&d, "p.yaml", "distributed_type: RING\nnum_processes: 2\naccel:\n  plugin_dir: [/opt/a]\n  plugins:\n    ring:\n      buckets: 4\n");
     let extra = vec!["RING".to_string()];
     let r = env.launch_with(&[], Some(&f), &extra).unwrap();
@@ -304,14 +293,11 @@ fn training_settings_of_every_strategy_come_from_the_environment() {
         "distributed_type": "NO",
         "accel": {"trackers": ["jsonl"], "collective_timeout": 60.0}
     });
-    let (d, env) = setup(
-        "training-settings",
-        &[
-            ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4"),
-            ("ACCELERATE_LOG_WITH", " wandb, tensorboard ,"),
-            ("ACCEL_RESOLVED_CONFIG", &launched.to_string()),
-        ],
-    );
+    let (d, env) = setup(&[
+        ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4"),
+        ("ACCELERATE_LOG_WITH", " wandb, tensorboard ,"),
+        ("ACCEL_RESOLVED_CONFIG", &launched.to_string()),
+    ]);
     let r = resolve_training(&[], &|k| env.get(k), &[]).unwrap();
     assert_eq!(r.gradient_accumulation_steps(), Some(4));
     let accel = r.config.accel.as_ref().unwrap();

@@ -159,6 +159,16 @@ impl CaseDir {
     }
 }
 
+impl std::ops::Deref for CaseDir {
+    type Target = Path;
+
+    /// Where the directory is (so `dir.join(..)` and `&dir` work as on a
+    /// path).
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
 impl Default for CaseDir {
     fn default() -> Self {
         Self::new()
