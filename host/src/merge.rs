@@ -4,7 +4,9 @@
 //!
 //! A checkpoint saved with SHARDED state (FSDP with `fsdp_state_dict_type:
 //! SHARDED_STATE_DICT`, ZeRO stages 1–3) holds `model_rank<r>.safetensors`
-//! per rank (see [`crate::accelerator`]'s checkpoint table). accel's
+//! per rank (`model_1_rank<r>.safetensors` for a second prepared model, and
+//! so on; see [`crate::accelerator`]'s checkpoint table); one model is
+//! merged at a time ([`MergeOptions::model`]). accel's
 //! sharding engine (`accel-sharding`, behind `accel-fsdp` and `accel-zero`)
 //! stores every parameter in each of them as one flat chunk: the parameter
 //! flattened row-major, padded with zeros to a multiple of the shard group
@@ -24,8 +26,9 @@
 //! when `max_shard_size` is given; each file is written under a temporary
 //! name and renamed.
 
-use crate::accelerator::AccelError;
+use crate::accelerator::{model_file, nth, AccelError};
 use crate::hf::{self, HeaderEntry, TensorSpec};
+use accel_sdk::StateDictKind;
 use safetensors::tensor::Dtype;
 use serde_json::Value;
 use std::{
@@ -45,6 +48,10 @@ pub struct MergeOptions {
     pub max_shard_size: Option<u64>,
     /// Replace weights files already at the output (else refused).
     pub overwrite: bool,
+    /// Which of the checkpoint's models to merge, in the order they were
+    /// prepared (0: the first; its shards are `model_rank<r>`, model 1's
+    /// `model_1_rank<r>`, ...).
+    pub model: usize,
 }
 
 fn err(message: String) -> AccelError {
@@ -72,6 +79,8 @@ struct Param {
 #[derive(Debug, Clone)]
 pub struct ShardedCheckpoint {
     dir: PathBuf,
+    model: usize,
+    models: usize,
     world_size: usize,
     strategy: String,
     files: Vec<PathBuf>,
@@ -106,8 +115,10 @@ fn checkpoints_below(dir: &Path) -> Vec<PathBuf> {
     found
 }
 
-/// `model_rank<r>.safetensors` files in `dir`, by rank.
-fn rank_files(dir: &Path) -> BTreeMap<usize, PathBuf> {
+/// Model `model`'s shard files in `dir` (`model_rank<r>.safetensors`,
+/// `model_1_rank<r>.safetensors`, ...), by rank.
+fn rank_files(dir: &Path, model: usize) -> BTreeMap<usize, PathBuf> {
+    let prefix = format!("{}_rank", nth("model", model));
     fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -115,7 +126,7 @@ fn rank_files(dir: &Path) -> BTreeMap<usize, PathBuf> {
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
             let r = name
-                .strip_prefix("model_rank")?
+                .strip_prefix(prefix.as_str())?
                 .strip_suffix(".safetensors")?
                 .parse()
                 .ok()?;
@@ -132,12 +143,20 @@ fn is_chunk_len(chunk: u64, numel: u64, world: u64) -> bool {
 }
 
 impl ShardedCheckpoint {
-    /// Opens checkpoint `dir` from `accel_state.json` and the headers of its
-    /// `model_rank<r>.safetensors` files, and checks that they make whole
-    /// parameters: one file per rank of the saved world size, every
-    /// parameter in each with one dtype, as a flat chunk of the engine's
-    /// layout (or whole), nothing else in them. Reads no tensor data.
+    /// Opens the first model of checkpoint `dir`:
+    /// [`ShardedCheckpoint::open_model`] with model 0.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self, AccelError> {
+        Self::open_model(dir, 0)
+    }
+
+    /// Opens model `model` (in the order the models were prepared) of
+    /// checkpoint `dir` from `accel_state.json` and the headers of its
+    /// `model_rank<r>.safetensors` files (`model_1_rank<r>...` for model 1),
+    /// and checks that they make whole parameters: one file per rank of the
+    /// saved world size, every parameter in each with one dtype, as a flat
+    /// chunk of the engine's layout (or whole), nothing else in them. Reads
+    /// no tensor data.
+    pub fn open_model(dir: impl AsRef<Path>, model: usize) -> Result<Self, AccelError> {
         let dir = dir.as_ref();
         let shown = dir.display();
         if !dir.exists() {
@@ -161,7 +180,7 @@ impl ShardedCheckpoint {
                         .collect::<Vec<_>>()
                         .join(", ")
                 )
-            } else if !rank_files(dir).is_empty() {
+            } else if !rank_files(dir, model).is_empty() {
                 " (it has model_rank<r>.safetensors files: an interrupted save?)".into()
             } else {
                 String::new()
@@ -199,9 +218,26 @@ impl ShardedCheckpoint {
                 ))
             })? as usize;
         let strategy = state["strategy"].as_str().unwrap_or("unknown").to_owned();
-        let shapes = state["parameter_shapes"].as_object().ok_or_else(|| {
+        // Checkpoints of one model before `models` was recorded: 1.
+        let models = match &state["models"] {
+            Value::Null => 1,
+            v => v
+                .as_u64()
+                .filter(|&m| m >= 1)
+                .ok_or_else(|| bad_state(format!("models is {v}; expected 1 or more")))?
+                as usize,
+        };
+        if model >= models {
+            return Err(err(format!(
+                "{shown} holds {models} model(s) (models in accel_state.json): there is no \
+                 model {model}; allowed: 0 to {} (in the order the program prepared them)",
+                models - 1
+            )));
+        }
+        let shapes_key = nth("parameter_shapes", model);
+        let shapes = state[&shapes_key].as_object().ok_or_else(|| {
             bad_state(format!(
-                "no parameter_shapes: saved by an accel before 0.1 recorded the parameters' \
+                "no {shapes_key}: saved by an accel before 0.1 recorded the parameters' \
                  whole shapes, which the flat shards do not carry. Load it with load_state on \
                  {world_size} rank(s) under {strategy} and save again (this accel records \
                  them), or save FULL state (fsdp_state_dict_type: FULL_STATE_DICT) or \
@@ -215,15 +251,16 @@ impl ShardedCheckpoint {
                 .and_then(|a| a.iter().map(|d| d.as_i64().filter(|&d| d >= 0)).collect());
             let dims = dims.ok_or_else(|| {
                 bad_state(format!(
-                    "parameter_shapes[`{name}`] is {shape}; expected a list of sizes (whole numbers, 0 or more)"
+                    "{shapes_key}[`{name}`] is {shape}; expected a list of sizes (whole numbers, 0 or more)"
                 ))
             })?;
             whole.insert(name.clone(), dims);
         }
-        let found = rank_files(dir);
+        let shard = |r: usize| model_file(StateDictKind::Sharded, model, r as u32);
+        let found = rank_files(dir, model);
         let missing: Vec<String> = (0..world_size)
             .filter(|r| !found.contains_key(r))
-            .map(|r| format!("model_rank{r}.safetensors"))
+            .map(shard)
             .collect();
         if !missing.is_empty() {
             return Err(err(format!(
@@ -236,7 +273,7 @@ impl ShardedCheckpoint {
         let extra: Vec<String> = found
             .keys()
             .filter(|&&r| r >= world_size)
-            .map(|r| format!("model_rank{r}.safetensors"))
+            .map(|&r| shard(r))
             .collect();
         if !extra.is_empty() {
             return Err(err(format!(
@@ -263,7 +300,7 @@ impl ShardedCheckpoint {
                 .collect();
             if !unexpected.is_empty() {
                 return Err(err(format!(
-                    "{}: holds {} not in accel_state.json's parameter_shapes",
+                    "{}: holds {} not in accel_state.json's {shapes_key}",
                     files[r].display(),
                     unexpected
                         .iter()
@@ -279,6 +316,8 @@ impl ShardedCheckpoint {
         }
         Ok(Self {
             dir: dir.to_path_buf(),
+            model,
+            models,
             world_size,
             strategy,
             files,
@@ -294,13 +333,18 @@ impl ShardedCheckpoint {
         files: &[PathBuf],
     ) -> Result<Param, AccelError> {
         let world = headers.len();
+        let file_name = |r: usize| {
+            files[r]
+                .file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+        };
         let lacking: Vec<String> = (0..world)
             .filter(|&r| !headers[r].contains_key(name))
-            .map(|r| format!("model_rank{r}.safetensors"))
+            .map(file_name)
             .collect();
         if !lacking.is_empty() {
             return Err(err(format!(
-                "parameter `{name}` (in parameter_shapes) is missing from {}",
+                "parameter `{name}` (in accel_state.json's shapes) is missing from {}",
                 lacking.join(", ")
             )));
         }
@@ -317,7 +361,7 @@ impl ShardedCheckpoint {
         let elem = dtype.size() as u64;
         let numel = hf::byte_len(shape, 1).ok_or_else(|| {
             err(format!(
-                "accel_state.json: parameter_shapes gives `{name}` the shape {}, which no \
+                "accel_state.json gives `{name}` the shape {}, which no \
                  tensor has",
                 hf::shape_text(shape)
             ))
@@ -325,17 +369,21 @@ impl ShardedCheckpoint {
         for (r, e) in entries.iter().enumerate() {
             if e.info.dtype != first.info.dtype {
                 return Err(err(format!(
-                    "`{name}` is {} in model_rank0.safetensors but {} in model_rank{r}.safetensors: \
-                     shards of one save share a dtype",
-                    first.info.dtype, e.info.dtype
+                    "`{name}` is {} in {} but {} in {}: shards of one save share a dtype",
+                    first.info.dtype,
+                    file_name(0),
+                    e.info.dtype,
+                    file_name(r)
                 )));
             }
             if e.info.shape != first.info.shape {
                 return Err(err(format!(
-                    "`{name}`'s shard is {} in model_rank0.safetensors but {} in \
-                     model_rank{r}.safetensors: shards of one save have one length",
+                    "`{name}`'s shard is {} in {} but {} in {}: shards of one save have one \
+                     length",
                     hf::shape_text(&first.info.shape),
-                    hf::shape_text(&e.info.shape)
+                    file_name(0),
+                    hf::shape_text(&e.info.shape),
+                    file_name(r)
                 )));
             }
         }
@@ -395,6 +443,16 @@ impl ShardedCheckpoint {
     /// The checkpoint directory.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Which of the checkpoint's models this is (0: the first prepared).
+    pub fn model(&self) -> usize {
+        self.model
+    }
+
+    /// How many models the checkpoint holds.
+    pub fn models(&self) -> usize {
+        self.models
     }
 
     /// The number of ranks that saved it.
@@ -551,11 +609,11 @@ pub fn merge_weights(
     out: &Path,
     options: &MergeOptions,
 ) -> Result<Vec<PathBuf>, AccelError> {
-    ShardedCheckpoint::open(checkpoint_dir)?.merge_into(out, options)
+    ShardedCheckpoint::open_model(checkpoint_dir, options.model)?.merge_into(out, options)
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use serde_json::json;
     use tch::{Device, Kind, Tensor};
@@ -563,6 +621,23 @@ mod tests {
     /// Writes a checkpoint as accel's sharding engine saves `whole` over
     /// `world` ranks (shard group `group`), with `shapes` in accel_state.json.
     fn sharded(dir: &Path, whole: &[(String, Tensor)], world: i64, group: i64) {
+        let shapes = shards_of(dir, 0, whole, world, group);
+        let state = json!({
+            "world_size": world, "strategy": "accel-fsdp", "state_dict_kind": "SHARDED",
+            "parameter_shapes": shapes,
+        });
+        fs::write(dir.join("accel_state.json"), state.to_string()).unwrap();
+    }
+
+    /// Writes model `model`'s shard files of `whole` as [`sharded`] does;
+    /// returns its whole shapes.
+    fn shards_of(
+        dir: &Path,
+        model: usize,
+        whole: &[(String, Tensor)],
+        world: i64,
+        group: i64,
+    ) -> serde_json::Map<String, Value> {
         for r in 0..world {
             let shards: Vec<(String, Tensor)> = whole
                 .iter()
@@ -574,18 +649,13 @@ mod tests {
                     (n.clone(), padded.narrow(0, (r % group) * c, c).copy())
                 })
                 .collect();
-            Tensor::write_safetensors(&shards, dir.join(format!("model_rank{r}.safetensors")))
-                .unwrap();
+            let file = model_file(StateDictKind::Sharded, model, r as u32);
+            Tensor::write_safetensors(&shards, dir.join(file)).unwrap();
         }
-        let shapes: serde_json::Map<String, Value> = whole
+        whole
             .iter()
             .map(|(n, t)| (n.clone(), json!(t.size())))
-            .collect();
-        let state = json!({
-            "world_size": world, "strategy": "accel-fsdp", "state_dict_kind": "SHARDED",
-            "parameter_shapes": shapes,
-        });
-        fs::write(dir.join("accel_state.json"), state.to_string()).unwrap();
+            .collect()
     }
 
     fn model() -> Vec<(String, Tensor)> {
@@ -629,6 +699,63 @@ mod tests {
                 assert!(g.equal(w), "{gn}: world {world} group {group}");
             }
         }
+    }
+
+    /// Writes into `ckpt` a SHARDED checkpoint of two models over 2 ranks;
+    /// returns their whole tensors.
+    pub(crate) fn two_models(ckpt: &Path) -> [Vec<(String, Tensor)>; 2] {
+        let second = vec![(
+            "b.weight".to_owned(),
+            Tensor::arange(6, (Kind::Float, Device::Cpu)).view([2, 3]) * 10,
+        )];
+        let state = json!({
+            "world_size": 2, "strategy": "accel-zero", "state_dict_kind": "SHARDED",
+            "models": 2,
+            "parameter_shapes": shards_of(ckpt, 0, &model(), 2, 2),
+            "parameter_shapes_1": shards_of(ckpt, 1, &second, 2, 2),
+        });
+        fs::write(ckpt.join("accel_state.json"), state.to_string()).unwrap();
+        [model(), second]
+    }
+
+    #[test]
+    fn each_model_of_a_checkpoint_merges_by_its_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = dir.path().join("ckpt");
+        fs::create_dir(&ckpt).unwrap();
+        for (m, want) in two_models(&ckpt).into_iter().enumerate() {
+            let out = dir.path().join(format!("m{m}.safetensors"));
+            let options = MergeOptions {
+                model: m,
+                ..Default::default()
+            };
+            merge_weights(&ckpt, &out, &options).unwrap();
+            let mut want = want;
+            want.sort_by(|a, b| a.0.cmp(&b.0));
+            let got = read_back(&out);
+            assert_eq!(got.len(), want.len(), "model {m}");
+            for ((gn, g), (wn, w)) in got.iter().zip(&want) {
+                assert_eq!(gn, wn);
+                assert!(g.equal(w), "model {m}: {gn}");
+            }
+            assert_eq!(ShardedCheckpoint::open_model(&ckpt, m).unwrap().models(), 2);
+        }
+        let e = ShardedCheckpoint::open_model(&ckpt, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "holds 2 model(s) (models in accel_state.json): there is no model 2; \
+                 allowed: 0 to 1"
+            ),
+            "{e}"
+        );
+        fs::remove_file(ckpt.join("model_1_rank1.safetensors")).unwrap();
+        let e = ShardedCheckpoint::open_model(&ckpt, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model_1_rank1.safetensors is missing"), "{e}");
+        assert!(ShardedCheckpoint::open(&ckpt).is_ok());
     }
 
     #[test]
@@ -689,6 +816,7 @@ mod tests {
         let options = MergeOptions {
             overwrite: true,
             max_shard_size: Some(100),
+            ..Default::default()
         };
         let files = merge_weights(&ckpt, &out, &options).unwrap();
         // 140 + 40 + 8 bytes, at most 100 a shard: three shards and the index.

@@ -14,7 +14,7 @@
 //! | `random_states_<r>.safetensors` | rank `r`'s libtorch CPU (and CUDA) generator states | every rank |
 //! | `data_loaders.json` | every prepared data loader's epoch and batches consumed | rank 0 |
 //! | `custom_checkpoint_<i>.json` | objects given to [`Accelerator::register_for_checkpointing`] | rank 0 |
-//! | `accel_state.json` | accel version, world size, strategy, state dict kind, number of models, optimizer steps, iteration, every parameter's whole shape (`parameter_shapes`, `parameter_shapes_1`, … per model; [`crate::merge`] needs model 0's to merge SHARDED state) | rank 0 |
+//! | `accel_state.json` | accel version, world size, strategy, state dict kind, number of models, optimizer steps, iteration, every parameter's whole shape (`parameter_shapes`, `parameter_shapes_1`, … per model; [`crate::merge`] needs a model's to merge its SHARDED state) | rank 0 |
 //!
 //! **Safe by construction**: everything is written into a hidden sibling
 //! directory (`.<name>.partial`), then renamed into place by rank 0 once
@@ -159,7 +159,7 @@ fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>, AccelError> {
 }
 
 /// `name`, `name_1`, `name_2`, ... for the i-th object of a kind.
-fn nth(name: &str, i: usize) -> String {
+pub(crate) fn nth(name: &str, i: usize) -> String {
     if i == 0 {
         name.to_owned()
     } else {
@@ -171,7 +171,7 @@ fn nth(name: &str, i: usize) -> String {
 /// `model_1.safetensors`, ... (FULL, as Accelerate's `save_accelerator_state`
 /// names them), or this `rank`'s shard `model_rank<r>.safetensors`,
 /// `model_1_rank<r>.safetensors`, ... (SHARDED).
-fn model_file(kind: StateDictKind, i: usize, rank: u32) -> String {
+pub(crate) fn model_file(kind: StateDictKind, i: usize, rank: u32) -> String {
     match kind {
         StateDictKind::Full => format!("{}.safetensors", nth("model", i)),
         StateDictKind::Sharded => format!("{}_rank{rank}.safetensors", nth("model", i)),

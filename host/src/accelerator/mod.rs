@@ -47,6 +47,7 @@ mod training;
 mod units;
 
 pub use builder::AcceleratorBuilder;
+pub(crate) use checkpoint::{model_file, nth};
 pub use checkpoint::{parse_size, Checkpointable, Registered, SaveOptions, TrainingObjects};
 pub use config_optim::{DummyOptim, DummyScheduler};
 use data::LoaderRecord;

@@ -28,6 +28,11 @@ pub struct MergeWeightsArgs {
     /// Replace weights files already at OUT.
     #[arg(long)]
     overwrite: bool,
+    /// Which model to merge when the program prepared several (0: the
+    /// first, whose shards are model_rank<r>; 1: model_1_rank<r>, ...).
+    /// Accelerate saves each model in a directory of its own instead.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    model: usize,
     /// Remove the checkpoint directory once the weights are merged.
     #[arg(long = "remove-checkpoint-dir", alias = "remove_checkpoint_dir")]
     remove_checkpoint_dir: bool,
@@ -70,7 +75,15 @@ pub fn run(args: MergeWeightsArgs, out: &mut dyn Write) -> anyhow::Result<i32> {
         .map(parse_size)
         .transpose()
         .map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
-    let checkpoint = ShardedCheckpoint::open(&args.checkpoint_directory)?;
+    let checkpoint = ShardedCheckpoint::open_model(&args.checkpoint_directory, args.model)?;
+    if args.remove_checkpoint_dir && checkpoint.models() > 1 {
+        anyhow::bail!(
+            "--remove-checkpoint-dir would delete the other models' shards: {} holds {} models \
+             (merge each with --model N, then remove it yourself)",
+            checkpoint.dir().display(),
+            checkpoint.models()
+        );
+    }
     if args.remove_checkpoint_dir {
         let ckpt = std::fs::canonicalize(checkpoint.dir())?;
         if resolved(&args.output_path)?.starts_with(&ckpt) {
@@ -84,11 +97,17 @@ pub fn run(args: MergeWeightsArgs, out: &mut dyn Write) -> anyhow::Result<i32> {
     let options = MergeOptions {
         max_shard_size,
         overwrite: args.overwrite,
+        model: args.model,
     };
     let files = checkpoint.merge_into(&args.output_path, &options)?;
+    let which = if checkpoint.models() > 1 {
+        format!("model {} of {}, ", checkpoint.model(), checkpoint.models())
+    } else {
+        String::new()
+    };
     writeln!(
         out,
-        "merged {} parameters ({} bytes) from {} rank(s) of {} ({}):",
+        "merged {} parameters ({} bytes) of {which}from {} rank(s) of {} ({}):",
         checkpoint.tensors().len(),
         checkpoint.total_bytes(),
         checkpoint.world_size(),
@@ -108,4 +127,51 @@ pub fn run(args: MergeWeightsArgs, out: &mut dyn Write) -> anyhow::Result<i32> {
         writeln!(out, "removed {}", checkpoint.dir().display())?;
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::{Cli, Command};
+    use clap::Parser;
+
+    /// `accel merge-weights ARGS...` run in-process: (status or error, output).
+    fn merge(args: &[&str]) -> (anyhow::Result<i32>, String) {
+        let cli = Cli::try_parse_from([&["accel", "merge-weights"], args].concat()).unwrap();
+        let Command::MergeWeights(args) = cli.command else {
+            unreachable!("parsed as merge-weights")
+        };
+        let mut out = Vec::new();
+        let status = run(args, &mut out);
+        (status, String::from_utf8(out).unwrap())
+    }
+
+    #[test]
+    fn model_picks_one_of_several_and_the_checkpoint_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = dir.path().join("ckpt");
+        std::fs::create_dir(&ckpt).unwrap();
+        let [_, second] = crate::merge::tests::two_models(&ckpt);
+        let c = ckpt.to_str().unwrap();
+        let o = dir.path().join("second.safetensors");
+        let (status, text) = merge(&[c, o.to_str().unwrap(), "--model", "1"]);
+        assert_eq!(status.unwrap(), 0);
+        assert!(
+            text.contains("merged 1 parameters (24 bytes) of model 1 of 2, from 2 rank(s)"),
+            "{text}"
+        );
+        let got = tch::Tensor::read_safetensors(&o).unwrap();
+        assert_eq!(got[0].0, second[0].0);
+        assert!(got[0].1.equal(&second[0].1));
+        // Removing the directory would lose the model not merged.
+        let o = dir.path().join("first.safetensors");
+        let (status, _) = merge(&[c, o.to_str().unwrap(), "--remove-checkpoint-dir"]);
+        let e = status.unwrap_err().to_string();
+        assert!(
+            e.contains("--remove-checkpoint-dir would delete the other models' shards")
+                && e.contains("holds 2 models"),
+            "{e}"
+        );
+        assert!(ckpt.join("model_1_rank0.safetensors").is_file() && !o.exists());
+    }
 }
