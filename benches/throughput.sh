@@ -30,7 +30,9 @@
 #        zero1_no_overlap: ZeRO-1 with DeepSpeed's default bucket, overlap on/off;
 #        zero1_modules: a bucket per module, each all-reduced during backward;
 #        zero3_bucket: ZeRO-3 with reduce_bucket_size 5e8, the modules'
-#        gradients reduce-scattered together)
+#        gradients reduce-scattered together; zero3_reuse: ZeRO-3 with
+#        DeepSpeed's stage3_max_reuse_distance 1e9, modules kept gathered
+#        from forward to backward)
 # Writes OUT_DIR/throughput.jsonl (one object per run), OUT_DIR/throughput.md
 # (the table, also printed) and, with UPDATE_BENCHMARKS=1, the block between
 # the throughput markers of BENCHMARKS.md (`throughput` or `throughput-load`).
@@ -86,6 +88,10 @@ echo '{"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8}}' >"$out/zer
 config zero3_bucket "distributed_type: DEEPSPEED
 deepspeed_config:
   deepspeed_config_file: $out/zero3_bucket.json"
+echo '{"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 1e9}}' >"$out/zero3_reuse.json"
+config zero3_reuse "distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: $out/zero3_reuse.json"
 config zero1_no_overlap "distributed_type: DEEPSPEED
 deepspeed_config:
   zero_stage: 1
@@ -178,7 +184,8 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 load = sys.argv[2] == "1"
 names = {"ddp": "accel DDP", "ddp_no_overlap": "accel DDP, no overlap",
          "fsdp": "accel FSDP FULL_SHARD", "zero3": "accel ZeRO-3",
-         "zero3_bucket": "accel ZeRO-3, reduce_bucket_size 5e8", "zero1": "accel ZeRO-1",
+         "zero3_bucket": "accel ZeRO-3, reduce_bucket_size 5e8",
+         "zero3_reuse": "accel ZeRO-3, stage3_max_reuse_distance 1e9", "zero1": "accel ZeRO-1",
          "zero1_no_overlap": "accel ZeRO-1, no overlap",
          "zero1_modules": "accel ZeRO-1, a bucket per module", "peer": "Python Accelerate DDP",
          "peer_fsdp": "PyTorch FSDP2 FULL_SHARD", "single": "one process, global batch"}

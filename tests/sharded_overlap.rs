@@ -298,57 +298,92 @@ fn freeze_probe(config: &Path, save: &Path, frozen: &[&str]) -> Output {
     out
 }
 
+/// mlp on `ranks` ranks under the DeepSpeed `zero_optimization` keys
+/// `zero`, then `zero` plus `extra`: asserts both give the same weights and
+/// returns, for each, the engine's gathers prefetched and reductions
+/// started early, per backward.
+fn with_and_without(
+    dir: &Path,
+    name: &str,
+    ranks: u32,
+    (zero, extra): (&str, &str),
+    args: &[&str],
+) -> [(f64, f64); 2] {
+    let mut weights = Vec::new();
+    let counts = [String::new(), format!(", {extra}")].map(|more| {
+        let json = format!(r#"{{"zero_optimization": {{{zero}{more}}}}}"#);
+        let run = format!("{name}{ranks}_{}", weights.len());
+        let section = deepspeed_file_section(dir, &run, &json);
+        let cfg = write_config(dir, &format!("{run}.yaml"), "DEEPSPEED", ranks, &section);
+        let save = dir.join(format!("{run}.safetensors"));
+        let out = mlp_run(&cfg, &save, args);
+        assert!(out.status.success(), "{json}: {}", describe(&out));
+        weights.push(std::fs::read(&save).unwrap());
+        let backwards = String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .filter(|l| l.contains("(s) started during backward"))
+            .count() as f64;
+        assert!(backwards > 0.0, "{json}: no debug lines");
+        let (gathers, reduces) = started_early(&out);
+        (gathers as f64 / backwards, reduces as f64 / backwards)
+    });
+    assert!(
+        weights[0] == weights[1],
+        "{zero} on {ranks} ranks: the weights differ with {extra}"
+    );
+    counts
+}
+
 #[test]
 fn a_reduce_bucket_reduce_scatters_modules_together_with_the_same_bits() {
     let files = tempfile::tempdir().unwrap();
     let args = adamw_mlp_args("4", &["--grad-accum", "2", "--max-grad-norm", "0.5"]);
+    // ZeRO-2, and ZeRO-3 with every parameter sharded: module by module,
+    // then in DeepSpeed's default bucket (5e8 elements: the whole mlp).
     let stages = [
-        ("ZeRO-2", r#""stage": 2"#),
-        (
-            "ZeRO-3, every parameter sharded",
-            r#""stage": 3, "stage3_param_persistence_threshold": 0"#,
-        ),
+        r#""stage": 2"#,
+        r#""stage": 3, "stage3_param_persistence_threshold": 0"#,
     ];
     for ranks in [2, 3] {
-        for (s, (what, zero)) in stages.iter().enumerate() {
-            // (weights, reduce-scatters per backward) module by module, then
-            // in DeepSpeed's default bucket (5e8 elements: the whole mlp).
-            let mut runs = Vec::new();
-            for (b, bucket) in ["", r#", "reduce_bucket_size": 5e8"#].iter().enumerate() {
-                let name = format!("r{ranks}s{s}b{b}");
-                let json = format!(r#"{{"zero_optimization": {{{zero}{bucket}}}}}"#);
-                let section = deepspeed_file_section(files.path(), &name, &json);
-                let cfg = write_config(
-                    files.path(),
-                    &format!("{name}.yaml"),
-                    "DEEPSPEED",
-                    ranks,
-                    &section,
-                );
-                let save = files.path().join(format!("{name}.safetensors"));
-                let out = mlp_run(&cfg, &save, &args);
-                assert!(out.status.success(), "{what} {json}: {}", describe(&out));
-                let backwards = String::from_utf8_lossy(&out.stderr)
-                    .lines()
-                    .filter(|l| l.contains("(s) started during backward"))
-                    .count() as u64;
-                assert!(backwards > 0, "{what} {json}: no debug lines");
-                let (_, reduces) = started_early(&out);
-                runs.push((
-                    std::fs::read(&save).unwrap(),
-                    reduces as f64 / backwards as f64,
-                ));
-            }
-            let (per_module, bucketed) = (runs[0].1, runs[1].1);
+        for (s, zero) in stages.iter().enumerate() {
+            let [(_, per_module), (_, bucketed)] = with_and_without(
+                files.path(),
+                &format!("bucket{s}_"),
+                ranks,
+                (zero, r#""reduce_bucket_size": 5e8"#),
+                &args,
+            );
             assert!(
                 per_module >= 4.0 && bucketed == 1.0,
-                "{what} on {ranks} ranks: {per_module} reduce-scatters a backward module by \
+                "{zero} on {ranks} ranks: {per_module} reduce-scatters a backward module by \
                  module, {bucketed} in one bucket"
             );
-            assert!(
-                runs[0].0 == runs[1].0,
-                "{what} on {ranks} ranks: the weights differ with a reduce bucket"
-            );
         }
+    }
+}
+
+#[test]
+fn modules_reused_soon_stay_gathered_for_backward_with_the_same_bits() {
+    let files = tempfile::tempdir().unwrap();
+    let args = adamw_mlp_args("4", &["--grad-accum", "2", "--max-grad-norm", "0.5"]);
+    for ranks in [2, 3] {
+        // Freed after every forward (accel's default), then kept while
+        // reused within DeepSpeed's default distance (1e9 elements: the
+        // whole mlp, from the second step on).
+        let [(freed, _), (kept, _)] = with_and_without(
+            files.path(),
+            "reuse",
+            ranks,
+            (
+                r#""stage": 3, "stage3_param_persistence_threshold": 0"#,
+                r#""stage3_max_reuse_distance": 1e9"#,
+            ),
+            &args,
+        );
+        assert!(
+            kept < freed,
+            "ZeRO-3 on {ranks} ranks: {kept} gathers prefetched a backward with the modules kept, \
+             {freed} with them freed after forward"
+        );
     }
 }

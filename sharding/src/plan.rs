@@ -75,6 +75,13 @@ pub struct Plan {
     /// With `shard_params`: the small parameters that stay whole on every
     /// rank (DeepSpeed ZeRO-3's persistent parameters; FSDP: none).
     pub persistence: Persistence,
+    /// With `reshard_after_forward`, from the second step (once the order
+    /// the units run in is known): a unit stays gathered from its forward to
+    /// its backward when the units that run between the two hold fewer than
+    /// this many parameter elements (DeepSpeed's
+    /// `stage3_max_reuse_distance`). 0: every unit is freed after its
+    /// forward (FSDP's FULL_SHARD).
+    pub reuse_distance: u64,
 }
 
 /// The parameters small enough to stay whole on every rank while the rest
@@ -362,6 +369,7 @@ impl Plan {
             overlap: Overlap::NONE,
             reduce_bucket: None,
             persistence: Persistence::NONE,
+            reuse_distance: 0,
         }
     }
 }

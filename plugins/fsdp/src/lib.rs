@@ -71,6 +71,7 @@ pub fn plan(s: &Settings) -> Plan {
         // as PyTorch's FSDP does.
         reduce_bucket: None,
         persistence: Persistence::NONE,
+        reuse_distance: 0,
     }
 }
 

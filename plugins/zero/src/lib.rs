@@ -85,6 +85,7 @@ fn plan(s: &settings::Settings) -> Plan {
         overlap: s.overlap,
         reduce_bucket: s.reduce_bucket,
         persistence: s.persistence,
+        reuse_distance: s.reuse_distance,
     }
 }
 

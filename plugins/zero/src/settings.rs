@@ -35,6 +35,13 @@ pub struct Settings {
     /// gradients until it is full and DeepSpeed's default would keep a
     /// model's every gradient to the end of backward.
     pub reduce_bucket: Option<i64>,
+    /// Stage 3: a module stays gathered from its forward to its backward
+    /// when the modules run between them hold fewer than this many
+    /// parameter elements (the DeepSpeed file's `stage3_max_reuse_distance`;
+    /// absent or `"auto"`: 0, every module freed after its forward — not
+    /// DeepSpeed's default, 1e9, which keeps a model of up to ~500 M
+    /// parameters whole from the end of forward into backward).
+    pub reuse_distance: u64,
     /// Stage 3: the parameters that stay whole on every rank (the DeepSpeed
     /// file's `stage3_param_persistence_threshold`, default 1e5 elements,
     /// and `stage3_model_persistence_threshold`, default unlimited).
@@ -211,6 +218,8 @@ pub struct FileValues {
     pub param_persistence: Option<f64>,
     /// `zero_optimization.stage3_model_persistence_threshold`.
     pub model_persistence: Option<f64>,
+    /// `zero_optimization.stage3_max_reuse_distance`.
+    pub reuse_distance: Option<f64>,
     /// The `optimizer` section, checked.
     pub optimizer: Option<Value>,
     /// The `scheduler` section, checked.
@@ -310,20 +319,17 @@ pub fn file_values(
         &format!("{file}: zero_optimization.reduce_bucket_size"),
     )?;
     // DeepSpeed reads these under their `stage3_` names or without it.
-    let threshold = |what: &str| {
-        let key = format!("stage3_{what}_persistence_threshold");
+    let stage3 = |name: &str| {
+        let key = format!("stage3_{name}");
         let (key, v) = match zero.get(&key) {
             Some(v) => (key, v),
-            None => {
-                let short = format!("{what}_persistence_threshold");
-                let v = zero.get(&short).unwrap_or(&Value::Null);
-                (short, v)
-            }
+            None => (name.to_owned(), zero.get(name).unwrap_or(&Value::Null)),
         };
         number_of(v, &format!("{file}: zero_optimization.{key}"))
     };
-    let param_persistence = threshold("param")?;
-    let model_persistence = threshold("model")?;
+    let param_persistence = stage3("param_persistence_threshold")?;
+    let model_persistence = stage3("model_persistence_threshold")?;
+    let reuse_distance = stage3("max_reuse_distance")?;
     // The optimizer and scheduler the host builds (the program asks for
     // them, as Accelerate's DummyOptim / DummyScheduler): checked here so
     // that a type accel lacks is refused when the strategy is made.
@@ -367,6 +373,7 @@ pub fn file_values(
         reduce_bucket,
         param_persistence,
         model_persistence,
+        reuse_distance,
         optimizer,
         scheduler,
         file: file.to_owned(),
@@ -605,6 +612,7 @@ pub fn from_section(section: &Value, mixed_precision: &str) -> Result<Settings, 
         stage,
         overlap,
         reduce_bucket,
+        reuse_distance: file.reuse_distance.map_or(0, |x| x as u64),
         persistence,
         gradient_accumulation_steps,
         mixed_precision: resolved,
@@ -658,6 +666,7 @@ mod tests {
                     reduce: true,
                 },
                 reduce_bucket: Some(500_000_000),
+                reuse_distance: 0,
                 persistence: Persistence::DEEPSPEED,
                 config_file: None,
                 init_flag: false,
@@ -808,6 +817,17 @@ mod tests {
             std::fs::write(&file, format!(r#"{{"zero_optimization": {zero}}}"#)).unwrap();
             let s = from_section(&section(json!({})), "no").unwrap();
             assert_eq!(s.reduce_bucket, want, "{zero}");
+        }
+        // The reuse distance, under either of DeepSpeed's names.
+        for (zero, want) in [
+            (r#"{"stage": 3}"#, 0),
+            (r#"{"stage3_max_reuse_distance": 1e9}"#, 1_000_000_000),
+            (r#"{"max_reuse_distance": "5000"}"#, 5000),
+            (r#"{"stage3_max_reuse_distance": "auto"}"#, 0),
+        ] {
+            std::fs::write(&file, format!(r#"{{"zero_optimization": {zero}}}"#)).unwrap();
+            let s = from_section(&section(json!({})), "no").unwrap();
+            assert_eq!(s.reuse_distance, want, "{zero}");
         }
         // Persistence thresholds, under either of DeepSpeed's names.
         for (zero, param, model) in [

@@ -53,6 +53,12 @@ impl Sharded {
         if self.plan.gradient_clipping > 0.0 {
             self.clip(self.plan.gradient_clipping, 2.0)?;
         }
+        // A unit still gathered (the root, or one kept for a backward that a
+        // forward without one never ran) would hold the parameters from
+        // before the step: free it, the next forward gathers it anew.
+        for u in 0..self.units.len() {
+            self.reshard(u)?;
+        }
         step.step().into_result()?;
         // The next step's peak starts here: it holds what follows.
         self.peak = self.resident();

@@ -34,6 +34,11 @@ impl Order {
         self.fixed = true;
     }
 
+    /// The units recorded, in order (all of them once fixed).
+    pub(super) fn units(&self) -> Option<&[usize]> {
+        self.fixed.then_some(self.units.as_slice())
+    }
+
     /// The unit that ran after `u`, once the order is known.
     fn after(&self, u: usize) -> Option<usize> {
         if !self.fixed {
@@ -142,6 +147,37 @@ impl Sharded {
             Some(next) if wanted => self.prefetch(next),
             _ => Ok(()),
         }
+    }
+
+    /// Whether unit `u`, whose forward just ended, is used again soon
+    /// enough to stay gathered for its backward: the parameter elements of
+    /// the units that run between its forward and its backward (the rest
+    /// of the forward, then the backward up to it) are fewer than the
+    /// plan's `reuse_distance`, as DeepSpeed's `__params_to_release` counts
+    /// them. Never before the order is known (the first step), nor for a
+    /// unit backward does not reach.
+    pub(super) fn reused_soon(&self, u: usize) -> bool {
+        let (Some(fwd), Some(bwd)) = (self.fwd_order.units(), self.bwd_order.units()) else {
+            return false;
+        };
+        if self.plan.reuse_distance == 0 {
+            return false;
+        }
+        let (Some(f), Some(b)) = (
+            fwd.iter().position(|&v| v == u),
+            bwd.iter().position(|&v| v == u),
+        ) else {
+            return false;
+        };
+        let elements = |v: &usize| -> u64 {
+            self.units[*v]
+                .params
+                .iter()
+                .map(|&i| self.numels[i] as u64)
+                .sum()
+        };
+        let between: u64 = fwd[f + 1..].iter().chain(&bwd[..b]).map(elements).sum();
+        between < self.plan.reuse_distance
     }
 
     /// Starts the reduce-scatter of `input` (unit gradients, laid out by

@@ -38,7 +38,7 @@ impl DistributedStrategy for Sharded {
 
     fn post_forward(&mut self, unit: u32) -> PluginResult<()> {
         result(self.unit_index(unit).and_then(|u| {
-            if self.plan.reshard_after_forward && !self.is_root(u) {
+            if self.plan.reshard_after_forward && !self.is_root(u) && !self.reused_soon(u) {
                 self.reshard(u)?;
                 self.release_freed();
             }

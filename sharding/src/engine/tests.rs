@@ -130,6 +130,17 @@ fn all_values(params: &[(String, Tensor)]) -> Vec<Vec<f32>> {
     params.iter().map(|(_, t)| values(t)).collect()
 }
 
+/// The tensors the engine hands the optimizer (this rank's chunks).
+fn optimizer_chunks(engine: &mut Sharded) -> Vec<Tensor> {
+    engine
+        .prepare_optimizer()
+        .into_result()
+        .unwrap()
+        .iter()
+        .map(|t| t.tensor.as_tensor_ref().get().shallow_clone())
+        .collect()
+}
+
 fn values(t: &Tensor) -> Vec<f32> {
     Vec::<f32>::try_from(t.to_kind(Kind::Float).reshape([-1])).expect("f32 values")
 }
@@ -332,13 +343,7 @@ fn small_parameters_stay_whole_and_follow_each_step_and_load() {
     engine.post_backward(true).into_result().unwrap();
     assert_eq!(whole(&params), originals[1], "kept after backward");
     assert!(!params[1].1.grad().defined(), "its whole gradient is freed");
-    let chunks: Vec<Tensor> = engine
-        .prepare_optimizer()
-        .into_result()
-        .unwrap()
-        .iter()
-        .map(|t| t.tensor.as_tensor_ref().get().shallow_clone())
-        .collect();
+    let chunks = optimizer_chunks(&mut engine);
     assert_eq!(values(&chunks[1].grad()), originals[1], "reduced as others");
     // p - 1 * p: the step zeroes the masters, and the whole copy follows.
     let mut sgd = Sgd(chunks);
@@ -454,4 +459,37 @@ fn prepare_model_refuses_what_the_engine_cannot_run() {
             .unwrap_err();
         assert!(err.to_string().contains(message), "{err}");
     }
+}
+
+#[test]
+fn a_unit_left_gathered_by_a_forward_without_backward_follows_the_next_step() {
+    let mut params = model();
+    let originals = all_values(&params);
+    // The root unit (b.w) is not freed after its forward.
+    let mut engine = prepared(full_shard(), two_units(), &mut params);
+    let root = 1;
+    engine.pre_forward(root).into_result().unwrap();
+    engine.post_forward(root).into_result().unwrap();
+    assert_eq!(
+        values(&params[1].1),
+        originals[1],
+        "gathered by the forward"
+    );
+    // A step with no backward before it: every chunk minus one.
+    let chunks = optimizer_chunks(&mut engine);
+    for c in &chunks {
+        shim::set_grad(c, &c.ones_like()).unwrap();
+    }
+    let mut sgd = Sgd(chunks);
+    engine
+        .optimizer_step(OptimizerStep_TO::from_ptr(RMut::new(&mut sgd), TD_Opaque))
+        .into_result()
+        .unwrap();
+    engine.pre_forward(root).into_result().unwrap();
+    let stepped: Vec<f32> = originals[1].iter().map(|x| x - 1.0).collect();
+    assert_eq!(
+        values(&params[1].1),
+        stepped,
+        "the next forward sees the step"
+    );
 }
