@@ -80,18 +80,15 @@ deepspeed_config:
 config zero1 "distributed_type: DEEPSPEED
 deepspeed_config:
   zero_stage: 1"
-echo '{"zero_optimization": {"stage": 1, "reduce_bucket_size": 1}}' >"$out/zero1_modules.json"
-config zero1_modules "distributed_type: DEEPSPEED
+ds_file_config() {  # NAME ZERO_OPTIMIZATION_JSON: a DEEPSPEED config with that file
+    echo "{\"zero_optimization\": $2}" >"$out/$1.json"
+    config "$1" "distributed_type: DEEPSPEED
 deepspeed_config:
-  deepspeed_config_file: $out/zero1_modules.json"
-echo '{"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8}}' >"$out/zero3_bucket.json"
-config zero3_bucket "distributed_type: DEEPSPEED
-deepspeed_config:
-  deepspeed_config_file: $out/zero3_bucket.json"
-echo '{"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 1e9}}' >"$out/zero3_reuse.json"
-config zero3_reuse "distributed_type: DEEPSPEED
-deepspeed_config:
-  deepspeed_config_file: $out/zero3_reuse.json"
+  deepspeed_config_file: $out/$1.json"
+}
+ds_file_config zero1_modules '{"stage": 1, "reduce_bucket_size": 1}'
+ds_file_config zero3_bucket '{"stage": 3, "reduce_bucket_size": 5e8}'
+ds_file_config zero3_reuse '{"stage": 3, "stage3_max_reuse_distance": 1e9}'
 config zero1_no_overlap "distributed_type: DEEPSPEED
 deepspeed_config:
   zero_stage: 1

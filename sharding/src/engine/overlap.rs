@@ -157,12 +157,12 @@ impl Sharded {
     /// them. Never before the order is known (the first step), nor for a
     /// unit backward does not reach.
     pub(super) fn reused_soon(&self, u: usize) -> bool {
-        let (Some(fwd), Some(bwd)) = (self.fwd_order.units(), self.bwd_order.units()) else {
-            return false;
-        };
         if self.plan.reuse_distance == 0 {
             return false;
         }
+        let (Some(fwd), Some(bwd)) = (self.fwd_order.units(), self.bwd_order.units()) else {
+            return false;
+        };
         let (Some(f), Some(b)) = (
             fwd.iter().position(|&v| v == u),
             bwd.iter().position(|&v| v == u),

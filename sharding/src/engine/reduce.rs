@@ -97,10 +97,7 @@ impl Sharded {
             // whole gradients wait to be reduced at a time.
             self.land_reduces()?;
         }
-        let idx: Vec<usize> = units
-            .iter()
-            .flat_map(|&u| self.trainable(&self.units[u].params))
-            .collect();
+        let idx = self.trainable_of(units);
         if idx.is_empty() {
             return Ok(());
         }
@@ -200,8 +197,12 @@ impl Sharded {
 
     /// The trainable parameters of bucket `b`, in its buffer's order.
     pub(super) fn bucket_params(&self, b: usize) -> Vec<usize> {
-        self.buckets[b]
-            .units
+        self.trainable_of(&self.buckets[b].units)
+    }
+
+    /// The trainable parameters of `units`, unit after unit.
+    fn trainable_of(&self, units: &[usize]) -> Vec<usize> {
+        units
             .iter()
             .flat_map(|&u| self.trainable(&self.units[u].params))
             .collect()
