@@ -11,6 +11,13 @@ pub trait Collate: Send + Sync {
     /// One batch of `samples`; `indices[i]` is the dataset index of
     /// `samples[i]`.
     fn collate(&self, indices: &[usize], samples: Vec<Sample>) -> Result<Batch, DataError>;
+
+    /// Whether this collate only stacks each key's tensors as they are
+    /// ([`Stack`]): then a dataset that can stack a batch itself
+    /// ([`crate::Dataset::get_stacked`]) is asked to instead.
+    fn stacks(&self) -> bool {
+        false
+    }
 }
 
 impl<F> Collate for F
@@ -57,6 +64,10 @@ impl Collate for Stack {
             let ts: Vec<&Tensor> = ts.iter().map(|(_, t)| *t).collect();
             Ok(Tensor::f_stack(&ts, 0)?)
         })
+    }
+
+    fn stacks(&self) -> bool {
+        true
     }
 }
 

@@ -1,6 +1,6 @@
 //! Map-style and iterable datasets, and the in-memory one.
 
-use crate::{DataError, Sample};
+use crate::{Batch, DataError, Sample};
 use std::sync::Arc;
 use tch::Tensor;
 
@@ -18,6 +18,17 @@ pub trait Dataset: Send + Sync {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The samples at `indices` (never empty) stacked along a new dim 0 in
+    /// one go: bit for bit the batch [`crate::Stack`] would collate from
+    /// `get` of each. `None` (the default) when the dataset has no faster
+    /// way than fetching them one by one. The loader asks only when its
+    /// collate is `Stack` ([`crate::Collate::stacks`]); PyTorch's
+    /// `__getitems__`, with the stacking done too.
+    fn get_stacked(&self, indices: &[usize]) -> Option<Result<Batch, DataError>> {
+        let _ = indices;
+        None
+    }
 }
 
 impl<D: Dataset + ?Sized> Dataset for Arc<D> {
@@ -27,6 +38,10 @@ impl<D: Dataset + ?Sized> Dataset for Arc<D> {
 
     fn get(&self, index: usize) -> Result<Sample, DataError> {
         (**self).get(index)
+    }
+
+    fn get_stacked(&self, indices: &[usize]) -> Option<Result<Batch, DataError>> {
+        (**self).get_stacked(indices)
     }
 }
 
@@ -83,20 +98,45 @@ impl TensorDataset {
     }
 }
 
+impl TensorDataset {
+    fn check_index(&self, index: usize) -> Result<(), DataError> {
+        DataError::check_index(index, self.len, || {
+            format!("the dataset holds {} samples", self.len)
+        })
+    }
+}
+
 impl Dataset for TensorDataset {
     fn len(&self) -> usize {
         self.len
     }
 
     fn get(&self, index: usize) -> Result<Sample, DataError> {
-        DataError::check_index(index, self.len, || {
-            format!("the dataset holds {} samples", self.len)
-        })?;
+        self.check_index(index)?;
         let mut s = Sample::new();
         for (k, t) in &self.tensors {
             s.insert(k.clone(), t.select(0, index as i64));
         }
         Ok(s)
+    }
+
+    /// One `index_select` a tensor (a batch of 32 small rows: about a
+    /// tenth of the time of 32 `select`s and a `stack`).
+    fn get_stacked(&self, indices: &[usize]) -> Option<Result<Batch, DataError>> {
+        let rows = || -> Result<Batch, DataError> {
+            let mut picks = Vec::with_capacity(indices.len());
+            for &i in indices {
+                self.check_index(i)?;
+                picks.push(i as i64);
+            }
+            let mut batch = Batch::new();
+            for (k, t) in &self.tensors {
+                let picks = Tensor::from_slice(&picks).to_device(t.device());
+                batch.insert(k.clone(), t.f_index_select(0, &picks)?);
+            }
+            Ok(batch)
+        };
+        Some(rows())
     }
 }
 

@@ -61,28 +61,55 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 impl Maker {
     /// Runs one job; a panic anywhere becomes an error naming the sample.
     pub(crate) fn make(&self, job: Job) -> Result<Loaded, DataError> {
-        let samples = match job.work {
+        let batch = match job.work {
             Work::Fail(e) => return Err(e),
-            Work::Samples(s) => s,
-            Work::Fetch(indices) => {
-                let dataset = self.dataset.as_ref().ok_or_else(|| {
-                    DataError::Config("no map-style dataset to fetch from".into())
-                })?;
-                indices
-                    .into_iter()
-                    .map(|i| {
-                        catch_unwind(AssertUnwindSafe(|| dataset.get(i)))
-                            .map_err(|p| {
-                                DataError::sample(i, format!("panic: {}", panic_message(p)))
-                            })?
-                            .map(|s| (i, s))
-                    })
-                    .collect::<Result<Vec<_>, _>>()?
-            }
+            Work::Samples(s) => self.collate(s)?,
+            Work::Fetch(indices) => self.fetch(indices)?,
         };
+        let batch = if self.pin_memory {
+            batch.pin_memory()
+        } else {
+            batch
+        };
+        Ok(Loaded {
+            batch,
+            last: job.last,
+            remainder: job.remainder,
+        })
+    }
+
+    /// The batch of the map-style dataset's samples at `indices`: stacked
+    /// by the dataset in one go where it can and the collate is `Stack`,
+    /// else fetched one by one and collated.
+    fn fetch(&self, indices: Vec<usize>) -> Result<Batch, DataError> {
+        let dataset = self
+            .dataset
+            .as_ref()
+            .ok_or_else(|| DataError::Config("no map-style dataset to fetch from".into()))?;
+        let first = indices.first().copied().unwrap_or(0);
+        if !indices.is_empty() && self.collate.stacks() {
+            let stacked = catch_unwind(AssertUnwindSafe(|| dataset.get_stacked(&indices)))
+                .map_err(|p| DataError::sample(first, format!("panic: {}", panic_message(p))))?;
+            if let Some(batch) = stacked {
+                return batch;
+            }
+        }
+        let samples = indices
+            .into_iter()
+            .map(|i| {
+                catch_unwind(AssertUnwindSafe(|| dataset.get(i)))
+                    .map_err(|p| DataError::sample(i, format!("panic: {}", panic_message(p))))?
+                    .map(|s| (i, s))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.collate(samples)
+    }
+
+    /// The collate function over `samples` (with their indices).
+    fn collate(&self, samples: Vec<(usize, Sample)>) -> Result<Batch, DataError> {
         let (indices, samples): (Vec<usize>, Vec<Sample>) = samples.into_iter().unzip();
         let first = indices.first().copied().unwrap_or(0);
-        let batch = catch_unwind(AssertUnwindSafe(|| self.collate.collate(&indices, samples)))
+        catch_unwind(AssertUnwindSafe(|| self.collate.collate(&indices, samples)))
             .map_err(|p| {
                 DataError::sample(
                     first,
@@ -98,29 +125,7 @@ impl Maker {
                     first,
                     format!("collate (batch of samples {indices:?}): {e}"),
                 ),
-            })?;
-        let batch = if self.pin_memory {
-            batch.pin_memory()
-        } else {
-            batch
-        };
-        Ok(Loaded {
-            batch,
-            last: job.last,
-            remainder: job.remainder,
-        })
-    }
-}
-
-/// Gives this thread a lower scheduling priority (nice 10): when the
-/// cores are shared, the training step keeps its core and the workers fill
-/// what it leaves, instead of slowing the step they are meant to hide
-/// behind. Best effort (without permission it stays as it is).
-fn lower_priority() {
-    // SAFETY: plain syscalls on this thread's own id.
-    unsafe {
-        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        let _ = libc::setpriority(libc::PRIO_PROCESS, tid, 10);
+            })
     }
 }
 
@@ -144,7 +149,7 @@ impl Pool {
                 std::thread::Builder::new()
                     .name(format!("accel-data-{w}"))
                     .spawn(move || {
-                        lower_priority();
+                        accel_sdk::threads::background_priority();
                         while let Ok(a) = rx.recv() {
                             while let Ok(job) = a.jobs.recv() {
                                 if a.results.send(maker.make(job)).is_err() {

@@ -325,3 +325,140 @@ fn a_200_mb_token_file_is_mapped_not_read() {
         "RSS grew by {grown} bytes reading 160 windows of a 200 MB file"
     );
 }
+
+/// A batch's tensors: name, kind, shape and bytes.
+type Contents = Vec<(String, String, Vec<i64>, Vec<u8>)>;
+
+/// Every batch of the first two epochs of `loader()` on `ranks` ranks, rank
+/// by rank, in order.
+fn epoch_bytes(loader: impl Fn() -> DataLoader, ranks: usize) -> Vec<Contents> {
+    let mut out = Vec::new();
+    for rank in 0..ranks {
+        let sharding = Sharding {
+            num_processes: ranks,
+            process_index: rank,
+            ..Sharding::single()
+        };
+        let shard = loader().shard(sharding).unwrap();
+        for epoch in 0..2 {
+            for b in shard.epoch(epoch, 0).unwrap() {
+                let batch = b.unwrap().batch;
+                out.push(
+                    batch
+                        .iter()
+                        .map(|(k, t)| {
+                            let n = t.numel() * t.kind().elt_size_in_bytes();
+                            let mut bytes = vec![0u8; n];
+                            t.contiguous().copy_data_u8(&mut bytes, t.numel());
+                            (k.to_owned(), format!("{:?}", t.kind()), t.size(), bytes)
+                        })
+                        .collect(),
+                );
+            }
+        }
+    }
+    out
+}
+
+/// `rows(n)` through `get` alone: the loader fetches and stacks sample by
+/// sample.
+struct OneByOne(TensorDataset);
+
+impl Dataset for OneByOne {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn get(&self, index: usize) -> Result<Sample, DataError> {
+        self.0.get(index)
+    }
+}
+
+#[test]
+fn in_memory_batches_stacked_in_one_go_equal_those_stacked_sample_by_sample() {
+    // Floats, a 1-D column of labels, and a source that is not contiguous
+    // (a transposed view), shuffled, sharded over 1 and 3 ranks, with and
+    // without the last incomplete batch, with and without workers.
+    let tensors = || {
+        let x = Tensor::randn([23, 5], (Kind::Float, tch::Device::Cpu));
+        let t = Tensor::arange(4 * 23, (Kind::Int64, tch::Device::Cpu))
+            .view([4, 23])
+            .tr();
+        let y = Tensor::arange(23, (Kind::Int64, tch::Device::Cpu)).remainder(3);
+        [("x", x), ("t", t), ("y", y)]
+    };
+    tch::manual_seed(0);
+    let fast = TensorDataset::new(tensors()).unwrap();
+    tch::manual_seed(0);
+    let slow = OneByOne(TensorDataset::new(tensors()).unwrap());
+    let (fast, slow) = (std::sync::Arc::new(fast), std::sync::Arc::new(slow));
+    for ranks in [1, 3] {
+        for drop_last in [false, true] {
+            for workers in [0, 2] {
+                let batches = |d: &dyn Fn() -> DataLoader| {
+                    epoch_bytes(
+                        || d().shuffle(5).drop_last(drop_last).num_workers(workers),
+                        ranks,
+                    )
+                };
+                let a = batches(&|| DataLoader::from_dataset(fast.clone(), 4));
+                let b = batches(&|| DataLoader::from_dataset(slow.clone(), 4));
+                assert!(!a.is_empty());
+                assert_eq!(
+                    a, b,
+                    "{ranks} ranks, drop_last {drop_last}, {workers} workers"
+                );
+            }
+        }
+    }
+}
+
+/// A dataset whose one-go stacking is marked, to see when the loader asks.
+struct Marked;
+
+impl Dataset for Marked {
+    fn len(&self) -> usize {
+        6
+    }
+
+    fn get(&self, index: usize) -> Result<Sample, DataError> {
+        Ok(Sample::new().with("i", Tensor::from(index as i64)))
+    }
+
+    fn get_stacked(&self, indices: &[usize]) -> Option<Result<Sample, DataError>> {
+        let marked: Vec<i64> = indices.iter().map(|&i| 1000 + i as i64).collect();
+        Some(Ok(Sample::new().with("i", Tensor::from_slice(&marked))))
+    }
+}
+
+#[test]
+fn a_dataset_stacks_its_own_batches_only_under_the_stacking_collate() {
+    let first = |loader: DataLoader| epoch_ids(loader, 1)[0][0].clone();
+    assert_eq!(
+        first(DataLoader::from_dataset(Marked, 3)),
+        vec![1000, 1001, 1002]
+    );
+    // Any other collate gets the samples themselves.
+    assert_eq!(
+        first(DataLoader::from_dataset(Marked, 3).collate(Pad::new())),
+        vec![0, 1, 2]
+    );
+    let own = |samples: Vec<Sample>| Stack.collate(&[0, 1, 2], samples);
+    assert_eq!(
+        first(DataLoader::from_dataset(Marked, 3).collate(own)),
+        vec![0, 1, 2]
+    );
+    // A bad index is named as `get` names it.
+    let err = TensorDataset::pair(
+        Tensor::zeros([2, 1], tch::kind::FLOAT_CPU),
+        Tensor::zeros([2], tch::kind::FLOAT_CPU),
+    )
+    .unwrap()
+    .get_stacked(&[1, 5])
+    .unwrap()
+    .unwrap_err();
+    assert!(
+        err.to_string().contains('5') && err.to_string().contains("holds 2 samples"),
+        "{err}"
+    );
+}

@@ -59,6 +59,7 @@
 //!   [`deepspeed`]: a DeepSpeed file's `optimizer` and `scheduler` sections.
 //! * [`shim`]: the C++ shim — autocast, GradScaler's unscale, torch.optim's
 //!   update rules and fused kernels.
+//! * [`threads`]: background priority for helper threads beside the step.
 
 /// Builder setters, inside an `impl` block: each `name(args) => field =
 /// value;` (doc comments kept) becomes `pub fn name(mut self, args) ->
@@ -99,6 +100,7 @@ pub mod params;
 pub mod replicated;
 pub mod schedule;
 pub mod shim;
+pub mod threads;
 
 pub use accel_abi::{
     abi_stable, context, error, export_plugin, guard, inventory, launcher, manifest, precision,
