@@ -258,6 +258,42 @@ fn collectives_give_what_accelerate_gives_on_1_2_and_3_ranks() {
     }
 }
 
+/// The MPI progress thread moves a started collective on while its rank
+/// does something else, at background priority, and a blocking collective
+/// whose peer comes late (its waiter stops spinning and hands over) ends
+/// right.
+#[test]
+fn a_started_collective_runs_on_while_its_rank_computes() {
+    let probe = build_bin("accel-integration-tests", "progress-probe");
+    let dir = tempfile::tempdir().unwrap();
+    run(Command::new(accel_bin())
+        .args(["launch", "-q", "--cpu", "--num_processes", "2"])
+        .arg(&probe)
+        .arg(dir.path()));
+    let ranks = rank_files(dir.path(), 2);
+    let waited = ranks[1]["rank1_waited_s"].as_f64().unwrap();
+    let away = ranks[1]["away_s"].as_f64().unwrap();
+    // Without progress on rank 0 rank 1 would wait the whole `away`.
+    assert!(
+        waited < away / 2.0,
+        "rank 1 waited {waited} s for an all-reduce rank 0 started and left alone for {away} s"
+    );
+    for (r, rank) in ranks.iter().enumerate() {
+        // Ranks hold 1 and 2 in every element.
+        assert_eq!(
+            rank["started_sum"],
+            serde_json::json!([3.0, 3.0]),
+            "rank {r}"
+        );
+        assert_eq!(rank["late_sum"], serde_json::json!([3.0, 3.0]), "rank {r}");
+        assert_eq!(
+            rank["progress_nice"],
+            serde_json::json!(accel_sdk::threads::BACKGROUND_NICE),
+            "rank {r}: the progress thread's priority"
+        );
+    }
+}
+
 #[test]
 fn out_of_tree_local_sgd_trains_mlp_and_follows_its_rule() {
     let plugins = plugin_dir("accel-local-sgd");

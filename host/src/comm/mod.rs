@@ -41,7 +41,7 @@ pub fn collective_timeout(seconds: Option<f64>) -> Duration {
 }
 
 /// How long a wait spins (tests back to back) before it yields the core.
-const SPIN: Duration = Duration::from_micros(200);
+pub(crate) const SPIN: Duration = Duration::from_micros(200);
 /// How long it yields between tests before it starts sleeping.
 const YIELD: Duration = Duration::from_millis(1);
 /// The longest sleep between two tests of a waiting collective.

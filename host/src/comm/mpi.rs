@@ -49,18 +49,27 @@
 //! tests too, with the naps and the deadline of every collective (the
 //! timeout counts from the call to `wait`). The blocking collectives
 //! (`all_reduce`, `broadcast`, `all_gather`, `reduce_scatter`) are the same
-//! start and wait, so both give the same bits, and the progress thread
-//! moves them on too: a waiting thread that sleeps between its tests
-//! would stall a large collective (gpt2's blocking all-reduce took 15 %
-//! longer that way). Each collective in flight receives into a buffer of
-//! its own, kept for reuse afterwards.
+//! start and wait, so both give the same bits.
+//!
+//! The progress thread costs the step nothing it can avoid: it runs at
+//! background priority (nice 10, [`accel_sdk::threads`]), so on busy cores
+//! it fills what the step leaves instead of preempting it; a blocking
+//! collective does not wake it, and no collective is tested by it while a
+//! waiting thread tests back to back (the first [`SPIN`] of a wait), so
+//! the two never contend for the world's mutex. A wait that stops
+//! spinning (it yields, then sleeps) hands the collectives back to the
+//! thread: a waiting thread that sleeps between its tests would otherwise
+//! stall a large collective (gpt2's blocking all-reduce took 15 % longer
+//! that way). BENCHMARKS.md ("The MPI progress thread") measures what
+//! this is worth. Each collective in flight receives into a buffer of its
+//! own, kept for reuse afterwards.
 //!
 //! A rank killed by a signal (a crash, `panic = "abort"`) runs no handler;
 //! mpirun sees it die and kills the job itself. The status comes from
 //! glibc's `on_exit(3)`; on other C libraries only `atexit` exists, the
 //! status is unknown and the handler always finalises.
 
-use super::{pause, seconds, write_back, Collective, CommError, Communicator, Group};
+use super::{pause, seconds, write_back, Collective, CommError, Communicator, Group, SPIN};
 use accel_rendezvous::Client;
 use accel_sdk::ReduceOp;
 use mpi::{
@@ -74,7 +83,7 @@ use std::{
     collections::BTreeMap,
     ffi::c_int,
     sync::{
-        atomic::{AtomicI32, AtomicU64, Ordering},
+        atomic::{AtomicI32, AtomicU64, AtomicUsize, Ordering},
         Arc, Condvar, Mutex, MutexGuard,
     },
     time::{Duration, Instant},
@@ -91,8 +100,13 @@ pub struct Mpi {
     /// The collectives started and not yet waited on, by handle (their
     /// collective count).
     in_flight: Mutex<BTreeMap<u64, InFlight>>,
-    /// Wakes the progress thread when a collective is started.
+    /// Wakes the progress thread: a collective started to run on while the
+    /// caller computes, or a wait that stopped spinning.
     progress: Condvar,
+    /// Threads testing a collective back to back in a wait (its first
+    /// [`SPIN`]): while one is, MPI is progressed and the progress thread
+    /// leaves the collectives to it.
+    spinning: AtomicUsize,
     /// `mpi`, this rank and the ranks of `MPI_COMM_WORLD`.
     group: Group,
     /// How long a collective may wait.
@@ -157,6 +171,40 @@ impl Arrivals {
             }
         }
         Some(missing)
+    }
+}
+
+/// A thread in its wait's spin phase, counted in [`Mpi::spinning`] until it
+/// hands the collectives over to the progress thread or its wait ends.
+struct Spinning<'a> {
+    mpi: &'a Mpi,
+    counted: bool,
+}
+
+impl<'a> Spinning<'a> {
+    fn new(mpi: &'a Mpi) -> Self {
+        mpi.spinning.fetch_add(1, Ordering::SeqCst);
+        Self { mpi, counted: true }
+    }
+
+    /// The wait stops spinning (it yields and sleeps from now on): the
+    /// progress thread tests again, woken in case it was parked. Taking
+    /// the table's mutex first means the thread is either parked (and
+    /// woken) or has yet to look at the count.
+    fn hand_over(&mut self) {
+        if std::mem::take(&mut self.counted) {
+            self.mpi.spinning.fetch_sub(1, Ordering::SeqCst);
+            drop(self.mpi.flights());
+            self.mpi.progress.notify_one();
+        }
+    }
+}
+
+impl Drop for Spinning<'_> {
+    fn drop(&mut self) {
+        if self.counted {
+            self.mpi.spinning.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 }
 
@@ -385,6 +433,7 @@ impl Mpi {
             scratch: Mutex::new(Vec::new()),
             in_flight: Mutex::new(BTreeMap::new()),
             progress: Condvar::new(),
+            spinning: AtomicUsize::new(0),
             timeout,
             started: AtomicU64::new(0),
             broken: Mutex::new(None),
@@ -443,11 +492,15 @@ impl Mpi {
         let start = Instant::now();
         let note_after = NOTE_AFTER.min(self.timeout / 2);
         let mut noted = false;
+        let mut spinning = Spinning::new(self);
         loop {
             if done() {
                 return Ok(());
             }
             let waited = start.elapsed();
+            if waited >= SPIN {
+                spinning.hand_over();
+            }
             if waited >= self.timeout {
                 let (message, summary) = self.timed_out(op, count, noted);
                 *self.broken.lock().unwrap_or_else(|p| p.into_inner()) = Some(summary);
@@ -469,9 +522,11 @@ impl Mpi {
     }
 
     /// The progress thread: while collectives are in flight, tests them
-    /// every [`PROGRESS_NAP`] (MPI moves them on only inside its calls);
-    /// parked otherwise. Ends when a timeout made the communicator unusable.
+    /// every [`PROGRESS_NAP`] (MPI moves them on only inside its calls),
+    /// except while a waiting thread is testing them anyway; parked
+    /// otherwise. Ends when a timeout made the communicator unusable.
     fn progress_thread(&self) {
+        accel_sdk::threads::background_priority();
         let mut flights = self.flights();
         loop {
             if self
@@ -482,9 +537,15 @@ impl Mpi {
             {
                 return;
             }
+            // A spinning waiter progresses every collective with its tests;
+            // testing beside it would only contend for the world's mutex
+            // and the core it needs.
+            let tested = self.spinning.load(Ordering::SeqCst) == 0;
             let mut busy = false;
             for f in flights.values_mut().filter(|f| !f.done) {
-                f.done = self.test(&mut f.request);
+                if tested {
+                    f.done = self.test(&mut f.request);
+                }
                 busy |= !f.done;
             }
             if busy {
@@ -681,8 +742,10 @@ fn raw<D: ?Sized>(request: Request<'static, D, StaticScope>) -> RawRequest {
 
 impl Mpi {
     /// Keeps collective number `count` in the table of those in flight
-    /// until `wait` takes it, and wakes the progress thread.
-    fn keep(&self, count: u64, request: RawRequest, result: Landing) -> u64 {
+    /// until `wait` takes it; `wake`: wakes the progress thread to move it
+    /// on while the caller does something else (a blocking collective's
+    /// caller waits at once and tests it itself).
+    fn keep(&self, count: u64, request: RawRequest, result: Landing, wake: bool) -> u64 {
         self.flights().insert(
             count,
             InFlight {
@@ -691,7 +754,9 @@ impl Mpi {
                 result,
             },
         );
-        self.progress.notify_one();
+        if wake {
+            self.progress.notify_one();
+        }
         count
     }
 
@@ -705,6 +770,7 @@ impl Mpi {
         collective: Collective,
         input: &Tensor,
         output: &Tensor,
+        wake: bool,
     ) -> Result<u64, CommError> {
         let name = collective.name();
         collective.check(input, output, self.group.size)?;
@@ -736,7 +802,7 @@ impl Mpi {
             send,
             recv,
         };
-        Ok(self.keep(count, request, landing))
+        Ok(self.keep(count, request, landing, wake))
     }
 }
 
@@ -746,12 +812,12 @@ impl Communicator for Mpi {
     }
 
     fn run(&self, op: Collective, input: &Tensor, output: &Tensor) -> Result<(), CommError> {
-        let handle = self.start_collective(op, input, output)?;
+        let handle = self.start_collective(op, input, output, false)?;
         self.wait(handle)
     }
 
     fn start(&self, op: Collective, input: &Tensor, output: &Tensor) -> Result<u64, CommError> {
-        self.start_collective(op, input, output)
+        self.start_collective(op, input, output, true)
     }
 
     fn wait(&self, handle: u64) -> Result<(), CommError> {
