@@ -60,14 +60,19 @@ fn user_sets(spec: &LaunchSpec, name: &str) -> bool {
 
 /// The full mpirun/mpiexec command for `spec`.
 ///
-/// With Open MPI, all-reduces use the ring algorithm (`--mca
+/// With Open MPI and 2 ranks, all-reduces use the ring algorithm (`--mca
 /// coll_libnbc_iallreduce_algorithm 1`, unless the user sets it): below 4
 /// ranks libnbc's default is a binomial tree, a reduce to rank 0 and a
 /// broadcast back, two transfers of the whole buffer one after the other;
 /// the ring (gloo's and NCCL's algorithm) moves half of it each way at
-/// once. On 2 ranks it took the 33.6 MB bucketed all-reduce of
-/// `ddp_bench` from 29-34 ms to 22-27 ms (the blocking MPI_Allreduce: 21-26)
-/// and the big mlp's exposed all-reduce from 4.9 to 3.5 ms (BENCHMARKS.md).
+/// once. It took the 33.6 MB bucketed all-reduce of `ddp_bench` from 29-34
+/// ms to 22-27 ms (the blocking MPI_Allreduce: 21-26) and the big mlp's
+/// exposed all-reduce from 4.9 to 3.5 ms (BENCHMARKS.md). Only on 2 ranks,
+/// where every algorithm gives the same bits (a sum of two is the same
+/// either way round): from 3 ranks the ring sums an element in an order
+/// that depends on where it falls in the buffer, so the same values
+/// reduced in a buffer of another length could differ in their last bit
+/// (a resumed run's loss log would not join the uninterrupted one's).
 pub fn command(
     spec: &LaunchSpec,
     flavor: Flavor,
@@ -98,7 +103,7 @@ pub fn command(
                 cmd.push("--oversubscribe".into());
             }
             cmd.extend(["--bind-to".into(), "none".into()]);
-            if !user_sets(spec, LIBNBC_ALLREDUCE) {
+            if spec.num_processes == 2 && !user_sets(spec, LIBNBC_ALLREDUCE) {
                 cmd.extend(["--mca".into(), LIBNBC_ALLREDUCE.into(), "1".into()]);
             }
             for (k, v) in env {
@@ -306,12 +311,17 @@ mod tests {
             text.ends_with("/bin/accel __rank-exec -- train --lr 0.1"),
             "{text}"
         );
-        // Ring all-reduces, unless the job's environment picks another.
+        // Ring all-reduces on 2 ranks, unless the job's environment picks
+        // another; the default algorithm on 4.
+        assert!(!text.contains("--mca"), "{text}");
+        let mut two = spec();
+        two.num_processes = 2;
+        let ring = command(&two, Flavor::OpenMpi, None, "/bin/accel".as_ref(), true, 2).join(" ");
         assert!(
-            text.contains("--mca coll_libnbc_iallreduce_algorithm 1 "),
-            "{text}"
+            ring.contains("--mca coll_libnbc_iallreduce_algorithm 1 "),
+            "{ring}"
         );
-        let mut own = spec();
+        let mut own = two;
         own.env.push(Tuple2(
             "OMPI_MCA_coll_libnbc_iallreduce_algorithm".into(),
             "2".into(),
