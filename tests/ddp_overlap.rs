@@ -1,7 +1,8 @@
 //! DDP's overlap of the gradient all-reduces with backward
 //! (`accel.plugins.accel-ddp.overlap_comm`): the same bits as all-reducing
 //! after backward, on 2 and 3 ranks, with accumulation, clipping, fp16's
-//! skipped steps, frozen parameters and buckets of one parameter; a
+//! skipped steps, frozen parameters and buckets of one parameter (a model
+//! in one bucket has nothing to overlap and starts none early); a
 //! parameter without a gradient follows `find_unused_parameters` instead of
 //! stalling its bucket; a rank that dies or stops while all-reduces (or the
 //! sharded engine's reduce-scatters) are in
@@ -56,9 +57,15 @@ fn started_early(out: &Output, ranks: u32) -> u64 {
 
 /// Trains mlp with `args` on `ranks` ranks with overlap on and off (plugin
 /// settings `settings`); asserts the weights are the same bits and that
-/// buckets started during backward only with overlap. Returns the loss log
-/// of the run with overlap.
-fn same_bits(ranks: u32, settings: &[&str], args: &[&str]) -> Vec<serde_json::Value> {
+/// buckets started during backward only with overlap, and then only when
+/// `several` (buckets: one bucket has nothing to overlap). Returns the loss
+/// log of the run with overlap.
+fn same_bits(
+    ranks: u32,
+    settings: &[&str],
+    args: &[&str],
+    several: bool,
+) -> Vec<serde_json::Value> {
     let dir = tempfile::tempdir().unwrap();
     let mut weights = Vec::new();
     for overlap in [true, false] {
@@ -74,7 +81,7 @@ fn same_bits(ranks: u32, settings: &[&str], args: &[&str]) -> Vec<serde_json::Va
         let early = started_early(&out, ranks);
         assert_eq!(
             early > 0,
-            overlap,
+            overlap && several,
             "{ranks} ranks, overlap {overlap}: {early} bucket(s) started during backward"
         );
         weights.push(std::fs::read(&save).unwrap());
@@ -103,25 +110,29 @@ fn overlap_gives_the_same_bits_with_accumulation_clipping_fp16_and_one_parameter
                     "fp16",
                 ],
             ),
+            true,
         );
         assert!(
             fp16.iter().any(|r| r["skipped"] == true),
             "{ranks} ranks: fp16 skipped no step: {fp16:?}"
         );
-        same_bits(
-            ranks,
-            &[],
-            &[
-                "--steps",
-                "6",
-                "--layers",
-                "2",
-                "--grad-accum",
-                "2",
-                "--max-grad-norm",
-                "0.5",
-            ],
-        );
+        // Buckets of a few parameters (the model's 4 KB weights one or two
+        // to a bucket); then the whole model in one bucket, the default,
+        // which has nothing to overlap.
+        let args = [
+            "--steps",
+            "6",
+            "--layers",
+            "2",
+            "--grad-accum",
+            "2",
+            "--max-grad-norm",
+            "0.5",
+        ];
+        same_bits(ranks, &["bucket_cap_mb: 0.005"], &args, true);
+        if ranks == 2 {
+            same_bits(ranks, &[], &args, false);
+        }
     }
 }
 
