@@ -32,7 +32,9 @@
 #        zero3_bucket: ZeRO-3 with reduce_bucket_size 5e8, the modules'
 #        gradients reduce-scattered together; zero3_reuse: ZeRO-3 with
 #        DeepSpeed's stage3_max_reuse_distance 1e9, modules kept gathered
-#        from forward to backward)
+#        from forward to backward; pair: two one-thread processes at once,
+#        each on a rank's batch, no communication: for the small mlp the
+#        real ceiling, which "single"'s two intra-op threads are not)
 # Writes OUT_DIR/throughput.jsonl (one object per run), OUT_DIR/throughput.md
 # (the table, also printed) and, with UPDATE_BENCHMARKS=1, the block between
 # the throughput markers of BENCHMARKS.md (`throughput` or `throughput-load`).
@@ -129,6 +131,18 @@ run_one() {
             torchrun --nproc_per_node 2 --master_port $port $script $(args "$w" "$b") "${fsdp[@]}" ;;
         single)
             "$prog" $(args "$w" $((2 * b))) "${extra[@]}" ;;
+        pair)
+            # Two one-thread processes at once, each on a rank's batch: the
+            # ranks' work with communication for free (their mean).
+            local rates=()
+            OMP_NUM_THREADS=1 "$prog" $(args "$w" "$b") "${extra[@]}" >"$log.a" 2>&1 &
+            local first=$!
+            OMP_NUM_THREADS=1 "$prog" $(args "$w" "$b") "${extra[@]}" >"$log.b" 2>&1
+            wait "$first"
+            for half in "$log.a" "$log.b"; do
+                rates+=("$(grep -oE '[0-9.]+ steps/s' "$half" | tail -1 | cut -d' ' -f1)")
+            done
+            python -c 'import sys; print(f"pair: {sum(map(float, sys.argv[1:])) / 2:.2f} steps/s")' "${rates[@]}" ;;
         *)
             local flags=()
             [ "$c" = fsdp ] && flags=(--fsdp_transformer_layer_cls_to_wrap "$(units "$w")")
@@ -185,7 +199,8 @@ names = {"ddp": "accel DDP", "ddp_no_overlap": "accel DDP, no overlap",
          "zero3_reuse": "accel ZeRO-3, stage3_max_reuse_distance 1e9", "zero1": "accel ZeRO-1",
          "zero1_no_overlap": "accel ZeRO-1, no overlap",
          "zero1_modules": "accel ZeRO-1, a bucket per module", "peer": "Python Accelerate DDP",
-         "peer_fsdp": "PyTorch FSDP2 FULL_SHARD", "single": "one process, global batch"}
+         "peer_fsdp": "PyTorch FSDP2 FULL_SHARD", "single": "one process, global batch",
+         "pair": "two one-thread processes at once, a rank's batch each"}
 # Only the columns this run measured.
 names = {c: n for c, n in names.items() if any(r["column"] == c for r in rows)}
 work = {"mlp_small": "mlp h128 b32", "mlp_big": "mlp h1024 b256", "gpt2": "gpt2 6x384 b8 block128"}
@@ -200,7 +215,7 @@ print("|---" * (len(names) + 2) + "|")
 for w in work:
     if not any(r["workload"] == w for r in rows):
         continue
-    peer, ddp, single = med(w, "peer"), med(w, "ddp"), med(w, "single")
+    peer, ddp, single, pair = med(w, "peer"), med(w, "ddp"), med(w, "single"), med(w, "pair")
     peer_fsdp = med(w, "peer_fsdp")
     def cell(c):
         v = med(w, c)
@@ -215,6 +230,8 @@ for w in work:
             ratios = [f"{v / peer:.2f}× DDP"]
         if c == "ddp" and single:
             ratios.append(f"{v / single:.0%} of one process")
+        if c == "ddp" and pair:
+            ratios.append(f"{v / pair:.0%} of two")
         return f"{v:.2f}" + (f" ({', '.join(ratios)})" if ratios else "")
     on, off = med(w, "ddp", "comm_ms_per_step"), med(w, "ddp_no_overlap", "comm_ms_per_step")
     exposed = f"{on:.1f} of {off:.1f} ms ({on / off:.0%})" if on is not None and off else "-"
