@@ -96,9 +96,7 @@ impl TensorDataset {
     pub fn pair(x: Tensor, y: Tensor) -> Result<Self, DataError> {
         Self::new([("x", x), ("y", y)])
     }
-}
 
-impl TensorDataset {
     fn check_index(&self, index: usize) -> Result<(), DataError> {
         DataError::check_index(index, self.len, || {
             format!("the dataset holds {} samples", self.len)
@@ -129,10 +127,11 @@ impl Dataset for TensorDataset {
                 self.check_index(i)?;
                 picks.push(i as i64);
             }
+            let picks = Tensor::from_slice(&picks);
             let mut batch = Batch::new();
             for (k, t) in &self.tensors {
-                let picks = Tensor::from_slice(&picks).to_device(t.device());
-                batch.insert(k.clone(), t.f_index_select(0, &picks)?);
+                let rows = t.f_index_select(0, &picks.to_device(t.device()))?;
+                batch.insert(k.clone(), rows);
             }
             Ok(batch)
         };

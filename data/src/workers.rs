@@ -51,6 +51,12 @@ pub(crate) struct Maker {
     pub(crate) pin_memory: bool,
 }
 
+/// `f()`, with a panic in it an error naming sample `index`.
+fn unpanicked<T>(index: usize, f: impl FnOnce() -> T) -> Result<T, DataError> {
+    catch_unwind(AssertUnwindSafe(f))
+        .map_err(|p| DataError::sample(index, format!("panic: {}", panic_message(p))))
+}
+
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<&str>()
         .map(|s| s.to_string())
@@ -86,21 +92,14 @@ impl Maker {
             .dataset
             .as_ref()
             .ok_or_else(|| DataError::Config("no map-style dataset to fetch from".into()))?;
-        let first = indices.first().copied().unwrap_or(0);
-        if !indices.is_empty() && self.collate.stacks() {
-            let stacked = catch_unwind(AssertUnwindSafe(|| dataset.get_stacked(&indices)))
-                .map_err(|p| DataError::sample(first, format!("panic: {}", panic_message(p))))?;
-            if let Some(batch) = stacked {
+        if let (Some(&first), true) = (indices.first(), self.collate.stacks()) {
+            if let Some(batch) = unpanicked(first, || dataset.get_stacked(&indices))? {
                 return batch;
             }
         }
         let samples = indices
             .into_iter()
-            .map(|i| {
-                catch_unwind(AssertUnwindSafe(|| dataset.get(i)))
-                    .map_err(|p| DataError::sample(i, format!("panic: {}", panic_message(p))))?
-                    .map(|s| (i, s))
-            })
+            .map(|i| unpanicked(i, || dataset.get(i))?.map(|s| (i, s)))
             .collect::<Result<Vec<_>, _>>()?;
         self.collate(samples)
     }

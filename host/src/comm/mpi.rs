@@ -60,8 +60,8 @@
 //! spinning (it yields, then sleeps) hands the collectives back to the
 //! thread: a waiting thread that sleeps between its tests would otherwise
 //! stall a large collective (gpt2's blocking all-reduce took 15 % longer
-//! that way). BENCHMARKS.md ("The MPI progress thread") measures what
-//! this is worth. Each collective in flight receives into a buffer of its
+//! that way). BENCHMARKS.md ("The small mlp's step, taken apart")
+//! measures what this is worth. Each collective in flight receives into a buffer of its
 //! own, kept for reuse afterwards.
 //!
 //! A rank killed by a signal (a crash, `panic = "abort"`) runs no handler;
