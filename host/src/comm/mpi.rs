@@ -97,6 +97,9 @@ pub struct Mpi {
     /// (one per all-reduce in flight at once: a DDP bucket each) so no call
     /// faults in fresh pages.
     scratch: Mutex<Vec<Tensor>>,
+    /// The world size as a 0-dim tensor of each floating kind averaged so
+    /// far (see [`Mpi::divisor`]).
+    divisors: Mutex<Vec<Tensor>>,
     /// The collectives started and not yet waited on, by handle (their
     /// collective count).
     in_flight: Mutex<BTreeMap<u64, InFlight>>,
@@ -431,6 +434,7 @@ impl Mpi {
             },
             world: Mutex::new(world),
             scratch: Mutex::new(Vec::new()),
+            divisors: Mutex::new(Vec::new()),
             in_flight: Mutex::new(BTreeMap::new()),
             progress: Condvar::new(),
             spinning: AtomicUsize::new(0),
@@ -593,7 +597,7 @@ impl Mpi {
                 let result = recv.narrow(0, 0, out.numel() as i64);
                 tch::no_grad(|| match op {
                     ReduceOp::Avg if result.is_floating_point() => {
-                        let _ = result.div_scalar_out(&out, size as f64);
+                        let _ = result.div_out(&out, &self.divisor(result.kind()));
                     }
                     ReduceOp::Avg => {
                         let _ = result.floor_divide_scalar_out(&out, size);
@@ -608,8 +612,12 @@ impl Mpi {
                 write_back(&mut output, &recv.narrow(0, 0, send.numel() as i64 * size));
             }
             Collective::ReduceScatter(op) => {
-                let block = recv.narrow(0, 0, send.numel() as i64 / size);
-                if op == ReduceOp::Avg {
+                let mut block = recv.narrow(0, 0, send.numel() as i64 / size);
+                if op == ReduceOp::Avg && block.is_floating_point() {
+                    // In the receive buffer, which is ours to change.
+                    let _ = tch::no_grad(|| block.g_div_(&self.divisor(block.kind())));
+                    write_back(&mut output, &block);
+                } else if op == ReduceOp::Avg {
                     write_back(&mut output, &(block / size as f64));
                 } else {
                     write_back(&mut output, &block);
@@ -627,6 +635,23 @@ impl Mpi {
                 drop(kept.swap_remove(i));
             }
         }
+    }
+
+    /// The world size as a 0-dim tensor of floating `kind`, made once: an
+    /// average divides by it with `div.out` (or in place), straight into
+    /// its destination. libtorch's `div.Scalar_out` divides into a new
+    /// tensor and copies that over, and a divisor of another kind is
+    /// converted on every call: together a third of the small mlp's
+    /// all-reduce. The same bits as dividing by the Scalar (a float divided
+    /// by the world size in the tensor's own kind).
+    fn divisor(&self, kind: Kind) -> Tensor {
+        let mut kept = self.divisors.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = kept.iter().find(|d| d.kind() == kind) {
+            return d.shallow_clone();
+        }
+        let d = Tensor::scalar_tensor(f64::from(self.group.size), (kind, tch::Device::Cpu));
+        kept.push(d.shallow_clone());
+        d
     }
 
     /// The message of a timeout of `op` (collective number `count`), and
