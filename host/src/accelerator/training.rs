@@ -639,16 +639,18 @@ impl Accelerator {
             return Err(unprepared());
         }
         // A NaN/Inf loss would otherwise go on silently (no fp16 scaler to
-        // skip the step): count it and say so.
-        if loss.numel() == 1 && loss.detach().isfinite().all().int64_value(&[]) == 0 {
+        // skip the step): count it and say so. One read of the value (a
+        // float's NaN and infinities survive the widening), not an
+        // `isfinite().all()` on the device: three operators fewer a step.
+        let value = (loss.numel() == 1).then(|| loss.double_value(&[]));
+        if let Some(value) = value.filter(|v| !v.is_finite()) {
             self.health.non_finite_losses += 1;
             let n = self.health.non_finite_losses;
             if worth_warning(n) {
                 tracing::warn!(
-                    "rank {}: the loss is {} ({n} non-finite loss(es) so far): the gradients \
-                     and the update of this step are not finite either",
+                    "rank {}: the loss is {value} ({n} non-finite loss(es) so far): the \
+                     gradients and the update of this step are not finite either",
                     self.rank,
-                    loss.double_value(&[])
                 );
             }
         }
