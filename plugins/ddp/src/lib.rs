@@ -66,11 +66,11 @@ struct Ddp {
 }
 
 /// A bucket's all-reduce in flight: the host's handle (0: complete), and the gradients
-/// (parameter, offset, elements) that become views into the bucket's
+/// (their places in the bucket) that become views into the bucket's
 /// buffer once it completes.
 struct Launched {
     handle: u64,
-    placed: Vec<(usize, i64, i64)>,
+    placed: Vec<usize>,
 }
 
 /// The buckets and where this backward pass is with them.
@@ -88,6 +88,10 @@ struct Buckets {
     /// One flat buffer per bucket, made as it is first all-reduced; the
     /// gradients then become views into it.
     buffers: Vec<Tensor>,
+    /// Per bucket, its parameters' views into its buffer (in the bucket's
+    /// order), made with the buffer: what their gradients are copied into
+    /// and become.
+    views: Vec<Vec<Tensor>>,
     /// Gradients still to arrive in this backward, per bucket.
     pending: Vec<usize>,
     /// The buckets started in this backward, in bucket order.
@@ -161,6 +165,7 @@ fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError>
             plan: Vec::new(),
             bucket_of: Vec::new(),
             buffers: Vec::new(),
+            views: Vec::new(),
             pending: Vec::new(),
             launched: Vec::new(),
             armed: None,
@@ -230,21 +235,32 @@ impl Buckets {
         if self.buffers.len() <= bucket {
             let first = &grads[0].1;
             let total: i64 = grads.iter().map(|(_, g)| g.numel() as i64).sum();
-            self.buffers
-                .push(Tensor::zeros([total], (first.kind(), first.device())));
+            let buffer = Tensor::zeros([total], (first.kind(), first.device()));
+            let mut offset = 0;
+            let mut views = Vec::with_capacity(grads.len());
+            for (i, g) in &grads {
+                let n = g.numel() as i64;
+                views.push(
+                    buffer
+                        .narrow(0, offset, n)
+                        .view(self.params[*i].1.size().as_slice()),
+                );
+                offset += n;
+            }
+            self.buffers.push(buffer);
+            self.views.push(views);
         }
         let buffer = &mut self.buffers[bucket];
         let mut offset = 0;
         let mut placed = Vec::new();
         accel_sdk::tch::no_grad(|| {
-            for (i, g) in &grads {
+            for (k, (i, g)) in grads.iter().enumerate() {
                 let p = &self.params[*i].1;
-                let n = g.numel() as i64;
                 if !accel_sdk::params::grad_views_buffer(g, buffer, offset, p) {
-                    buffer.narrow(0, offset, n).copy_(&g.reshape([-1]));
-                    placed.push((*i, offset, n));
+                    self.views[bucket][k].copy_(g);
+                    placed.push(k);
                 }
-                offset += n;
+                offset += g.numel() as i64;
             }
         });
         self.peak = self.peak.max(bytes(buffer));
@@ -296,12 +312,10 @@ impl Buckets {
                 first_error.get_or_insert(e);
                 continue;
             }
-            for (i, offset, n) in l.placed {
-                let p = &self.params[i].1;
-                let view = self.buffers[b]
-                    .narrow(0, offset, n)
-                    .view(p.size().as_slice());
-                shim::set_grad(p, &view).map_err(|e| PluginError::other(PLUGIN, e.to_string()))?;
+            for k in l.placed {
+                let p = &self.params[self.plan[b][k]].1;
+                shim::set_grad(p, &self.views[b][k])
+                    .map_err(|e| PluginError::other(PLUGIN, e.to_string()))?;
             }
         }
         first_error.map_or(Ok(()), Err)
@@ -428,6 +442,7 @@ impl Replica for Ddp {
         b.pending = plan.iter().map(Vec::len).collect();
         b.plan = plan;
         b.buffers.clear();
+        b.views.clear();
         b.launched.clear();
         b.armed = None;
         self.hooks.clear();
