@@ -158,14 +158,20 @@ impl Report {
         if !micro.synced {
             return Ok(false);
         }
+        // The window's mean loss; a window of one micro-batch is its loss
+        // (the same value, without a stack and a mean a step).
+        let loss = match self.window.as_slice() {
+            [one] => one.to_kind(Kind::Float),
+            all => Tensor::stack(all, 0).mean(Kind::Float),
+        };
+        self.window.clear();
         self.pending.push(Pending {
             step,
             lr,
             grad_norm: micro.grad_norm,
             skipped,
-            loss: Tensor::stack(&self.window, 0).mean(Kind::Float),
+            loss,
         });
-        self.window.clear();
         if self.pending.len() == REPORT_EVERY || step == last_step {
             self.flush(acc)?;
         }
