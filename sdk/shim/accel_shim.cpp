@@ -497,23 +497,58 @@ char* accel_storage_free(at::Tensor* t) {
   });
 }
 
+// Gives the contiguous `t` memory again when it has none (sized for `t`), and
+// returns a tensor on its storage with its shape and strides but a version
+// counter of its own: writing into it does not bump `t`'s.
+static at::Tensor refilled_alias(const at::Tensor& t, const char* who) {
+  TORCH_CHECK(t.is_contiguous(), who, " needs a contiguous tensor");
+  auto storage = t.storage();
+  size_t need = static_cast<size_t>(t.storage_offset() + t.numel()) * t.element_size();
+  if (storage.nbytes() < need) {
+    auto* impl = storage.unsafeGetStorageImpl();
+    TORCH_CHECK(impl->allocator() != nullptr, "the tensor's storage has no allocator");
+    impl->set_data_ptr_noswap(impl->allocator()->allocate(need));
+    impl->set_nbytes(need);
+  }
+  at::Tensor alias = at::empty({0}, t.options());
+  alias.set_(storage, t.storage_offset(), t.sizes(), t.strides());
+  return alias;
+}
+
 // Gives `t` memory again when it has none (sized for `t`, which must be
 // contiguous) and copies `src` into it, without bumping the version counter.
 char* accel_storage_fill(at::Tensor* t, const at::Tensor* src) {
   return guarded([&] {
     at::NoGradGuard no_grad;
-    TORCH_CHECK(t->is_contiguous(), "accel_storage_fill needs a contiguous tensor");
-    auto storage = t->storage();
-    size_t need = static_cast<size_t>(t->storage_offset() + t->numel()) * t->element_size();
-    if (storage.nbytes() < need) {
-      auto* impl = storage.unsafeGetStorageImpl();
-      TORCH_CHECK(impl->allocator() != nullptr, "the tensor's storage has no allocator");
-      impl->set_data_ptr_noswap(impl->allocator()->allocate(need));
-      impl->set_nbytes(need);
+    refilled_alias(*t, "accel_storage_fill").copy_(src->reshape(t->sizes()));
+  });
+}
+
+// As accel_storage_fill, from `rows`, a 2-D block of any strides whose first
+// `t.numel()` elements in row-major order are the value: a parameter's chunks
+// as an all-gather left them (a column block of the receive buffer). One copy,
+// where reshaping the block first would make two.
+char* accel_storage_fill_rows(at::Tensor* t, const at::Tensor* rows) {
+  return guarded([&] {
+    at::NoGradGuard no_grad;
+    TORCH_CHECK(rows->dim() == 2, "accel_storage_fill_rows needs a 2-D block, not ", rows->dim(), "-D");
+    int64_t n = t->numel();
+    int64_t c = rows->size(1);
+    TORCH_CHECK(rows->numel() >= n, "accel_storage_fill_rows: a block of ", rows->numel(),
+                " elements for a tensor of ", n);
+    at::Tensor flat = refilled_alias(*t, "accel_storage_fill_rows").view({n});
+    if (n == 0) {
+      return;
     }
-    at::Tensor alias = at::empty({0}, t->options());
-    alias.set_(storage, t->storage_offset(), t->sizes(), t->strides());
-    alias.copy_(src->reshape(t->sizes()));
+    TORCH_CHECK(c > 0, "accel_storage_fill_rows: a block of empty rows for a tensor of ", n);
+    int64_t full = n / c;
+    int64_t rest = n % c;
+    if (full > 0) {
+      flat.narrow(0, 0, full * c).view({full, c}).copy_(rows->narrow(0, 0, full));
+    }
+    if (rest > 0) {
+      flat.narrow(0, full * c, rest).copy_(rows->select(0, full).narrow(0, 0, rest));
+    }
   });
 }
 

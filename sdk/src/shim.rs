@@ -76,6 +76,7 @@ extern "C" {
     ) -> *mut c_char;
     fn accel_storage_free(t: *mut C_tensor) -> *mut c_char;
     fn accel_storage_fill(t: *mut C_tensor, src: *const C_tensor) -> *mut c_char;
+    fn accel_storage_fill_rows(t: *mut C_tensor, rows: *const C_tensor) -> *mut c_char;
     fn accel_storage_nbytes(t: *const C_tensor) -> usize;
     fn accel_storage_adopt(
         t: *mut C_tensor,
@@ -340,6 +341,27 @@ pub fn free_storage(t: &Tensor) -> Result<(), ShimError> {
 pub fn fill_storage(t: &Tensor, src: &Tensor) -> Result<(), ShimError> {
     // SAFETY: both are live tensor handles.
     check(unsafe { accel_storage_fill(ptr(t), src.as_ptr()) })
+}
+
+/// As [`fill_storage`], from `rows`: a 2-D block of any strides whose first
+/// `t.numel()` elements, row after row, are the value (the elements past
+/// them are ignored). A parameter's chunks as an all-gather leaves them,
+/// one rank's chunk a row, are a column block of the receive buffer: this
+/// copies them into the parameter in one pass, where
+/// `fill_storage(t, &rows.reshape([-1]).narrow(..))` copies twice.
+///
+/// ```
+/// use tch::{Kind, Tensor};
+/// let t = Tensor::zeros([5], (Kind::Float, tch::Device::Cpu));
+/// accel_sdk::shim::free_storage(&t).unwrap();
+/// // Two ranks' chunks of 3 (the last one padded), columns 1..4 of a buffer.
+/// let buffer = Tensor::arange(10, (Kind::Float, tch::Device::Cpu)).view([2, 5]);
+/// accel_sdk::shim::fill_storage_rows(&t, &buffer.narrow(1, 1, 3)).unwrap();
+/// assert_eq!(Vec::<f32>::try_from(&t).unwrap(), [1., 2., 3., 6., 7.]);
+/// ```
+pub fn fill_storage_rows(t: &Tensor, rows: &Tensor) -> Result<(), ShimError> {
+    // SAFETY: both are live tensor handles.
+    check(unsafe { accel_storage_fill_rows(ptr(t), rows.as_ptr()) })
 }
 
 /// Bytes of memory behind `t` now: 0 when undefined or freed by
@@ -825,6 +847,36 @@ mod tests {
         out.relu().sum(Kind::Float).backward();
         assert_eq!(w.grad(), reference);
         assert_eq!(*events.lock().unwrap(), ["pre-backward", "ready"]);
+    }
+
+    /// A parameter filled from gathered rows: its whole value row after row
+    /// (the padding past it ignored), converted to its kind, its version
+    /// counter untouched (a backward that saved it runs, on the new value);
+    /// a block that is not 2-D, or too small, is an error and leaves it as
+    /// it was.
+    #[test]
+    fn fill_storage_rows_writes_the_rows_first_elements_without_a_version_bump() {
+        let w = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let x = Tensor::ones([1, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        // Saves `w` for the gradient of `x`.
+        let out = x.matmul(&w.tr()).sum(Kind::Float);
+        free_storage(&w).unwrap();
+        // Two ranks' chunks of 4 in the columns 2..6 of a gathered buffer, in
+        // the compute kind (double here), the last two elements padding.
+        let gathered = Tensor::arange(16, (Kind::Double, Device::Cpu)).view([2, 8]);
+        fill_storage_rows(&w, &gathered.narrow(1, 2, 4)).unwrap();
+        let value = |t: &Tensor| Vec::<f32>::try_from(&t.detach().view([-1])).unwrap();
+        assert_eq!(value(&w), [2., 3., 4., 5., 10., 11.]);
+        out.f_backward().unwrap();
+        assert_eq!(value(&x.grad()), [7., 13., 15.]);
+        let flat = Tensor::zeros([8], (Kind::Float, Device::Cpu));
+        assert!(fill_storage_rows(&w, &flat).unwrap_err().0.contains("2-D"));
+        let small = Tensor::zeros([1, 4], (Kind::Float, Device::Cpu));
+        assert!(fill_storage_rows(&w, &small)
+            .unwrap_err()
+            .0
+            .contains("4 elements"));
+        assert_eq!(value(&w), [2., 3., 4., 5., 10., 11.]);
     }
 
     /// A residual block with dropout, the layer the checkpointing tests run.

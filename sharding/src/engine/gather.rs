@@ -81,9 +81,12 @@ impl Sharded {
         )
     }
 
-    /// The whole-parameter tensors of the parameters `idx` in `recv`, a
-    /// gather of what [`Sharded::gather_send`] made of their parts.
-    pub(super) fn split_whole(&self, idx: &[usize], recv: &Tensor) -> Vec<Tensor> {
+    /// The chunks of the parameters `idx` in `recv`, a gather of what
+    /// [`Sharded::gather_send`] made of their parts: for each, a `[G,
+    /// chunk]` view of `recv` (row `r` rank `r`'s chunk) whose first
+    /// elements, row after row, are the whole parameter
+    /// ([`shim::fill_storage_rows`] copies them into it in one pass).
+    pub(super) fn split_rows(&self, idx: &[usize], recv: &Tensor) -> Vec<Tensor> {
         let s = recv.numel() as i64 / self.world();
         // Every machine holds the same chunks (hybrid): the first group's
         // blocks are the whole parameter.
@@ -92,25 +95,15 @@ impl Sharded {
         let mut out = Vec::with_capacity(idx.len());
         for &i in idx {
             let c = self.chunk_len[i];
-            let p = &self.params.items[i].1;
-            out.push(
-                rows.narrow(1, offset, c)
-                    .reshape([-1])
-                    .narrow(0, 0, self.numels[i])
-                    .view(p.size().as_slice()),
-            );
+            out.push(rows.narrow(1, offset, c));
             offset += c;
         }
         out
     }
 
     /// All-gathers one chunk-shaped tensor of every parameter in `idx`
-    /// (e.g. the chunks, or optimizer state) into whole-parameter tensors.
-    pub(super) fn gather_whole(
-        &mut self,
-        idx: &[usize],
-        parts: &[Tensor],
-    ) -> Result<Vec<Tensor>, PluginError> {
+    /// (e.g. the chunks, or optimizer state): their [`Sharded::split_rows`].
+    fn gather_rows(&mut self, idx: &[usize], parts: &[Tensor]) -> Result<Vec<Tensor>, PluginError> {
         if idx.is_empty() {
             return Ok(Vec::new());
         }
@@ -120,7 +113,26 @@ impl Sharded {
             .all_gather(TensorRef::new(&send), TensorMut::new(&mut recv))
             .into_result()?;
         self.note_peak(bytes(&send) + bytes(&recv));
-        Ok(self.split_whole(idx, &recv))
+        Ok(self.split_rows(idx, &recv))
+    }
+
+    /// As [`Sharded::gather_rows`], into whole-parameter tensors.
+    pub(super) fn gather_whole(
+        &mut self,
+        idx: &[usize],
+        parts: &[Tensor],
+    ) -> Result<Vec<Tensor>, PluginError> {
+        let rows = self.gather_rows(idx, parts)?;
+        Ok(idx
+            .iter()
+            .zip(rows)
+            .map(|(&i, rows)| {
+                let p = &self.params.items[i].1;
+                rows.reshape([-1])
+                    .narrow(0, 0, self.numels[i])
+                    .view(p.size().as_slice())
+            })
+            .collect())
     }
 
     /// The chunks of the parameters `idx` in the compute dtype: what
@@ -132,20 +144,21 @@ impl Sharded {
             .collect()
     }
 
-    /// Writes the whole values `wholes` of the parameters `idx` into their
-    /// storage (given back first where it was freed).
-    fn fill_params(&self, idx: &[usize], wholes: Vec<Tensor>) -> Result<(), PluginError> {
-        for (&i, whole) in idx.iter().zip(&wholes) {
-            shim::fill_storage(&self.params.items[i].1, whole)
+    /// Writes the gathered chunks `rows` ([`Sharded::split_rows`]) of the
+    /// parameters `idx` into their storage (given back first where it was
+    /// freed).
+    fn fill_params(&self, idx: &[usize], rows: Vec<Tensor>) -> Result<(), PluginError> {
+        for (&i, rows) in idx.iter().zip(&rows) {
+            shim::fill_storage_rows(&self.params.items[i].1, rows)
                 .map_err(|e| self.err(e.to_string()))?;
         }
         Ok(())
     }
 
-    /// Writes the whole values `wholes` of unit `u`'s sharded parameters
+    /// Writes the gathered chunks `rows` of unit `u`'s sharded parameters
     /// into their storage: the unit is gathered.
-    pub(super) fn fill_from(&mut self, u: usize, wholes: Vec<Tensor>) -> Result<(), PluginError> {
-        self.fill_params(&self.units[u].shard, wholes)?;
+    pub(super) fn fill_from(&mut self, u: usize, rows: Vec<Tensor>) -> Result<(), PluginError> {
+        self.fill_params(&self.units[u].shard, rows)?;
         self.units[u].gathered = true;
         self.note_peak(0);
         Ok(())
@@ -155,8 +168,8 @@ impl Sharded {
     /// storage, all-gathered in the compute dtype.
     pub(super) fn fill_unit(&mut self, u: usize) -> Result<(), PluginError> {
         let idx = self.units[u].shard.clone();
-        let wholes = self.gather_whole(&idx, &self.compute_parts(&idx))?;
-        self.fill_from(u, wholes)
+        let rows = self.gather_rows(&idx, &self.compute_parts(&idx))?;
+        self.fill_from(u, rows)
     }
 
     /// Writes the persistent parameters (all, or `only_trained`: those that
@@ -168,8 +181,8 @@ impl Sharded {
         } else {
             self.persistent.clone()
         };
-        let wholes = self.gather_whole(&idx, &self.compute_parts(&idx))?;
-        self.fill_params(&idx, wholes)?;
+        let rows = self.gather_rows(&idx, &self.compute_parts(&idx))?;
+        self.fill_params(&idx, rows)?;
         self.note_peak(0);
         Ok(())
     }

@@ -107,9 +107,9 @@ impl Sharded {
     pub(super) fn land_prefetch(&mut self, u: usize, flight: Prefetch) -> Result<(), PluginError> {
         self.ctx.wait(flight.handle).into_result()?;
         self.counts.prefetched += 1;
-        let wholes = self.split_whole(&self.units[u].shard, &flight.recv);
+        let rows = self.split_rows(&self.units[u].shard, &flight.recv);
         drop(flight);
-        self.fill_from(u, wholes)
+        self.fill_from(u, rows)
     }
 
     /// Waits for every prefetch in flight and drops what it gathered (its
