@@ -55,14 +55,16 @@
 //! background priority (nice 10, [`accel_sdk::threads`]), so on busy cores
 //! it fills what the step leaves instead of preempting it; a blocking
 //! collective does not wake it, and no collective is tested by it while a
-//! waiting thread tests back to back (the first [`SPIN`] of a wait), so
+//! waiting thread tests back to back (the first `SPIN`, 0.2 ms, of a wait), so
 //! the two never contend for the world's mutex. A wait that stops
 //! spinning (it yields, then sleeps) hands the collectives back to the
 //! thread: a waiting thread that sleeps between its tests would otherwise
 //! stall a large collective (gpt2's blocking all-reduce took 15 % longer
 //! that way). BENCHMARKS.md ("The small mlp's step, taken apart")
-//! measures what this is worth. Each collective in flight receives into a buffer of its
-//! own, kept for reuse afterwards.
+//! measures what this is worth. An all-gather or a reduce-scatter receives
+//! straight into its output when MPI can (a contiguous CPU tensor of the
+//! kind it sends, apart from its input); every other collective in flight
+//! receives into a buffer of its own, kept for reuse afterwards.
 //!
 //! A rank killed by a signal (a crash, `panic = "abort"`) runs no handler;
 //! mpirun sees it die and kills the job itself. The status comes from
@@ -231,13 +233,14 @@ struct InFlight {
 /// Where a collective in flight leaves its result: the caller's output
 /// tensor (a shallow clone: its storage lives on; for an all-reduce, its
 /// tensor), the buffer MPI sends from (that tensor itself when it is a
-/// contiguous CPU tensor of an MPI kind), and the kept buffer it receives
-/// into (its first elements).
+/// contiguous CPU tensor of an MPI kind), and the buffer it receives into
+/// (its first elements): a kept one (`kept`), or the output itself.
 struct Landing {
     collective: Collective,
     output: Tensor,
     send: Tensor,
     recv: Tensor,
+    kept: bool,
 }
 
 /// At most this many receive buffers are kept (the smallest go first).
@@ -590,6 +593,7 @@ impl Mpi {
             mut output,
             send,
             recv,
+            kept,
         } = landing;
         match collective {
             Collective::AllReduce(op) => {
@@ -627,6 +631,9 @@ impl Mpi {
                 let n = output.numel() as i64;
                 write_back(&mut output, &recv.narrow(0, 0, n));
             }
+        }
+        if !kept {
+            return;
         }
         let mut kept = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         kept.push(recv);
@@ -713,6 +720,32 @@ fn work_buffer(op: &'static str, t: &Tensor) -> Result<Tensor, CommError> {
     Ok(t.detach().to_kind(kind).contiguous())
 }
 
+/// The output of an all-gather or a reduce-scatter, flat, when MPI can
+/// receive straight into it: a contiguous CPU tensor of the kind it sends,
+/// whose memory does not overlap what it sends (MPI forbids that). The
+/// result then lands where it belongs without a copy from a kept buffer.
+/// An all-reduce (in place: its output is its input) and a broadcast keep
+/// receiving into a kept buffer.
+fn receives_into(collective: Collective, send: &Tensor, output: &Tensor) -> Option<Tensor> {
+    if !matches!(
+        collective,
+        Collective::AllGather | Collective::ReduceScatter(_)
+    ) || output.device() != tch::Device::Cpu
+        || output.kind() != send.kind()
+        || !output.is_contiguous()
+        || output.numel() == 0
+    {
+        return None;
+    }
+    let span = |t: &Tensor| {
+        let start = t.data_ptr() as usize;
+        start..start + t.numel() * t.kind().elt_size_in_bytes()
+    };
+    let (out, sent) = (span(output), span(send));
+    let overlap = out.start < sent.end && sent.start < out.end;
+    (!overlap).then(|| output.view([-1]))
+}
+
 /// Runs `$body` with `$a` seen as a shared slice and `$b` (same kind) as a
 /// mutable slice of their element type, both `'static`: MPI may hold them
 /// past this call (the table of collectives in flight holds both tensors
@@ -787,8 +820,9 @@ impl Mpi {
 
     /// Starts `collective` from `input` into `output`: its handle. The
     /// input is sent straight from the tensor's memory when it is a
-    /// contiguous CPU tensor of an MPI kind, received into a kept buffer
-    /// (a broadcast's root copies its tensor there first), and written into
+    /// contiguous CPU tensor of an MPI kind, received into `output` itself
+    /// where [`receives_into`] allows, else into a kept buffer (a
+    /// broadcast's root copies its tensor there first) and written into
     /// `output` (averaged on the way) in one pass by `wait`.
     fn start_collective(
         &self,
@@ -802,7 +836,11 @@ impl Mpi {
         let send = work_buffer(name, input)?;
         let count = self.number(name)?;
         let n = output.numel() as i64;
-        let recv = self.take_scratch(send.kind(), n);
+        let direct = receives_into(collective, &send, output);
+        let recv = match &direct {
+            Some(out) => out.shallow_clone(),
+            None => self.take_scratch(send.kind(), n),
+        };
         if let Collective::Broadcast(_) = collective {
             tch::no_grad(|| recv.narrow(0, 0, n).copy_(&send.view([-1])));
         }
@@ -826,6 +864,7 @@ impl Mpi {
             output: output.shallow_clone(),
             send,
             recv,
+            kept: direct.is_none(),
         };
         Ok(self.keep(count, request, landing, wake))
     }
@@ -878,5 +917,40 @@ impl Communicator for Mpi {
         let count = self.number("barrier")?;
         let mut request = raw(self.with_world(|w| w.immediate_barrier()));
         self.wait_until("barrier", count, || self.test(&mut request))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An all-gather or a reduce-scatter receives straight into a
+    /// contiguous CPU output of the kind it sends; not into an output of
+    /// another kind, a strided one, one that overlaps what it sends (a
+    /// shard gathered in place), nor for an all-reduce or a broadcast.
+    #[test]
+    fn collectives_receive_into_their_output_only_where_mpi_can() {
+        let opts = (Kind::Float, tch::Device::Cpu);
+        let send = Tensor::ones([4], opts);
+        let out = Tensor::zeros([2, 4], opts);
+        let gather = Collective::AllGather;
+        let direct = receives_into(gather, &send, &out).unwrap();
+        assert_eq!(
+            (direct.size(), direct.data_ptr()),
+            (vec![8], out.data_ptr())
+        );
+        let scatter = Collective::ReduceScatter(ReduceOp::Avg);
+        let block = Tensor::zeros([2], opts);
+        assert!(receives_into(scatter, &send, &block).is_some());
+        assert!(receives_into(gather, &send, &out.to_kind(Kind::Double)).is_none());
+        assert!(receives_into(gather, &send, &out.tr()).is_none());
+        // The input is the output's second row: MPI must not receive over it.
+        let in_place = out.select(0, 1);
+        assert!(receives_into(gather, &in_place, &out).is_none());
+        let all_reduce = Collective::AllReduce(ReduceOp::Sum);
+        assert!(receives_into(all_reduce, &send, &Tensor::zeros([4], opts)).is_none());
+        assert!(
+            receives_into(Collective::Broadcast(0), &send, &Tensor::zeros([4], opts)).is_none()
+        );
     }
 }
