@@ -837,10 +837,8 @@ impl Mpi {
         let count = self.number(name)?;
         let n = output.numel() as i64;
         let direct = receives_into(collective, &send, output);
-        let recv = match &direct {
-            Some(out) => out.shallow_clone(),
-            None => self.take_scratch(send.kind(), n),
-        };
+        let kept = direct.is_none();
+        let recv = direct.unwrap_or_else(|| self.take_scratch(send.kind(), n));
         if let Collective::Broadcast(_) = collective {
             tch::no_grad(|| recv.narrow(0, 0, n).copy_(&send.view([-1])));
         }
@@ -864,7 +862,7 @@ impl Mpi {
             output: output.shallow_clone(),
             send,
             recv,
-            kept: direct.is_none(),
+            kept,
         };
         Ok(self.keep(count, request, landing, wake))
     }

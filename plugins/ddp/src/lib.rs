@@ -250,19 +250,17 @@ impl Buckets {
             self.buffers.push(buffer);
             self.views.push(views);
         }
-        let buffer = &mut self.buffers[bucket];
-        let mut offset = 0;
         let mut placed = Vec::new();
         accel_sdk::tch::no_grad(|| {
             for (k, (i, g)) in grads.iter().enumerate() {
-                let p = &self.params[*i].1;
-                if !accel_sdk::params::grad_views_buffer(g, buffer, offset, p) {
-                    self.views[bucket][k].copy_(g);
+                let view = &mut self.views[bucket][k];
+                if !accel_sdk::params::grad_views_buffer(g, view, 0, &self.params[*i].1) {
+                    view.copy_(g);
                     placed.push(k);
                 }
-                offset += g.numel() as i64;
             }
         });
+        let buffer = &mut self.buffers[bucket];
         self.peak = self.peak.max(bytes(buffer));
         let handle = if blocking {
             self.ctx
