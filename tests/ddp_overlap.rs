@@ -4,14 +4,16 @@
 //! skipped steps, frozen parameters and buckets of one parameter (a model
 //! in one bucket has nothing to overlap and starts none early); a
 //! parameter without a gradient follows `find_unused_parameters` instead of
-//! stalling its bucket; a rank that dies or stops while all-reduces (or the
+//! stalling its bucket; a backward that fails half-way leaves nothing in
+//! flight for the next (under the sharded strategies too); a rank that
+//! dies or stops while all-reduces (or the
 //! sharded engine's reduce-scatters) are in
 //! flight ends the job within the collective timeout, leaving no process.
 
 use accel_integration_tests::*;
 use std::{
     path::Path,
-    process::{Command, Output},
+    process::Output,
     thread,
     time::{Duration, Instant},
 };
@@ -142,14 +144,9 @@ fn overlap_gives_the_same_bits_with_accumulation_clipping_fp16_and_one_parameter
 /// (`ACCELERATE_GRADIENT_ACCUMULATION_STEPS`).
 fn probe(dir: &Path, ranks: u32, overlap: bool, settings: &[&str], args: &[&str]) -> Output {
     let cfg = config(dir, ranks, overlap, settings);
-    Command::new(accel_bin())
-        .args(["launch", "-q", "--config_file"])
-        .arg(&cfg)
-        .arg(build_bin("accel-integration-tests", "freeze-probe"))
+    launch_probe(&cfg, "freeze-probe")
         .arg(dir)
         .args(args)
-        .env_remove("ACCEL_PLUGIN_DIR")
-        .env("HF_HOME", no_hf_home())
         .env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")
         .output()
         .unwrap()
@@ -206,6 +203,66 @@ fn a_parameter_without_a_gradient_follows_find_unused_parameters() {
         &["find_unused_parameters: true"],
     ] {
         probe_same_bits(2, settings, &["unused:block0.b"]);
+    }
+}
+
+/// Runs freeze-probe in `dir` (its `init.safetensors` there) on 2 ranks
+/// under `config`, with `args`, plugin debug lines on; returns the
+/// output and the weights file's bytes.
+fn probe_run(dir: &Path, config: &Path, args: &[&str]) -> (Output, Vec<u8>) {
+    let out = run_ok(
+        launch_probe(config, "freeze-probe")
+            .arg(dir)
+            .args(args)
+            .env("ACCEL_LOG", "plugin=debug"),
+    );
+    let weights = std::fs::read(dir.join("out.safetensors")).unwrap();
+    (out, weights)
+}
+
+#[test]
+fn a_backward_that_fails_half_way_leaves_nothing_in_flight_under_every_strategy() {
+    // freeze-probe's failing backward gets `head.w`'s gradient (which starts
+    // its bucket, or the root unit's reduce-scatter) and fails before the
+    // blocks'. After zero_grad the same batch trains as usual: the weights
+    // must be a run without the failure's, bit for bit.
+    let dir = tempfile::tempdir().unwrap();
+    write_freeze_probe_init(dir.path());
+    let wrap = "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
+                fsdp_transformer_layer_cls_to_wrap: block0,block1\n";
+    let configs = [
+        config(dir.path(), 2, true, &[ONE_PARAM]),
+        // (A file of its own: `config` names it by ranks and overlap.)
+        config(dir.path(), 2, false, &[]),
+        write_config(
+            dir.path(),
+            "fsdp.yaml",
+            "FSDP",
+            2,
+            &format!("fsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n{wrap}"),
+        ),
+        write_zero_config(dir.path(), "zero2.yaml", 2),
+        write_zero_config(dir.path(), "zero3.yaml", 3),
+    ];
+    for (k, cfg) in configs.iter().enumerate() {
+        let (reference, expected) = probe_run(dir.path(), cfg, &[]);
+        let (out, weights) = probe_run(dir.path(), cfg, &["fail-at:3"]);
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert_contains(&text, &["backward failed: ", "igamma"]);
+        assert!(
+            weights == expected,
+            "{}: after a failed backward the weights differ from a run without it",
+            cfg.display()
+        );
+        if k == 0 {
+            // One bucket (`head.w`'s) a rank was in flight when it failed.
+            assert_eq!(
+                started_early(&out, 2),
+                started_early(&reference, 2) + 2,
+                "{}",
+                describe(&out)
+            );
+        }
     }
 }
 

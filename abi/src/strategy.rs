@@ -140,7 +140,10 @@ pub trait DistributedStrategy: Send {
     }
 
     /// Called after `loss.backward()`. `sync` is false on gradient-accumulation
-    /// micro-steps, where no communication may happen (no_sync).
+    /// micro-steps, where no communication may happen (no_sync). A backward
+    /// that fails part-way (autograd's error) is closed with `sync = false`
+    /// too, before the host returns its error: land what the hooks started,
+    /// so that the next backward starts afresh.
     fn post_backward(&mut self, sync: bool) -> PluginResult<()>;
 
     /// Performs the optimizer step through `step`, plus whatever the strategy

@@ -73,7 +73,8 @@ pub trait Strategy: Send + 'static {
     }
 
     /// After `loss.backward()`; `sync` is false on accumulation micro-steps,
-    /// where no communication may happen. Default: nothing.
+    /// where no communication may happen, and after a backward that failed
+    /// part-way (land what the hooks started). Default: nothing.
     fn post_backward(&mut self, _sync: bool) -> Result<(), PluginError> {
         Ok(())
     }

@@ -559,6 +559,19 @@ pub fn write_deepspeed_config(dir: &Path, name: &str, json: &str) -> PathBuf {
     write_config(dir, &format!("{name}.yaml"), "DEEPSPEED", 2, &section)
 }
 
+/// `accel launch -q --config_file <config> <probe>` of the test fixture
+/// binary `probe` (built), with no plugin directory from the environment
+/// and no Hugging Face cache; not yet run.
+pub fn launch_probe(config: &Path, probe: &str) -> Command {
+    let mut cmd = Command::new(accel_bin());
+    cmd.args(["launch", "-q", "--config_file"])
+        .arg(config)
+        .arg(build_bin("accel-integration-tests", probe))
+        .env_remove("ACCEL_PLUGIN_DIR")
+        .env("HF_HOME", no_hf_home());
+    cmd
+}
+
 /// `accel launch -q --config_file <config> mlp <args>`, not yet run.
 pub fn launch_with_config(config: &Path, args: &[&str]) -> Command {
     let mut cmd = Command::new(accel_bin());

@@ -662,11 +662,26 @@ impl Accelerator {
         } else {
             loss.shallow_clone()
         };
-        self.precision
-            .scale_loss(&loss)?
-            .f_backward()
-            .map_err(|e| AccelError::Usage(format!("backward failed: {e}")))?;
-        let sync = self.sync_gradients();
+        if let Err(e) = self.precision.scale_loss(&loss)?.f_backward() {
+            // The strategies may have started collectives from the hooks
+            // that ran before the failure (DDP's buckets, the sharded
+            // engine's reduce-scatters): each closes the pass as a
+            // micro-step, landing what is in flight and starting the next
+            // backward afresh, or the next step would average stale
+            // buckets.
+            let closed = self.post_backward(false);
+            let mut message = format!("backward failed: {e}");
+            if let Err(closing) = closed {
+                message += &format!("; closing the failed backward failed too: {closing}");
+            }
+            return Err(AccelError::Usage(message));
+        }
+        self.post_backward(self.sync_gradients())
+    }
+
+    /// Lets the strategy of each model the backward reached sync (or, not
+    /// `sync`, close an accumulation micro-step).
+    fn post_backward(&self, sync: bool) -> Result<(), AccelError> {
         let single = self.models.len() == 1;
         for m in &self.models {
             // A trainable model whose strategy hooked none of its
