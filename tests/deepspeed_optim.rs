@@ -5,24 +5,15 @@
 //! beside the file's, or a dummy without one, is refused with Accelerate's
 //! messages.
 
-use accel_integration_tests::{
-    accel_bin, build_bin, describe, read_weights, write_deepspeed_config,
-};
-use std::{
-    path::Path,
-    process::{Command, Output},
-};
+use accel_integration_tests::{describe, launch_probe, read_weights, write_deepspeed_config};
+use std::{path::Path, process::Output};
 
 /// `accel launch` of ds-optim-probe in `out` (created) with `mode`.
 fn probe(config: &Path, out: &Path, mode: &str) -> Output {
     std::fs::create_dir_all(out).unwrap();
-    Command::new(accel_bin())
-        .args(["launch", "-q", "--config_file"])
-        .arg(config)
-        .arg(build_bin("accel-integration-tests", "ds-optim-probe"))
+    launch_probe(config, "ds-optim-probe")
         .arg(out)
         .arg(mode)
-        .env_remove("ACCEL_PLUGIN_DIR")
         .output()
         .unwrap()
 }

@@ -78,17 +78,11 @@ fn single(dir: &Path, args: &[&str]) {
     run_ok(Command::new(probe).arg(dir).args(args));
 }
 
-/// `accel launch` of the probe with `config`, on `dir`, with `args` (no
-/// `ACCEL_PLUGIN_DIR`, no Hugging Face cache), not yet run.
-fn launch_probe(config: &Path, dir: &Path, args: &[&str]) -> Command {
-    let mut cmd = Command::new(accel_bin());
-    cmd.args(["launch", "-q", "--config_file"])
-        .arg(config)
-        .arg(build_bin("accel-integration-tests", "distill-probe"))
-        .arg(dir)
-        .args(args)
-        .env_remove("ACCEL_PLUGIN_DIR")
-        .env("HF_HOME", no_hf_home());
+/// `accel launch` of the probe with `config`, on `dir`, with `args`, not
+/// yet run.
+fn launch_distill(config: &Path, dir: &Path, args: &[&str]) -> Command {
+    let mut cmd = launch_probe(config, "distill-probe");
+    cmd.arg(dir).args(args);
     cmd
 }
 
@@ -96,7 +90,7 @@ fn launch_probe(config: &Path, dir: &Path, args: &[&str]) -> Command {
 /// `rest`, with `args`.
 fn launched(dir: &Path, distributed_type: &str, rest: &str, args: &[&str]) {
     let config = write_config(dir, "config.yaml", distributed_type, 2, rest);
-    run_ok(&mut launch_probe(&config, dir, args));
+    run_ok(&mut launch_distill(&config, dir, args));
 }
 
 #[test]
@@ -212,7 +206,7 @@ fn a_deepspeed_files_one_optimizer_is_the_students_and_refused_for_two_trained_m
     );
     let launch = |args: &[&str]| {
         let args = [&["--dummy-optimizer", "1"], args].concat();
-        launch_probe(&config, &dir, &args).output().unwrap()
+        launch_distill(&config, &dir, &args).output().unwrap()
     };
     // A frozen teacher beside the student: the file's optimizer is the
     // student's.

@@ -11,7 +11,7 @@
 use accel_integration_tests::*;
 use std::{
     path::{Path, PathBuf},
-    process::{Command, Output},
+    process::Output,
 };
 
 /// A `distributed_type` config of `ranks` CPU ranks: the strategy section
@@ -280,14 +280,9 @@ fn freeze_probe(config: &Path, save: &Path, frozen: &[&str]) -> Output {
     let dir = save.parent().unwrap().join("probe");
     std::fs::create_dir_all(&dir).unwrap();
     write_freeze_probe_init(&dir);
-    let out = Command::new(accel_bin())
-        .args(["launch", "-q", "--config_file"])
-        .arg(config)
-        .arg(build_bin("accel-integration-tests", "freeze-probe"))
+    let out = launch_probe(config, "freeze-probe")
         .arg(&dir)
         .args(frozen)
-        .env_remove("ACCEL_PLUGIN_DIR")
-        .env("HF_HOME", no_hf_home())
         .env("ACCEL_LOG", "plugin=debug")
         .env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")
         .output()
