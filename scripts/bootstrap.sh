@@ -48,6 +48,14 @@ then
   say "installing Python packages (PyTorch is about 5 GB; a minute or two)"
   .venv/bin/python -m pip install -q --disable-pip-version-check -r scripts/requirements.txt
 fi
+# DeepSpeed, whose loss scaler is the peer of the DEEPSPEED fp16 tests: an
+# sdist whose setup.py imports torch, so it builds against the venv's torch
+# (--no-build-isolation; setuptools comes with torch) and compiles no ops.
+DEEPSPEED_VERSION=0.19.8
+if ! .venv/bin/python -c "import sys; from importlib.metadata import version; sys.exit(version('deepspeed') != '$DEEPSPEED_VERSION')" 2>/dev/null; then
+  say "installing DeepSpeed $DEEPSPEED_VERSION (a test peer)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation "deepspeed==$DEEPSPEED_VERSION"
+fi
 
 # 3. `.libtorch` -> the wheel's torch/ package (include/ and lib/), which
 #    .cargo/config.toml hands to torch-sys as LIBTORCH.

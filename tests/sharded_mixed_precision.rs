@@ -3,8 +3,9 @@
 //! a bf16 copy of fp32 master shards. The loss curve tracks DDP's bf16
 //! autocast, and reducing gradients in fp32 reproduces it; FULL and SHARDED
 //! checkpoints hold the fp32 masters (a FULL one resumes exactly); memory
-//! counts the bf16 copies; ZeRO's `fp16.enabled` trains with GradScaler's
-//! loss scaling and skips exactly the step whose gradients overflow.
+//! counts the bf16 copies; ZeRO's `fp16.enabled` trains with DeepSpeed's
+//! loss scaler (the file's `fp16` keys; its scale after every step equals
+//! DeepSpeed's own) and skips exactly the step whose gradients overflow.
 //!
 //! Tolerances. bf16 keeps 8 significant bits (unit roundoff 2^-8, about
 //! 0.4%). The sharded runs compute exactly what DDP's autocast computes
@@ -22,9 +23,9 @@ use accel_integration_tests::{
     fp16_step_with_inf_at_2,
     gpt2::{gpt2, write_tokens, SIZES},
     launch_mlp, launch_with_config, loss_records, max_abs_diff, memory_lines, read_weights, run_ok,
-    write_config, write_deepspeed_config, StopResume,
+    venv_bin, write_config, write_deepspeed_config, StopResume,
 };
-use accel_sdk::optim::OptimizerConfig;
+use accel_sdk::optim::{Optimizer, OptimizerConfig};
 use serde_json::{json, Value};
 use std::{
     path::{Path, PathBuf},
@@ -339,8 +340,9 @@ fn zero_fp16_trains_with_loss_scaling_on_two_ranks() {
     assert_stdout_contains(&out, "precision fp16");
     let records = loss_records(&log);
     assert_eq!(records.len(), 20);
-    // GradScaler starts at 2^16: the first steps' fp16 gradients overflow
-    // and are skipped while the scale backs off; then it trains.
+    // DeepSpeed's loss scaler starts at 2^16: the first steps' fp16
+    // gradients overflow and are skipped (the first only uses up the
+    // hysteresis) while the scale backs off; then it trains.
     let skipped: Vec<bool> = records.iter().map(|r| r["skipped"] == true).collect();
     let n_skipped = skipped.iter().filter(|s| **s).count();
     assert!(
@@ -357,20 +359,32 @@ fn zero_fp16_trains_with_loss_scaling_on_two_ranks() {
     }
 }
 
-/// ZeRO-3 with fp16 in this process (one rank): the model's tensors are the
-/// fp16 compute copy, the state dict the fp32 masters; an inf loss skips
-/// exactly its step, leaves the masters alone and halves the scale.
-#[test]
-fn zero3_fp16_skips_exactly_the_step_whose_gradients_overflow() {
+/// ZeRO-3 with fp16 in this process (one rank) under the DeepSpeed file
+/// `file` (its `zero_optimization` set to stage 3) in `dir`, with builder
+/// precision settings `program`: the Accelerator, the model (`fc`, weights
+/// 0.5), SGD and an input batch.
+fn zero3_fp16(
+    dir: &Path,
+    file: Value,
+    program: Option<Value>,
+) -> (Accelerator, nn::VarStore, nn::Linear, Optimizer, Tensor) {
+    let mut file = file;
+    file["zero_optimization"] = json!({"stage": 3});
+    let path = dir.join("ds.json");
+    std::fs::write(&path, file.to_string()).unwrap();
     let plugins = accel_bin().parent().unwrap().to_path_buf();
-    let mut acc = Accelerator::builder()
+    let mut builder = Accelerator::builder()
         .plugin_dir(&plugins)
         .distributed_type("DEEPSPEED")
-        .config("deepspeed_config.zero_stage", 3)
-        .mixed_precision("fp16")
-        .precision_settings(json!({"init_scale": 1024.0, "growth_interval": 3}))
-        .build()
-        .unwrap();
+        .config(
+            "deepspeed_config.deepspeed_config_file",
+            path.to_str().unwrap(),
+        )
+        .mixed_precision("fp16");
+    if let Some(p) = program {
+        builder = builder.precision_settings(p);
+    }
+    let mut acc = builder.build().unwrap();
     assert!(
         acc.strategy_name().contains("accel-zero"),
         "{}",
@@ -384,13 +398,24 @@ fn zero3_fp16_skips_exactly_the_step_whose_gradients_overflow() {
         }
     });
     acc.prepare_model(&mut vs).unwrap();
+    let opt = acc.prepare_optimizer(OptimizerConfig::sgd(0.01)).unwrap();
+    let x = Tensor::ones([8, 4], (Kind::Float, Device::Cpu));
+    (acc, vs, fc, opt, x)
+}
+
+/// ZeRO-3 with fp16 in this process (one rank): the model's tensors are the
+/// fp16 compute copy, the state dict the fp32 masters; an inf loss skips
+/// exactly its step, leaves the masters alone and halves the scale.
+#[test]
+fn zero3_fp16_skips_exactly_the_step_whose_gradients_overflow() {
+    let dir = tempfile::tempdir().unwrap();
+    let fp16 = json!({"enabled": true, "initial_scale_power": 10, "loss_scale_window": 3, "hysteresis": 1});
+    let (mut acc, vs, fc, mut opt, x) = zero3_fp16(dir.path(), json!({ "fp16": fp16 }), None);
     for (name, t) in vs.variables() {
         assert_eq!(t.kind(), Kind::Half, "`{name}` is the fp16 compute copy");
     }
-    let mut opt = acc.prepare_optimizer(OptimizerConfig::sgd(0.01)).unwrap();
-    let x = Tensor::ones([8, 4], (Kind::Float, Device::Cpu));
     let mut scales = Vec::new();
-    for step in 0..6 {
+    for step in 0..7 {
         let before = acc.get_state_dict().unwrap();
         for (name, t) in &before {
             assert_eq!(t.kind(), Kind::Float, "step {step}: master `{name}`");
@@ -409,6 +434,93 @@ fn zero3_fp16_skips_exactly_the_step_whose_gradients_overflow() {
             masters,
         ));
     }
-    // 2 clean steps, the inf halves 1024, then 3 clean steps double it.
-    assert_eq!(scales, vec![1024.0, 1024.0, 512.0, 512.0, 512.0, 1024.0]);
+    // DeepSpeed's loss scaler: 2 clean steps, the inf halves 1024, and the
+    // scale doubles once 3 clean steps have passed since it (on the 4th).
+    assert_eq!(
+        scales,
+        vec![1024.0, 1024.0, 512.0, 512.0, 512.0, 512.0, 1024.0]
+    );
+}
+
+/// Under DEEPSPEED, fp16's loss scale is DeepSpeed's loss scaler configured
+/// by the file's `fp16` keys, as in Accelerate (which leaves scaling to the
+/// engine): fed the same overflows, accel's scale equals the one DeepSpeed's
+/// own `DynamicLossScaler` (built as its ZeRO optimizers build it, from the
+/// same file) reports after every step, hysteresis and window included, and
+/// both stop with an error at the same step once the scale sits at
+/// `min_loss_scale`. Precision settings from the program (GradScaler's) are
+/// ignored there, as Accelerate ignores `GradScalerKwargs`.
+#[test]
+fn zero_fp16_loss_scale_moves_as_deepspeeds_loss_scaler_down_to_its_floor() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = json!({"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 5,
+                               "loss_scale_window": 3, "hysteresis": 2, "min_loss_scale": 4}});
+    let overflows = [
+        true, false, false, false, false, true, false, true, true, false, false, false, false,
+        true, true, true, true, true, true, true,
+    ];
+    let (mut acc, _vs, fc, mut opt, x) = zero3_fp16(
+        dir.path(),
+        file,
+        Some(json!({"init_scale": 8.0, "growth_interval": 1})),
+    );
+    let initial = acc.loss_scale().unwrap();
+    let (mut scales, mut error) = (Vec::new(), None);
+    for (i, &overflow) in overflows.iter().enumerate() {
+        let out = acc
+            .forward(|scope| scope.unit("fc", || fc.forward(&x)))
+            .unwrap()
+            .unwrap();
+        let mut loss = out.to_kind(Kind::Float).square().mean(Kind::Float);
+        if overflow {
+            loss *= f64::INFINITY;
+        }
+        acc.backward(&loss).unwrap();
+        match acc.step(&mut opt) {
+            Ok(stepped) => assert_eq!(stepped, !overflow, "step {i}"),
+            Err(e) => {
+                error = Some((i, e.to_string()));
+                break;
+            }
+        }
+        acc.zero_grad(&mut opt);
+        scales.push(acc.loss_scale().unwrap());
+    }
+    let (flags, out) = (
+        dir.path().join("overflows.json"),
+        dir.path().join("ds.out.json"),
+    );
+    std::fs::write(&flags, json!(overflows).to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peers/deepspeed_loss_scale.py");
+    run_ok(
+        Command::new(venv_bin("python"))
+            .arg(script)
+            .arg(dir.path().join("ds.json"))
+            .arg(&flags)
+            .arg(&out),
+    );
+    let ds: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(initial, 32.0, "2^initial_scale_power, not the program's 8");
+    assert_eq!(ds["initial"].as_f64(), Some(initial));
+    let ds_scales: Vec<f64> = serde_json::from_value(ds["scales"].clone()).unwrap();
+    assert_eq!(
+        scales, ds_scales,
+        "scale after each step: accel vs DeepSpeed"
+    );
+    let (at, message) = error.expect("the run stops at the floor");
+    assert_eq!(
+        Some(at as u64),
+        ds["error_at"].as_u64(),
+        "{message} / {}",
+        ds["error"]
+    );
+    assert!(
+        message.contains("min_loss_scale") && message.contains("cannot decrease the scale"),
+        "{message}"
+    );
+    // The pattern reached growth, hysteresis and the floor.
+    assert!(
+        scales.contains(&64.0) && scales.contains(&4.0),
+        "{scales:?}"
+    );
 }

@@ -1,8 +1,10 @@
 //! The `optimizer` and `scheduler` sections of a DeepSpeed JSON config
-//! (`deepspeed_config_file`): parsed here, once, for the strategy plugin
+//! (`deepspeed_config_file`), and the loss-scale keys of its `fp16` section
+//! ([`LossScaleSection`]): parsed here, once, for the strategy plugin
 //! that reads the file (it refuses what accel cannot run) and for the host
 //! that builds them (`Accelerator::prepare_dummy_optimizer` /
-//! `prepare_dummy_scheduler`, Accelerate's `DummyOptim` / `DummyScheduler`).
+//! `prepare_dummy_scheduler`, Accelerate's `DummyOptim` / `DummyScheduler`;
+//! the fp16 precision policy's DeepSpeed loss scaler).
 //!
 //! | `type` | as | `params` |
 //! | --- | --- | --- |
@@ -452,6 +454,140 @@ impl SchedulerSection {
     }
 }
 
+/// The loss-scale keys of a DeepSpeed `fp16` section, checked; an absent
+/// key takes DeepSpeed's default (the values below).
+///
+/// `loss_scale` 0 asks for DeepSpeed's `DynamicLossScaler`: it starts at
+/// 2^`initial_scale_power`; a step whose gradients overflow is skipped and,
+/// once `hysteresis` overflows have used up the delay, halves the scale (never
+/// below `min_loss_scale`; an overflow at the minimum is an error); after
+/// `loss_scale_window` clean steps it doubles. A `loss_scale` above 0 is a
+/// static scale (overflowing steps are still skipped).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossScaleSection {
+    /// `loss_scale` (0: dynamic).
+    pub loss_scale: f64,
+    /// `initial_scale_power` (16).
+    pub initial_scale_power: i32,
+    /// `loss_scale_window` (1000).
+    pub loss_scale_window: u64,
+    /// `hysteresis` (2): overflows tolerated before the scale drops.
+    pub hysteresis: u64,
+    /// `consecutive_hysteresis` (false): refill the hysteresis after every
+    /// clean step, not only when the scale grows.
+    pub consecutive_hysteresis: bool,
+    /// `min_loss_scale` (1).
+    pub min_loss_scale: u64,
+}
+
+impl Default for LossScaleSection {
+    fn default() -> Self {
+        Self {
+            loss_scale: 0.0,
+            initial_scale_power: 16,
+            loss_scale_window: 1000,
+            hysteresis: 2,
+            consecutive_hysteresis: false,
+            min_loss_scale: 1,
+        }
+    }
+}
+
+/// The keys of a DeepSpeed `fp16` section accel knows.
+const FP16_KEYS: &[&str] = &[
+    "enabled",
+    "auto_cast",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+    "fp16_master_weights_and_grads",
+];
+
+impl LossScaleSection {
+    /// Checks a DeepSpeed `fp16` section (`null`: the defaults); `at` names
+    /// the file in messages. `enabled` and `auto_cast` are the strategy's to
+    /// read; other keys DeepSpeed does not know are refused by name.
+    pub fn parse(v: &Value, at: &str) -> Result<Self, SectionError> {
+        let obj = match v {
+            Value::Null => return Ok(Self::default()),
+            Value::Object(m) => m,
+            other => {
+                return Err(SectionError::Invalid(format!(
+                    "{at}: `fp16` must be an object, got {other}"
+                )))
+            }
+        };
+        if let Some(key) = obj.keys().find(|k| !FP16_KEYS.contains(&k.as_str())) {
+            return Err(SectionError::Invalid(format!(
+                "{at}: `fp16.{key}` is not a key of a DeepSpeed fp16 section; allowed: {}",
+                FP16_KEYS.join(", ")
+            )));
+        }
+        if obj.get("fp16_master_weights_and_grads") == Some(&Value::Bool(true)) {
+            return Err(SectionError::Unsupported(format!(
+                "{at}: `fp16.fp16_master_weights_and_grads: true` is not supported by accel \
+                 (DeepSpeed allows it only with DeepSpeedCPUAdam); master weights stay fp32"
+            )));
+        }
+        let get = |key: &str, expected: &str, ok: &dyn Fn(&Value) -> bool| match obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) if ok(v) => Ok(Some(v)),
+            Some(v) => Err(SectionError::Invalid(format!(
+                "{at}: `fp16.{key}` must be {expected}, got {v}"
+            ))),
+        };
+        let d = Self::default();
+        let integer_at_least = |key: &str, min: u64, default: u64| -> Result<u64, SectionError> {
+            let expected = format!("an integer >= {min}");
+            Ok(
+                get(key, &expected, &|v| v.as_u64().is_some_and(|x| x >= min))?
+                    .and_then(Value::as_u64)
+                    .unwrap_or(default),
+            )
+        };
+        let loss_scale = get(
+            "loss_scale",
+            "a number >= 0 (0: dynamic loss scaling)",
+            &|v| v.as_f64().is_some_and(|x| x.is_finite() && x >= 0.0),
+        )?
+        .and_then(Value::as_f64)
+        .unwrap_or(d.loss_scale);
+        let initial_scale_power = get("initial_scale_power", "an integer in -126..=127", &|v| {
+            v.as_i64().is_some_and(|x| (-126..=127).contains(&x))
+        })?
+        .and_then(Value::as_i64)
+        .map_or(d.initial_scale_power, |x| x as i32);
+        let consecutive_hysteresis = get("consecutive_hysteresis", "true or false", &|v| {
+            v.is_boolean()
+        })?
+        .and_then(Value::as_bool)
+        .unwrap_or(d.consecutive_hysteresis);
+        Ok(Self {
+            loss_scale,
+            initial_scale_power,
+            loss_scale_window: integer_at_least("loss_scale_window", 1, d.loss_scale_window)?,
+            hysteresis: integer_at_least("hysteresis", 1, d.hysteresis)?,
+            consecutive_hysteresis,
+            min_loss_scale: integer_at_least("min_loss_scale", 1, d.min_loss_scale)?,
+        })
+    }
+
+    /// The section as a DeepSpeed `fp16` object (every loss-scale key).
+    pub fn to_json(&self) -> Value {
+        serde_json::json!({
+            "loss_scale": self.loss_scale,
+            "initial_scale_power": self.initial_scale_power,
+            "loss_scale_window": self.loss_scale_window,
+            "hysteresis": self.hysteresis,
+            "consecutive_hysteresis": self.consecutive_hysteresis,
+            "min_loss_scale": self.min_loss_scale,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -594,5 +730,54 @@ mod tests {
         assert_eq!(c.lr(2.0, 2), 1.0);
         assert!((c.lr(2.0, 3) - 1.0).abs() < 1e-12);
         assert!(c.lr(2.0, 4).abs() < 1e-12);
+    }
+    #[test]
+    fn fp16_loss_scale_keys_take_deepspeed_defaults_and_refuse_bad_values_by_name() {
+        assert_eq!(
+            LossScaleSection::parse(&Value::Null, "ds.json").unwrap(),
+            LossScaleSection::default()
+        );
+        let s = LossScaleSection::parse(
+            &json!({"enabled": "auto", "loss_scale": 0, "initial_scale_power": 10,
+                    "loss_scale_window": 3, "hysteresis": 1, "consecutive_hysteresis": true,
+                    "min_loss_scale": 4}),
+            "ds.json",
+        )
+        .unwrap();
+        assert_eq!(
+            (s.initial_scale_power, s.loss_scale_window, s.hysteresis),
+            (10, 3, 1)
+        );
+        assert!(s.consecutive_hysteresis);
+        assert_eq!(s.min_loss_scale, 4);
+        assert_eq!(LossScaleSection::parse(&s.to_json(), "again").unwrap(), s);
+        let msg = |v: Value| {
+            LossScaleSection::parse(&v, "ds.json")
+                .unwrap_err()
+                .to_string()
+        };
+        let m = msg(json!({"loss_scale_window": 0}));
+        assert!(
+            m.contains("ds.json") && m.contains("fp16.loss_scale_window") && m.contains(">= 1"),
+            "{m}"
+        );
+        let m = msg(json!({"hysteresis": "auto"}));
+        assert!(
+            m.contains("fp16.hysteresis") && m.contains("\"auto\""),
+            "{m}"
+        );
+        let m = msg(json!({"loss_scale": -1}));
+        assert!(m.contains("fp16.loss_scale") && m.contains(">= 0"), "{m}");
+        let m = msg(json!({"min_loss_scale": 0.5}));
+        assert!(m.contains("fp16.min_loss_scale"), "{m}");
+        let m = msg(json!({"scale_window": 10}));
+        assert!(
+            m.contains("fp16.scale_window") && m.contains("loss_scale_window"),
+            "{m}"
+        );
+        assert!(matches!(
+            LossScaleSection::parse(&json!({"fp16_master_weights_and_grads": true}), "ds.json"),
+            Err(SectionError::Unsupported(_))
+        ));
     }
 }

@@ -5,6 +5,13 @@
 //!   Accelerate; the resolved config then records the strategy's choice.
 //! * Which precision component implements it (`no`, `fp16`, `bf16`, or a
 //!   plugin's), chosen through the [`PluginSet`] like every component.
+//! * Under `distributed_type: DEEPSPEED`, whose loss scaler `fp16` uses:
+//!   DeepSpeed's, configured by the DeepSpeed file's `fp16` keys
+//!   (`loss_scale`, `initial_scale_power`, `loss_scale_window`,
+//!   `hysteresis`, `consecutive_hysteresis`, `min_loss_scale`; DeepSpeed's
+//!   defaults without a file), as Accelerate leaves scaling to the DeepSpeed
+//!   engine and ignores `GradScalerKwargs` there (accel warns when the
+//!   program gave precision settings).
 //! * During training: the autocast region around the forward, the loss
 //!   scale in backward, unscaling once per step (before clipping or the
 //!   optimizer step), and the scaler's update after the step, which tells
@@ -16,9 +23,10 @@
 
 use super::AccelError;
 use crate::{context::ProcessContext, plugins::PluginSet};
-use accel_config::ResolvedConfig;
+use accel_config::{DistributedType, ResolvedConfig};
 use accel_sdk::{
     abi_stable::std_types::RSome,
+    deepspeed::LossScaleSection,
     strategy::RunOverrides,
     tensor::{TensorMut, TensorRef},
     PluginKind, PrecisionBox,
@@ -58,6 +66,13 @@ impl Precision {
         }
         let choice = plugins.select(PluginKind::Precision, &mixed_precision(config), None)?;
         let name = format!("{} ({})", choice.component.name, choice.plugin.name);
+        let settings = if mixed_precision(config) == "fp16"
+            && config.config.distributed_type == Some(DistributedType::Deepspeed)
+        {
+            Some(deepspeed_loss_scale(overrides, settings.as_ref())?)
+        } else {
+            settings
+        };
         let settings = settings.unwrap_or_else(|| serde_json::json!({}));
         let policy = choice.new_precision(ctx.into_box(), &settings.to_string())?;
         Ok(Precision {
@@ -151,6 +166,38 @@ impl Precision {
 }
 
 /// The resolved `mixed_precision` (`no` when unset).
+/// fp16's settings under DEEPSPEED: `{"deepspeed": <loss-scale keys>}` from
+/// the DeepSpeed file the strategy read (`overrides.config_file`), or
+/// DeepSpeed's defaults without one. `program` (the builder's precision
+/// settings, Accelerate's `GradScalerKwargs`) is ignored, with a warning.
+fn deepspeed_loss_scale(
+    overrides: &RunOverrides,
+    program: Option<&Value>,
+) -> Result<Value, AccelError> {
+    if let Some(p) = program {
+        tracing::warn!(
+            "precision settings {p} are ignored under DEEPSPEED: the loss scale follows the \
+             DeepSpeed config's fp16 keys (loss_scale, initial_scale_power, loss_scale_window, \
+             hysteresis, consecutive_hysteresis, min_loss_scale), as in Accelerate"
+        );
+    }
+    let section = match overrides.config_file.as_ref().into_option() {
+        None => LossScaleSection::default(),
+        Some(file) => {
+            let file = file.as_str();
+            let text = std::fs::read_to_string(file).map_err(|e| {
+                AccelError::Usage(format!("fp16 loss scale: cannot read {file}: {e}"))
+            })?;
+            let json: Value = serde_json::from_str(&text).map_err(|e| {
+                AccelError::Usage(format!("fp16 loss scale: {file} is not JSON: {e}"))
+            })?;
+            LossScaleSection::parse(&json["fp16"], file)
+                .map_err(|e| AccelError::Usage(e.to_string()))?
+        }
+    };
+    Ok(serde_json::json!({ "deepspeed": section.to_json() }))
+}
+
 pub(super) fn mixed_precision(config: &ResolvedConfig) -> String {
     config
         .config

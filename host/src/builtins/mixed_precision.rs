@@ -13,9 +13,13 @@
 //! multiplied by the growth factor (2) — `_amp_update_scale_`.
 //!
 //! fp16 settings (all optional, Accelerate's `GradScalerKwargs`):
-//! `{"init_scale": 65536, "growth_factor": 2, "backoff_factor": 0.5, "growth_interval": 2000}`.
+//! `{"init_scale": 65536, "growth_factor": 2, "backoff_factor": 0.5, "growth_interval": 2000}`;
+//! or `{"deepspeed": {...}}`, a DeepSpeed `fp16` section's loss-scale keys,
+//! for DeepSpeed's loss scaler instead (the host passes it under
+//! `distributed_type: DEEPSPEED`: see [`super::deepspeed_loss_scale`]).
 
-use super::parse_settings;
+use super::{deepspeed_loss_scale::DeepSpeedScaler, parse_settings};
+use accel_sdk::deepspeed::LossScaleSection;
 use accel_sdk::{
     abi_stable::std_types::{RErr, ROk, RSliceMut, RStr, RString},
     shim::AutocastGuard,
@@ -25,9 +29,22 @@ use accel_sdk::{
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 
-/// GradScaler's state and hyper-parameters.
+/// The loss scale and the rule that moves it.
 struct Scaler {
     scale: Tensor,
+    rule: Rule,
+}
+
+/// How the scale moves after each step.
+enum Rule {
+    /// GradScaler's `_amp_update_scale_`.
+    GradScaler(GrowthRule),
+    /// DeepSpeed's loss scaler.
+    DeepSpeed(DeepSpeedScaler),
+}
+
+/// GradScaler's growth tracker and hyper-parameters.
+struct GrowthRule {
     growth_tracker: Tensor,
     growth_factor: f64,
     backoff_factor: f64,
@@ -36,6 +53,24 @@ struct Scaler {
 
 impl Scaler {
     fn new(settings: &Value, device: Device) -> Result<Self, PluginError> {
+        if let Some(section) = settings.get("deepspeed") {
+            if let Some(other) = settings
+                .as_object()
+                .and_then(|m| m.keys().find(|k| *k != "deepspeed"))
+            {
+                return Err(PluginError::config(
+                    "accel",
+                    format!("fp16: `{other}` beside `deepspeed`; give GradScaler's keys or `deepspeed`, not both"),
+                ));
+            }
+            let config = LossScaleSection::parse(section, "fp16 settings `deepspeed`")
+                .map_err(|e| PluginError::config("accel", e.to_string()))?;
+            let rule = DeepSpeedScaler::new(config);
+            return Ok(Self {
+                scale: Tensor::full([1], rule.initial_scale(), (Kind::Float, device)),
+                rule: Rule::DeepSpeed(rule),
+            });
+        }
         let num = |key: &str, default: f64, ok: &dyn Fn(f64) -> bool, allowed: &str| match settings
             .get(key)
         {
@@ -59,10 +94,12 @@ impl Scaler {
         )? as i64;
         Ok(Self {
             scale: Tensor::full([1], init, (Kind::Float, device)),
-            growth_tracker: Tensor::zeros([1], (Kind::Int, device)),
-            growth_factor,
-            backoff_factor,
-            growth_interval,
+            rule: Rule::GradScaler(GrowthRule {
+                growth_tracker: Tensor::zeros([1], (Kind::Int, device)),
+                growth_factor,
+                backoff_factor,
+                growth_interval,
+            }),
         })
     }
 }
@@ -107,7 +144,7 @@ fn make_bf16(ctx: HostContextBox, settings: &str) -> Result<PrecisionBox, Plugin
 inventory::submit! {
     Component::precision(
         "fp16",
-        "autocast to float16 with dynamic loss scaling (GradScaler)",
+        "autocast to float16 with dynamic loss scaling (GradScaler; DeepSpeed's under DEEPSPEED)",
         &["fp16"],
         make_fp16,
     )
@@ -181,19 +218,30 @@ impl PrecisionPolicy for MixedPrecision {
     }
 
     fn update(&mut self, found_inf: bool) -> PluginResult<()> {
-        if let Some(s) = &mut self.scaler {
-            let found = Tensor::full(
-                [1],
-                f64::from(u8::from(found_inf)),
-                (Kind::Float, self.device),
-            );
-            let _ = s.scale.internal_amp_update_scale_(
-                &s.growth_tracker,
-                &found,
-                s.growth_factor,
-                s.backoff_factor,
-                s.growth_interval,
-            );
+        let Some(s) = &mut self.scaler else {
+            return ROk(());
+        };
+        match &mut s.rule {
+            Rule::GradScaler(g) => {
+                let found = Tensor::full(
+                    [1],
+                    f64::from(u8::from(found_inf)),
+                    (Kind::Float, self.device),
+                );
+                let _ = s.scale.internal_amp_update_scale_(
+                    &g.growth_tracker,
+                    &found,
+                    g.growth_factor,
+                    g.backoff_factor,
+                    g.growth_interval,
+                );
+            }
+            Rule::DeepSpeed(d) => match d.update(s.scale.double_value(&[0]), found_inf) {
+                Ok(next) => {
+                    let _ = s.scale.fill_(next);
+                }
+                Err(e) => return RErr(PluginError::other("accel", e)),
+            },
         }
         ROk(())
     }
@@ -207,13 +255,19 @@ impl PrecisionPolicy for MixedPrecision {
 
     fn state_json(&self) -> PluginResult<RString> {
         let state = match &self.scaler {
-            Some(s) => json!({
-                "scale": s.scale.double_value(&[0]),
-                "growth_factor": s.growth_factor,
-                "backoff_factor": s.backoff_factor,
-                "growth_interval": s.growth_interval,
-                "_growth_tracker": s.growth_tracker.int64_value(&[0]),
-            }),
+            Some(s) => {
+                let mut state = match &s.rule {
+                    Rule::GradScaler(g) => json!({
+                        "growth_factor": g.growth_factor,
+                        "backoff_factor": g.backoff_factor,
+                        "growth_interval": g.growth_interval,
+                        "_growth_tracker": g.growth_tracker.int64_value(&[0]),
+                    }),
+                    Rule::DeepSpeed(d) => d.state(),
+                };
+                state["scale"] = json!(s.scale.double_value(&[0]));
+                state
+            }
             None => json!({}),
         };
         ROk(state.to_string().into())
@@ -227,24 +281,38 @@ impl PrecisionPolicy for MixedPrecision {
             Ok(v) => v,
             Err(e) => return RErr(PluginError::config("accel", format!("fp16 state: {e}"))),
         };
-        let (Some(scale), Some(tracker)) = (v["scale"].as_f64(), v["_growth_tracker"].as_i64())
-        else {
+        let Some(scale) = v["scale"].as_f64() else {
             return RErr(PluginError::config(
                 "accel",
-                format!("fp16 state needs `scale` and `_growth_tracker`, got {v}"),
+                format!("fp16 state needs `scale`, got {v}"),
             ));
         };
+        match &mut s.rule {
+            Rule::GradScaler(g) => {
+                let Some(tracker) = v["_growth_tracker"].as_i64() else {
+                    return RErr(PluginError::config(
+                        "accel",
+                        format!("fp16 state needs `scale` and `_growth_tracker`, got {v}"),
+                    ));
+                };
+                let _ = g.growth_tracker.fill_(tracker);
+                if let Some(x) = v["growth_factor"].as_f64() {
+                    g.growth_factor = x;
+                }
+                if let Some(x) = v["backoff_factor"].as_f64() {
+                    g.backoff_factor = x;
+                }
+                if let Some(x) = v["growth_interval"].as_i64() {
+                    g.growth_interval = x;
+                }
+            }
+            Rule::DeepSpeed(d) => {
+                if let Err(e) = d.load_state(&v) {
+                    return RErr(PluginError::config("accel", e));
+                }
+            }
+        }
         let _ = s.scale.fill_(scale);
-        let _ = s.growth_tracker.fill_(tracker);
-        if let Some(x) = v["growth_factor"].as_f64() {
-            s.growth_factor = x;
-        }
-        if let Some(x) = v["backoff_factor"].as_f64() {
-            s.backoff_factor = x;
-        }
-        if let Some(x) = v["growth_interval"].as_i64() {
-            s.growth_interval = x;
-        }
         ROk(())
     }
 }

@@ -1,7 +1,9 @@
 //! Components compiled into accel, registered with `inventory` like a
 //! plugin's: the single-device strategy (`distributed_type: NO`), the `no`
-//! precision policy, the `fp16` and `bf16` policies, and the JSONL tracker.
+//! precision policy, the `fp16` and `bf16` policies (with DeepSpeed's loss
+//! scaler for `fp16` under DEEPSPEED), and the JSONL tracker.
 
+mod deepspeed_loss_scale;
 mod jsonl;
 mod mixed_precision;
 mod no_precision;

@@ -2,7 +2,7 @@
 //! config, and the DeepSpeed JSON file it may name.
 
 use accel_sdk::{
-    deepspeed::{OptimizerSection, SchedulerSection, SectionError},
+    deepspeed::{LossScaleSection, OptimizerSection, SchedulerSection, SectionError},
     serde_json::Value,
     tch::Kind,
     PluginError,
@@ -357,6 +357,13 @@ pub fn file_values(
     let scheduler = section(
         "scheduler",
         &|v| SchedulerSection::parse(v, file).map(drop),
+        unsupported,
+    )?;
+    // The `fp16` loss-scale keys the host's fp16 policy reads (DeepSpeed's
+    // loss scaler): checked here too, so a bad one stops the run at once.
+    section(
+        "fp16",
+        &|v| LossScaleSection::parse(v, file).map(drop),
         unsupported,
     )?;
     Ok(FileValues {
@@ -968,6 +975,21 @@ mod tests {
         assert!(m.contains("both true"), "{m}");
         let m = msg(with_file(r#"{"fp16": {"enabled": "yes please"}}"#, "no"));
         assert!(m.contains("fp16.enabled must be true, false or"), "{m}");
+        // The loss-scale keys the host reads are checked when the strategy
+        // is made.
+        let m = msg(with_file(
+            r#"{"fp16": {"enabled": true, "loss_scale_window": 0}}"#,
+            "fp16",
+        ));
+        assert!(
+            m.contains(path) && m.contains("fp16.loss_scale_window") && m.contains(">= 1"),
+            "{m}"
+        );
+        let m = msg(with_file(
+            r#"{"fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}"#,
+            "fp16",
+        ));
+        assert!(m.contains("fp16_master_weights_and_grads"), "{m}");
         let m = msg(from_section(
             &json!({"gradient_accumulation_steps": 2.5}),
             "no",
