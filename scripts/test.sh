@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: formatting, lints, and every test of the workspace
-# (unit, integration, doc). CI runs exactly this; it passes on a plain clone.
+# The whole test suite: formatting, lints, doc links, and every test of the
+# workspace (unit, integration, doc). CI runs exactly this; it passes on a plain clone.
 #
 # The conformance corpus (Accelerate's own config files) sits beside the
 # repository in CI, at ../shared/conformance (ACCEL_CONFORMANCE_DIR names
@@ -15,6 +15,8 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+echo "== cargo doc -D warnings (broken doc links)"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace --quiet
 echo "== cargo test"
 cargo test --workspace
 

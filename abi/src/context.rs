@@ -222,7 +222,7 @@ pub mod v4_1 {
     use super::*;
 
     host_context! {
-        /// [`HostContext`](super::HostContext)'s methods of ABI 4.1.
+        /// [`HostContext`]'s methods of ABI 4.1.
         {}
     }
 

@@ -197,9 +197,9 @@ impl Builtin {
 }
 
 /// One key of the schema: the single place a key is described. The
-/// validator checks [`KeySpec::kind`]; the resolver reads [`KeySpec::env`]
+/// validator checks [`KeySpec::kind`]; the resolver reads `KeySpec::env`
 /// and fills [`KeySpec::default`]; `accel launch` makes a flag of every key
-/// with [`KeySpec::flag`]; `accel config` asks with [`KeySpec::doc`]; and
+/// with `KeySpec::flag`; `accel config` asks with [`KeySpec::doc`]; and
 /// [`reference_markdown`](crate::reference::reference_markdown) writes the
 /// README's reference from all of them.
 #[derive(Clone, Copy, Debug)]

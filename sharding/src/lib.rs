@@ -1,5 +1,5 @@
 //! The sharded-parameter engine behind `accel-fsdp` and `accel-zero`: one
-//! implementation of [`DistributedStrategy`] whose [`Plan`] says what is
+//! implementation of [`DistributedStrategy`](accel_sdk::DistributedStrategy) whose [`Plan`] says what is
 //! sharded — optimizer state (ZeRO-1), gradients (ZeRO-2, SHARD_GRAD_OP),
 //! parameters outside compute (ZeRO-3, FULL_SHARD) — over the wrap units a
 //! plugin's policy chose.
@@ -17,7 +17,7 @@
 //!
 //! * forward: the host calls `pre_forward(unit)` before a unit runs; its
 //!   chunks are all-gathered into the parameters' own storage (freed in
-//!   between with [`shim::free_storage`], so the model's tensors stay the
+//!   between with [`shim::free_storage`](accel_sdk::shim::free_storage), so the model's tensors stay the
 //!   same objects). `post_forward` frees them again when resharding after
 //!   forward (not for the root unit, kept until its backward).
 //! * backward: a hook on the unit's output gradient calls `pre_backward`,
