@@ -3,7 +3,7 @@
 //! DummyScheduler and trains exactly as the same run configured in code;
 //! types accel lacks are refused by name; a program optimizer or schedule
 //! beside the file's, or a dummy without one, is refused with Accelerate's
-//! messages.
+//! messages; each schedule's rates equal DeepSpeed's own `lr_schedules`.
 
 use accel_integration_tests::{describe, launch_probe, read_weights, write_deepspeed_config};
 use std::{path::Path, process::Output};
@@ -136,4 +136,58 @@ fn unsupported_types_and_conflicts_are_refused_as_accelerate_refuses_them() {
             "without specifying an optimizer in the config file",
         ],
     );
+}
+
+/// Every DeepSpeed schedule accel runs gives DeepSpeed's own rates
+/// (`deepspeed.runtime.lr_schedules`, built and stepped as its engine does)
+/// when made and after every step: warmups `log` and `linear`, a warmup of
+/// one step (DeepSpeed uses two), steps past `total_num_steps`, and absent
+/// parameters taking DeepSpeed's defaults.
+#[test]
+fn deepspeed_schedules_give_deepspeeds_own_rates_step_for_step() {
+    use accel_integration_tests::{run_ok, venv_bin};
+    use accel_sdk::deepspeed::SchedulerSection;
+    use serde_json::{json, Value};
+    let cases = json!([
+        {"lr": 0.01, "steps": 8, "scheduler": {"type": "WarmupLR", "params":
+            {"warmup_min_lr": 0.001, "warmup_max_lr": 0.02, "warmup_num_steps": 5}}},
+        {"lr": 0.01, "steps": 4, "scheduler": {"type": "WarmupLR", "params":
+            {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 1, "warmup_type": "linear"}}},
+        {"lr": 0.05, "steps": 5, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}},
+        {"lr": 0.01, "steps": 14, "scheduler": {"type": "WarmupDecayLR", "params":
+            {"warmup_min_lr": 0.002, "warmup_max_lr": 0.03, "warmup_num_steps": 4,
+             "total_num_steps": 10, "warmup_type": "linear"}}},
+        {"lr": 0.01, "steps": 8, "scheduler": {"type": "WarmupDecayLR", "params":
+            {"warmup_num_steps": 3, "total_num_steps": 6}}},
+        {"lr": 0.03, "steps": 15, "scheduler": {"type": "WarmupCosineLR", "params":
+            {"warmup_min_ratio": 0.1, "cos_min_ratio": 0.05, "warmup_num_steps": 4, "total_num_steps": 12}}},
+        {"lr": 0.02, "steps": 7, "scheduler": {"type": "WarmupCosineLR", "params":
+            {"warmup_num_steps": 2, "total_num_steps": 5, "warmup_type": "linear"}}},
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let (cases_file, out) = (dir.path().join("cases.json"), dir.path().join("ds.json"));
+    std::fs::write(&cases_file, cases.to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peers/deepspeed_schedules.py");
+    run_ok(
+        std::process::Command::new(venv_bin("python"))
+            .arg(script)
+            .arg(&cases_file)
+            .arg(&out),
+    );
+    let deepspeed: Vec<Vec<f64>> =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    for (case, want) in cases.as_array().unwrap().iter().zip(&deepspeed) {
+        let lr = case["lr"].as_f64().unwrap();
+        let schedule = SchedulerSection::parse(&case["scheduler"], "case")
+            .unwrap()
+            .schedule(lr, 0, None)
+            .unwrap();
+        let got: Vec<f64> = (0..want.len() as u64).map(|s| schedule.lr(lr, s)).collect();
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * a.abs().max(b.abs()).max(1e-3);
+        assert!(
+            got.iter().zip(want).all(|(a, b)| close(*a, *b)),
+            "{}: accel {got:?}\nDeepSpeed {want:?}",
+            Value::to_string(&case["scheduler"])
+        );
+    }
 }

@@ -13,8 +13,8 @@
 //!
 //! | scheduler `type` | `params` |
 //! | --- | --- |
-//! | `WarmupLR` | `warmup_min_lr` (0), `warmup_max_lr` (1e-3), `warmup_num_steps` (1000), `warmup_type` (`log`, `linear`) |
-//! | `WarmupDecayLR` | as WarmupLR, plus `total_num_steps` (required) |
+//! | `WarmupLR` | `warmup_min_lr` (0), `warmup_max_lr` (the optimizer's rate), `warmup_num_steps` (1000), `warmup_type` (`log`, `linear`) |
+//! | `WarmupDecayLR` | as WarmupLR (but `warmup_max_lr` 1e-3), plus `total_num_steps` (required) |
 //! | `WarmupCosineLR` | `total_num_steps` (required), `warmup_min_ratio` (0), `warmup_num_steps` (1000), `cos_min_ratio` (1e-4), `warmup_type` |
 //!
 //! Any parameter may be `"auto"`: Accelerate fills `optimizer.params.lr` and
@@ -391,6 +391,12 @@ impl SchedulerSection {
             )))
             }
         };
+        if steps("warmup_num_steps")? == Param::Set(0) {
+            return Err(SectionError::Invalid(format!(
+                "{at}: `scheduler.params.warmup_num_steps` must be a whole number >= 1 (or \"auto\"), got 0 \
+                 (DeepSpeed refuses 0)"
+            )));
+        }
         let total_num_steps = steps("total_num_steps")?;
         if kind != SchedulerKind::Warmup && total_num_steps == Param::Default {
             return Err(SectionError::Invalid(format!(
@@ -434,7 +440,16 @@ impl SchedulerSection {
         Ok(match self.kind {
             SchedulerKind::Warmup | SchedulerKind::WarmupDecay => Schedule::DeepSpeedWarmup {
                 min_lr: self.warmup_min_lr.or(0.0, 0.0),
-                max_lr: self.warmup_max_lr.or(lr, 1e-3),
+                // An absent `warmup_max_lr` is the optimizer's rate for
+                // WarmupLR (DeepSpeed >= 0.16) and 1e-3 for WarmupDecayLR.
+                max_lr: self.warmup_max_lr.or(
+                    lr,
+                    if self.kind == SchedulerKind::Warmup {
+                        lr
+                    } else {
+                        1e-3
+                    },
+                ),
                 warmup,
                 log: self.log_warmup,
                 decay_total: if self.kind == SchedulerKind::WarmupDecay {
@@ -731,6 +746,20 @@ mod tests {
         assert!((c.lr(2.0, 3) - 1.0).abs() < 1e-12);
         assert!(c.lr(2.0, 4).abs() < 1e-12);
     }
+    #[test]
+    fn a_warmup_of_zero_steps_is_refused_as_deepspeed_refuses_it() {
+        let v = json!({"type": "WarmupLR", "params": {"warmup_num_steps": 0}});
+        let m = SchedulerSection::parse(&v, "ds.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            m.contains("ds.json") && m.contains("warmup_num_steps") && m.contains(">= 1"),
+            "{m}"
+        );
+        let auto = json!({"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}});
+        assert!(SchedulerSection::parse(&auto, "ds.json").is_ok());
+    }
+
     #[test]
     fn fp16_loss_scale_keys_take_deepspeed_defaults_and_refuse_bad_values_by_name() {
         assert_eq!(
