@@ -442,6 +442,77 @@ fn zero3_fp16_skips_exactly_the_step_whose_gradients_overflow() {
     );
 }
 
+/// Steps `acc` once per entry of `overflows`, an inf loss where it is
+/// true: the loss scale after each step, and the step that failed (index,
+/// message), where the run stops.
+fn overflow_steps(
+    acc: &mut Accelerator,
+    fc: &nn::Linear,
+    opt: &mut Optimizer,
+    x: &Tensor,
+    overflows: &[bool],
+) -> (Vec<f64>, Option<(usize, String)>) {
+    let mut scales = Vec::new();
+    for (i, &overflow) in overflows.iter().enumerate() {
+        let out = acc
+            .forward(|scope| scope.unit("fc", || fc.forward(x)))
+            .unwrap()
+            .unwrap();
+        let mut loss = out.to_kind(Kind::Float).square().mean(Kind::Float);
+        if overflow {
+            loss *= f64::INFINITY;
+        }
+        acc.backward(&loss).unwrap();
+        match acc.step(opt) {
+            Ok(stepped) => assert_eq!(stepped, !overflow, "step {i}"),
+            Err(e) => return (scales, Some((i, e.to_string()))),
+        }
+        acc.zero_grad(opt);
+        scales.push(acc.loss_scale().unwrap());
+    }
+    (scales, None)
+}
+
+/// DeepSpeed's loss scaler's counters (hysteresis left, steps since the
+/// last overflow) travel in `save_state`: a run resumed from a checkpoint
+/// moves its scale as the straight run does.
+#[test]
+fn zero_fp16_deepspeed_loss_scaler_resumes_from_a_checkpoint_where_it_stopped() {
+    use accel::accelerator::{SaveOptions, TrainingObjects};
+    let dir = tempfile::tempdir().unwrap();
+    let d = |name: &str| {
+        let p = dir.path().join(name);
+        std::fs::create_dir_all(&p).unwrap();
+        p
+    };
+    let file = json!({"fp16": {"enabled": true, "initial_scale_power": 5,
+                               "loss_scale_window": 3, "hysteresis": 2}});
+    let overflows = [
+        true, false, false, false, false, true, false, false, false, false, true, true,
+    ];
+    let (mut acc, _vs, fc, mut opt, x) = zero3_fp16(&d("straight"), file.clone(), None);
+    let (straight, error) = overflow_steps(&mut acc, &fc, &mut opt, &x, &overflows);
+    assert!(error.is_none(), "{error:?}");
+    let (mut acc, _vs, fc, mut opt, x) = zero3_fp16(&d("first"), file.clone(), None);
+    let (mut resumed, _) = overflow_steps(&mut acc, &fc, &mut opt, &x, &overflows[..4]);
+    let ckpt = dir.path().join("ckpt");
+    acc.save_state(
+        Some(&ckpt),
+        TrainingObjects::new().optimizer(&mut opt),
+        SaveOptions::default(),
+    )
+    .unwrap();
+    drop(acc);
+    let (mut acc, _vs, fc, mut opt, x) = zero3_fp16(&d("second"), file, None);
+    acc.load_state(Some(&ckpt), TrainingObjects::new().optimizer(&mut opt))
+        .unwrap();
+    resumed.extend(overflow_steps(&mut acc, &fc, &mut opt, &x, &overflows[4..]).0);
+    // The step after the cut doubles the scale (3 clean steps since the
+    // overflow): fresh counters would not.
+    assert_eq!(straight[4], 2.0 * straight[3], "{straight:?}");
+    assert_eq!(resumed, straight);
+}
+
 /// Under DEEPSPEED, fp16's loss scale is DeepSpeed's loss scaler configured
 /// by the file's `fp16` keys, as in Accelerate (which leaves scaling to the
 /// engine): fed the same overflows, accel's scale equals the one DeepSpeed's
@@ -465,27 +536,7 @@ fn zero_fp16_loss_scale_moves_as_deepspeeds_loss_scaler_down_to_its_floor() {
         Some(json!({"init_scale": 8.0, "growth_interval": 1})),
     );
     let initial = acc.loss_scale().unwrap();
-    let (mut scales, mut error) = (Vec::new(), None);
-    for (i, &overflow) in overflows.iter().enumerate() {
-        let out = acc
-            .forward(|scope| scope.unit("fc", || fc.forward(&x)))
-            .unwrap()
-            .unwrap();
-        let mut loss = out.to_kind(Kind::Float).square().mean(Kind::Float);
-        if overflow {
-            loss *= f64::INFINITY;
-        }
-        acc.backward(&loss).unwrap();
-        match acc.step(&mut opt) {
-            Ok(stepped) => assert_eq!(stepped, !overflow, "step {i}"),
-            Err(e) => {
-                error = Some((i, e.to_string()));
-                break;
-            }
-        }
-        acc.zero_grad(&mut opt);
-        scales.push(acc.loss_scale().unwrap());
-    }
+    let (scales, error) = overflow_steps(&mut acc, &fc, &mut opt, &x, &overflows);
     let (flags, out) = (
         dir.path().join("overflows.json"),
         dir.path().join("ds.out.json"),

@@ -99,8 +99,17 @@ impl DeepSpeedScaler {
         })
     }
 
-    /// Restores [`DeepSpeedScaler::state`].
+    /// Restores [`DeepSpeedScaler::state`]. A GradScaler state (saved
+    /// before DEEPSPEED runs used this scaler) leaves the counters fresh:
+    /// the caller restores its scale.
     pub(super) fn load_state(&mut self, v: &Value) -> Result<(), String> {
+        if v.get("cur_iter").is_none() && v.get("_growth_tracker").is_some() {
+            tracing::warn!(
+                "fp16: the checkpoint holds GradScaler's state; DeepSpeed's loss scaler resumes \
+                 from its scale with fresh hysteresis and window counters"
+            );
+            return Ok(());
+        }
         let (Some(cur_iter), Some(last), Some(hysteresis)) = (
             v["cur_iter"].as_i64(),
             v["last_overflow_iter"].as_i64(),
@@ -108,7 +117,7 @@ impl DeepSpeedScaler {
         ) else {
             return Err(format!(
                 "fp16 state of DeepSpeed's loss scaler needs `cur_iter`, `last_overflow_iter` and \
-                 `cur_hysteresis` (was it saved by a run without DEEPSPEED?), got {v}"
+                 `cur_hysteresis`, got {v}"
             ));
         };
         if !v["deepspeed"].is_null() {
@@ -181,5 +190,11 @@ mod tests {
         again.load_state(&d.state()).unwrap();
         assert_eq!(again, d);
         assert!(again.load_state(&json!({"scale": 1.0})).is_err());
+        // A GradScaler state: counters start afresh.
+        let mut fresh = scaler(Value::Null);
+        fresh
+            .load_state(&json!({"scale": 1024.0, "_growth_tracker": 5}))
+            .unwrap();
+        assert_eq!(fresh, scaler(Value::Null));
     }
 }
