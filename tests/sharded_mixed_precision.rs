@@ -368,6 +368,16 @@ fn zero3_fp16(
     file: Value,
     program: Option<Value>,
 ) -> (Accelerator, nn::VarStore, nn::Linear, Optimizer, Tensor) {
+    zero3_with(dir, file, "fp16", program)
+}
+
+/// [`zero3_fp16`] with `mixed_precision` `mp`.
+fn zero3_with(
+    dir: &Path,
+    file: Value,
+    mp: &str,
+    program: Option<Value>,
+) -> (Accelerator, nn::VarStore, nn::Linear, Optimizer, Tensor) {
     let mut file = file;
     file["zero_optimization"] = json!({"stage": 3});
     let path = dir.join("ds.json");
@@ -380,7 +390,7 @@ fn zero3_fp16(
             "deepspeed_config.deepspeed_config_file",
             path.to_str().unwrap(),
         )
-        .mixed_precision("fp16");
+        .mixed_precision(mp);
     if let Some(p) = program {
         builder = builder.precision_settings(p);
     }
@@ -574,4 +584,54 @@ fn zero_fp16_loss_scale_moves_as_deepspeeds_loss_scaler_down_to_its_floor() {
         scales.contains(&64.0) && scales.contains(&4.0),
         "{scales:?}"
     );
+}
+
+/// Under DEEPSPEED, bf16 skips a step whose gradients hold inf/NaN unless
+/// the file's `bf16.check_grad_overflow` is false (DeepSpeed 0.19's default
+/// is true: "skip the step when detected"): the masters stand still and no
+/// loss scale appears; with the check off the step is taken and the weights
+/// turn non-finite.
+#[test]
+fn zero_bf16_skips_an_overflowing_step_unless_check_grad_overflow_is_false() {
+    for skips in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut bf16 = json!({"enabled": true});
+        if !skips {
+            bf16["check_grad_overflow"] = json!(false);
+        }
+        let (mut acc, _vs, fc, mut opt, x) =
+            zero3_with(dir.path(), json!({ "bf16": bf16 }), "bf16", None);
+        for step in 0..4 {
+            let before = acc.get_state_dict().unwrap();
+            let out = acc
+                .forward(|scope| scope.unit("fc", || fc.forward(&x)))
+                .unwrap()
+                .unwrap();
+            assert_eq!(out.kind(), Kind::BFloat16);
+            let mut loss = out.to_kind(Kind::Float).square().mean(Kind::Float);
+            if step == 2 {
+                loss *= f64::INFINITY;
+            }
+            acc.backward(&loss).unwrap();
+            let stepped = acc.step(&mut opt).unwrap();
+            acc.zero_grad(&mut opt);
+            let after = acc.get_state_dict().unwrap();
+            let finite = after
+                .iter()
+                .all(|(_, t)| t.isfinite().all().int64_value(&[]) == 1);
+            if step < 2 || skips {
+                assert_eq!(stepped, step != 2, "check {skips}, step {step}");
+                assert!(finite, "check {skips}, step {step}");
+            }
+            if step == 2 {
+                if skips {
+                    assert_eq!(max_abs_diff(&before, &after), 0.0, "the skipped step moved");
+                } else {
+                    assert!(stepped && !finite, "the unchecked step was taken");
+                }
+            }
+        }
+        assert_eq!(acc.training_health().skipped_steps, u64::from(skips));
+        assert_eq!(acc.loss_scale().unwrap(), 1.0);
+    }
 }

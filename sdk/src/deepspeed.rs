@@ -1,10 +1,10 @@
 //! The `optimizer` and `scheduler` sections of a DeepSpeed JSON config
-//! (`deepspeed_config_file`), and the loss-scale keys of its `fp16` section
-//! ([`LossScaleSection`]): parsed here, once, for the strategy plugin
+//! (`deepspeed_config_file`), and the keys of its `fp16` and `bf16` sections
+//! that change training ([`LossScaleSection`], [`Bf16Section`]): parsed here, once, for the strategy plugin
 //! that reads the file (it refuses what accel cannot run) and for the host
 //! that builds them (`Accelerator::prepare_dummy_optimizer` /
 //! `prepare_dummy_scheduler`, Accelerate's `DummyOptim` / `DummyScheduler`;
-//! the fp16 precision policy's DeepSpeed loss scaler).
+//! the fp16 and bf16 precision policies under DEEPSPEED).
 //!
 //! | `type` | as | `params` |
 //! | --- | --- | --- |
@@ -508,6 +508,32 @@ impl Default for LossScaleSection {
     }
 }
 
+/// The object of the precision section `name` (`None` when `v` is null),
+/// refusing a non-object or a key outside `keys` by name.
+fn precision_section<'a>(
+    v: &'a Value,
+    name: &str,
+    keys: &[&str],
+    at: &str,
+) -> Result<Option<&'a Map<String, Value>>, SectionError> {
+    let obj = match v {
+        Value::Null => return Ok(None),
+        Value::Object(m) => m,
+        other => {
+            return Err(SectionError::Invalid(format!(
+                "{at}: `{name}` must be an object, got {other}"
+            )))
+        }
+    };
+    match obj.keys().find(|k| !keys.contains(&k.as_str())) {
+        Some(key) => Err(SectionError::Invalid(format!(
+            "{at}: `{name}.{key}` is not a key of a DeepSpeed {name} section; allowed: {}",
+            keys.join(", ")
+        ))),
+        None => Ok(Some(obj)),
+    }
+}
+
 /// The keys of a DeepSpeed `fp16` section accel knows.
 const FP16_KEYS: &[&str] = &[
     "enabled",
@@ -526,21 +552,9 @@ impl LossScaleSection {
     /// the file in messages. `enabled` and `auto_cast` are the strategy's to
     /// read; other keys DeepSpeed does not know are refused by name.
     pub fn parse(v: &Value, at: &str) -> Result<Self, SectionError> {
-        let obj = match v {
-            Value::Null => return Ok(Self::default()),
-            Value::Object(m) => m,
-            other => {
-                return Err(SectionError::Invalid(format!(
-                    "{at}: `fp16` must be an object, got {other}"
-                )))
-            }
+        let Some(obj) = precision_section(v, "fp16", FP16_KEYS, at)? else {
+            return Ok(Self::default());
         };
-        if let Some(key) = obj.keys().find(|k| !FP16_KEYS.contains(&k.as_str())) {
-            return Err(SectionError::Invalid(format!(
-                "{at}: `fp16.{key}` is not a key of a DeepSpeed fp16 section; allowed: {}",
-                FP16_KEYS.join(", ")
-            )));
-        }
         if obj.get("fp16_master_weights_and_grads") == Some(&Value::Bool(true)) {
             return Err(SectionError::Unsupported(format!(
                 "{at}: `fp16.fp16_master_weights_and_grads: true` is not supported by accel \
@@ -600,6 +614,69 @@ impl LossScaleSection {
             "consecutive_hysteresis": self.consecutive_hysteresis,
             "min_loss_scale": self.min_loss_scale,
         })
+    }
+}
+
+/// The keys of a DeepSpeed `bf16` section that change training, checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bf16Section {
+    /// `check_grad_overflow` (true, as DeepSpeed 0.19): a step whose
+    /// gradients hold inf/NaN on any rank is skipped.
+    pub check_grad_overflow: bool,
+}
+
+impl Default for Bf16Section {
+    fn default() -> Self {
+        Self {
+            check_grad_overflow: true,
+        }
+    }
+}
+
+/// The keys of a DeepSpeed `bf16` section accel knows.
+const BF16_KEYS: &[&str] = &[
+    "enabled",
+    "immediate_grad_update",
+    "check_grad_overflow",
+    "bf16_master_weights_and_grads",
+    "bf16_optimizer_states",
+];
+
+impl Bf16Section {
+    /// Checks a DeepSpeed `bf16` section (`null`: the defaults); `at` names
+    /// the file in messages. `enabled` is the strategy's to read and
+    /// `immediate_grad_update` (when gradients reach the fp32 copy) changes
+    /// no number; bf16 master weights or optimizer states are refused (accel
+    /// keeps them fp32), as is a key DeepSpeed does not know.
+    pub fn parse(v: &Value, at: &str) -> Result<Self, SectionError> {
+        let Some(obj) = precision_section(v, "bf16", BF16_KEYS, at)? else {
+            return Ok(Self::default());
+        };
+        for key in ["bf16_master_weights_and_grads", "bf16_optimizer_states"] {
+            if obj.get(key) == Some(&Value::Bool(true)) {
+                return Err(SectionError::Unsupported(format!(
+                    "{at}: `bf16.{key}: true` is not supported by accel (master weights, gradients \
+                     and optimizer states stay fp32)"
+                )));
+            }
+        }
+        let check_grad_overflow = match obj.get("check_grad_overflow") {
+            None | Some(Value::Null) => Self::default().check_grad_overflow,
+            Some(Value::Bool(b)) => *b,
+            Some(other) => {
+                return Err(SectionError::Invalid(format!(
+                    "{at}: `bf16.check_grad_overflow` must be true or false, got {other}"
+                )))
+            }
+        };
+        Ok(Self {
+            check_grad_overflow,
+        })
+    }
+
+    /// The section as a DeepSpeed `bf16` object (the keys that change training).
+    pub fn to_json(&self) -> Value {
+        serde_json::json!({ "check_grad_overflow": self.check_grad_overflow })
     }
 }
 
@@ -758,6 +835,34 @@ mod tests {
         );
         let auto = json!({"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}});
         assert!(SchedulerSection::parse(&auto, "ds.json").is_ok());
+    }
+
+    #[test]
+    fn bf16_checks_overflow_by_default_and_refuses_bf16_masters() {
+        let ok = |v: Value| Bf16Section::parse(&v, "ds.json").unwrap();
+        assert!(ok(Value::Null).check_grad_overflow);
+        assert!(ok(json!({"enabled": true, "immediate_grad_update": true})).check_grad_overflow);
+        assert!(!ok(json!({"check_grad_overflow": false})).check_grad_overflow);
+        let s = ok(json!({"check_grad_overflow": false}));
+        assert_eq!(ok(s.to_json()), s);
+        let m = Bf16Section::parse(&json!({"check_grad_overflow": 1}), "ds.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            m.contains("ds.json") && m.contains("bf16.check_grad_overflow"),
+            "{m}"
+        );
+        let m = Bf16Section::parse(&json!({"loss_scale": 1}), "ds.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            m.contains("bf16.loss_scale") && m.contains("check_grad_overflow"),
+            "{m}"
+        );
+        assert!(matches!(
+            Bf16Section::parse(&json!({"bf16_master_weights_and_grads": true}), "ds.json"),
+            Err(SectionError::Unsupported(_))
+        ));
     }
 
     #[test]

@@ -5,13 +5,15 @@
 //!   Accelerate; the resolved config then records the strategy's choice.
 //! * Which precision component implements it (`no`, `fp16`, `bf16`, or a
 //!   plugin's), chosen through the [`PluginSet`] like every component.
-//! * Under `distributed_type: DEEPSPEED`, whose loss scaler `fp16` uses:
-//!   DeepSpeed's, configured by the DeepSpeed file's `fp16` keys
-//!   (`loss_scale`, `initial_scale_power`, `loss_scale_window`,
-//!   `hysteresis`, `consecutive_hysteresis`, `min_loss_scale`; DeepSpeed's
-//!   defaults without a file), as Accelerate leaves scaling to the DeepSpeed
-//!   engine and ignores `GradScalerKwargs` there (accel warns when the
-//!   program gave precision settings).
+//! * Under `distributed_type: DEEPSPEED`, the DeepSpeed engine's rules, as
+//!   Accelerate leaves them to the engine there and ignores
+//!   `GradScalerKwargs` (accel warns when the program gave precision
+//!   settings): `fp16` uses DeepSpeed's loss scaler, configured by the
+//!   DeepSpeed file's `fp16` keys (`loss_scale`, `initial_scale_power`,
+//!   `loss_scale_window`, `hysteresis`, `consecutive_hysteresis`,
+//!   `min_loss_scale`); `bf16` skips a step whose gradients hold inf/NaN
+//!   unless the file's `bf16.check_grad_overflow` is false. DeepSpeed's
+//!   defaults without a file.
 //! * During training: the autocast region around the forward, the loss
 //!   scale in backward, unscaling once per step (before clipping or the
 //!   optimizer step), and the scaler's update after the step, which tells
@@ -26,7 +28,7 @@ use crate::{context::ProcessContext, plugins::PluginSet};
 use accel_config::{DistributedType, ResolvedConfig};
 use accel_sdk::{
     abi_stable::std_types::RSome,
-    deepspeed::LossScaleSection,
+    deepspeed::{Bf16Section, LossScaleSection},
     strategy::RunOverrides,
     tensor::{TensorMut, TensorRef},
     PluginKind, PrecisionBox,
@@ -66,10 +68,11 @@ impl Precision {
         }
         let choice = plugins.select(PluginKind::Precision, &mixed_precision(config), None)?;
         let name = format!("{} ({})", choice.component.name, choice.plugin.name);
-        let settings = if mixed_precision(config) == "fp16"
+        let mp = mixed_precision(config);
+        let settings = if (mp == "fp16" || mp == "bf16")
             && config.config.distributed_type == Some(DistributedType::Deepspeed)
         {
-            Some(deepspeed_loss_scale(overrides, settings.as_ref())?)
+            Some(deepspeed_precision(&mp, overrides, settings.as_ref())?)
         } else {
             settings
         };
@@ -166,36 +169,45 @@ impl Precision {
 }
 
 /// The resolved `mixed_precision` (`no` when unset).
-/// fp16's settings under DEEPSPEED: `{"deepspeed": <loss-scale keys>}` from
-/// the DeepSpeed file the strategy read (`overrides.config_file`), or
-/// DeepSpeed's defaults without one. `program` (the builder's precision
-/// settings, Accelerate's `GradScalerKwargs`) is ignored, with a warning.
-fn deepspeed_loss_scale(
+/// The `mp` (`fp16` or `bf16`) policy's settings under DEEPSPEED:
+/// `{"deepspeed": <the section's keys>}` from the DeepSpeed file the
+/// strategy read (`overrides.config_file`), or DeepSpeed's defaults without
+/// one. `program` (the builder's precision settings, Accelerate's
+/// `GradScalerKwargs`) is ignored, with a warning.
+fn deepspeed_precision(
+    mp: &str,
     overrides: &RunOverrides,
     program: Option<&Value>,
 ) -> Result<Value, AccelError> {
     if let Some(p) = program {
         tracing::warn!(
-            "precision settings {p} are ignored under DEEPSPEED: the loss scale follows the \
-             DeepSpeed config's fp16 keys (loss_scale, initial_scale_power, loss_scale_window, \
-             hysteresis, consecutive_hysteresis, min_loss_scale), as in Accelerate"
+            "precision settings {p} are ignored under DEEPSPEED: the DeepSpeed config's {mp} keys \
+             decide (for fp16: loss_scale, initial_scale_power, loss_scale_window, hysteresis, \
+             consecutive_hysteresis, min_loss_scale), as in Accelerate"
         );
     }
-    let section = match overrides.config_file.as_ref().into_option() {
-        None => LossScaleSection::default(),
+    let file_section = match overrides.config_file.as_ref().into_option() {
+        None => Value::Null,
         Some(file) => {
             let file = file.as_str();
-            let text = std::fs::read_to_string(file).map_err(|e| {
-                AccelError::Usage(format!("fp16 loss scale: cannot read {file}: {e}"))
-            })?;
-            let json: Value = serde_json::from_str(&text).map_err(|e| {
-                AccelError::Usage(format!("fp16 loss scale: {file} is not JSON: {e}"))
-            })?;
-            LossScaleSection::parse(&json["fp16"], file)
-                .map_err(|e| AccelError::Usage(e.to_string()))?
+            let text = std::fs::read_to_string(file)
+                .map_err(|e| AccelError::Usage(format!("{mp}: cannot read {file}: {e}")))?;
+            let json: Value = serde_json::from_str(&text)
+                .map_err(|e| AccelError::Usage(format!("{mp}: {file} is not JSON: {e}")))?;
+            json[mp].clone()
         }
     };
-    Ok(serde_json::json!({ "deepspeed": section.to_json() }))
+    let at = overrides
+        .config_file
+        .as_ref()
+        .map_or("the DeepSpeed config", |f| f.as_str());
+    let keys = if mp == "fp16" {
+        LossScaleSection::parse(&file_section, at).map(|s| s.to_json())
+    } else {
+        Bf16Section::parse(&file_section, at).map(|s| s.to_json())
+    };
+    let keys = keys.map_err(|e| AccelError::Usage(e.to_string()))?;
+    Ok(serde_json::json!({ "deepspeed": keys }))
 }
 
 pub(super) fn mixed_precision(config: &ResolvedConfig) -> String {

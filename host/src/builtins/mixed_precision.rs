@@ -17,9 +17,13 @@
 //! or `{"deepspeed": {...}}`, a DeepSpeed `fp16` section's loss-scale keys,
 //! for DeepSpeed's loss scaler instead (the host passes it under
 //! `distributed_type: DEEPSPEED`: see [`super::deepspeed_loss_scale`]).
+//!
+//! bf16 settings: `{}`, or under DEEPSPEED `{"deepspeed": {"check_grad_overflow": true}}`
+//! (DeepSpeed's default): a step whose gradients hold inf/NaN on any rank is
+//! skipped, with no loss scale.
 
 use super::{deepspeed_loss_scale::DeepSpeedScaler, parse_settings};
-use accel_sdk::deepspeed::LossScaleSection;
+use accel_sdk::deepspeed::{Bf16Section, LossScaleSection};
 use accel_sdk::{
     abi_stable::std_types::{RErr, ROk, RSliceMut, RStr, RString},
     shim::AutocastGuard,
@@ -110,6 +114,9 @@ struct MixedPrecision {
     device: Device,
     kind: Kind,
     scaler: Option<Scaler>,
+    /// Without a scaler, still skip steps whose gradients hold inf/NaN
+    /// (bf16 under DEEPSPEED: `bf16.check_grad_overflow`).
+    skip_non_finite: bool,
     autocast: Option<AutocastGuard>,
 }
 
@@ -120,15 +127,23 @@ fn other(e: impl std::fmt::Display) -> PluginError {
 fn make(ctx: HostContextBox, settings: &str, kind: Kind) -> Result<PrecisionBox, PluginError> {
     let settings = parse_settings("precision", settings)?;
     let device = ctx.device().to_tch();
-    let scaler = match kind {
-        Kind::Half => Some(Scaler::new(&settings, device)?),
-        _ => None,
+    let (scaler, skip_non_finite) = match kind {
+        Kind::Half => (Some(Scaler::new(&settings, device)?), false),
+        _ => match settings.get("deepspeed") {
+            None => (None, false),
+            Some(v) => {
+                let section = Bf16Section::parse(v, "bf16 settings `deepspeed`")
+                    .map_err(|e| PluginError::config("accel", e.to_string()))?;
+                (None, section.check_grad_overflow)
+            }
+        },
     };
     Ok(accel_sdk::into_precision(MixedPrecision {
         ctx,
         device,
         kind,
         scaler,
+        skip_non_finite,
         autocast: None,
     }))
 }
@@ -156,18 +171,20 @@ inventory::submit! {
 
 impl MixedPrecision {
     fn unscale(&mut self, grads: &mut [TensorMut<'_>]) -> Result<bool, PluginError> {
-        let Some(s) = &self.scaler else {
-            return Ok(false);
+        let inv_scale = match &self.scaler {
+            Some(s) => s
+                .scale
+                .to_kind(Kind::Double)
+                .reciprocal()
+                .to_kind(Kind::Float),
+            // The check alone: gradients times 1 stay what they are.
+            None if self.skip_non_finite => Tensor::ones([1], (Kind::Float, self.device)),
+            None => return Ok(false),
         };
         let grads: Vec<Tensor> = grads
             .iter_mut()
             .map(|g| g.get_mut().shallow_clone())
             .collect();
-        let inv_scale = s
-            .scale
-            .to_kind(Kind::Double)
-            .reciprocal()
-            .to_kind(Kind::Float);
         let mut found_inf = Tensor::zeros([1], (Kind::Float, self.device));
         tch::no_grad(|| accel_sdk::shim::amp_unscale_(&grads, &mut found_inf, &inv_scale))
             .map_err(other)?;

@@ -2,7 +2,7 @@
 //! config, and the DeepSpeed JSON file it may name.
 
 use accel_sdk::{
-    deepspeed::{LossScaleSection, OptimizerSection, SchedulerSection, SectionError},
+    deepspeed::{Bf16Section, LossScaleSection, OptimizerSection, SchedulerSection, SectionError},
     serde_json::Value,
     tch::Kind,
     PluginError,
@@ -359,11 +359,17 @@ pub fn file_values(
         &|v| SchedulerSection::parse(v, file).map(drop),
         unsupported,
     )?;
-    // The `fp16` loss-scale keys the host's fp16 policy reads (DeepSpeed's
-    // loss scaler): checked here too, so a bad one stops the run at once.
+    // The `fp16` and `bf16` keys the host's precision policy reads
+    // (DeepSpeed's loss scaler, bf16's overflow check): checked here too,
+    // so a bad one stops the run at once.
     section(
         "fp16",
         &|v| LossScaleSection::parse(v, file).map(drop),
+        unsupported,
+    )?;
+    section(
+        "bf16",
+        &|v| Bf16Section::parse(v, file).map(drop),
         unsupported,
     )?;
     Ok(FileValues {
