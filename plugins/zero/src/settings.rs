@@ -361,17 +361,22 @@ pub fn file_values(
     )?;
     // The `fp16` and `bf16` keys the host's precision policy reads
     // (DeepSpeed's loss scaler, bf16's overflow check): checked here too,
-    // so a bad one stops the run at once.
-    section(
-        "fp16",
-        &|v| LossScaleSection::parse(v, file).map(drop),
-        unsupported,
-    )?;
-    section(
-        "bf16",
-        &|v| Bf16Section::parse(v, file).map(drop),
-        unsupported,
-    )?;
+    // so a bad one stops the run at once; a disabled section is not read.
+    let (fp16, bf16) = (enabled("fp16")?, enabled("bf16")?);
+    if fp16 != Some(false) {
+        section(
+            "fp16",
+            &|v| LossScaleSection::parse(v, file).map(drop),
+            unsupported,
+        )?;
+    }
+    if bf16 != Some(false) {
+        section(
+            "bf16",
+            &|v| Bf16Section::parse(v, file).map(drop),
+            unsupported,
+        )?;
+    }
     Ok(FileValues {
         stage,
         clip,
@@ -379,8 +384,8 @@ pub fn file_values(
         offload_optimizer,
         offload_param,
         communication,
-        fp16: enabled("fp16")?,
-        bf16: enabled("bf16")?,
+        fp16,
+        bf16,
         overlap_comm,
         prefetch_bucket,
         reduce_bucket,
@@ -996,6 +1001,13 @@ mod tests {
             "fp16",
         ));
         assert!(m.contains("fp16_master_weights_and_grads"), "{m}");
+        // A disabled section is not read, as DeepSpeed checks the loss-scale
+        // values only when fp16 is on.
+        assert!(with_file(
+            r#"{"fp16": {"enabled": false, "loss_scale_window": 0}, "bf16": {"enabled": true}}"#,
+            "bf16",
+        )
+        .is_ok());
         let m = msg(from_section(
             &json!({"gradient_accumulation_steps": 2.5}),
             "no",
