@@ -10,10 +10,10 @@
 //! sharded engine's reduce-scatters) are in
 //! flight ends the job within the collective timeout, leaving no process.
 
-use accel_integration_tests::*;
+use accel_integration_tests::{gpt2, *};
 use std::{
     path::Path,
-    process::Output,
+    process::{Command, Output},
     thread,
     time::{Duration, Instant},
 };
@@ -367,4 +367,138 @@ fn stopped_rank_fails_the_job_within_the_timeout(flags: &[&str]) {
         "{flags:?}: took {took:?}: {}",
         describe(&out)
     );
+}
+
+/// The buckets the DDP plugin's debug line says it rebuilt after the first
+/// step (`buckets rebuilt in gradient-ready order: N bucket(s): [a, b], [c]`),
+/// as lists of parameter names; panics unless each of the `ranks` ranks
+/// logged the same ones.
+fn rebuilt_buckets(out: &Output, ranks: usize) -> Vec<Vec<String>> {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let layouts: Vec<Vec<Vec<String>>> = stderr
+        .lines()
+        .filter_map(|l| {
+            l.split("bucket(s): ")
+                .nth(1)
+                .filter(|_| l.contains("rebuilt"))
+        })
+        .map(|list| {
+            let list = list.split(" plugin=").next().unwrap();
+            list.trim_start_matches('[')
+                .trim_end_matches(']')
+                .split("], [")
+                .map(|b| b.split(", ").map(str::to_owned).collect())
+                .collect()
+        })
+        .collect();
+    assert_eq!(layouts.len(), ranks, "{}", describe(out));
+    assert!(
+        layouts.iter().all(|l| l == &layouts[0]),
+        "the ranks rebuilt different buckets: {layouts:?}"
+    );
+    layouts.into_iter().next().unwrap()
+}
+
+/// PyTorch's DDP on the same model (`tests/peers/ddp_buckets.py ARGS`):
+/// the buckets its Reducer rebuilt after the first step.
+fn pytorch_buckets(args: &[&str]) -> Vec<Vec<String>> {
+    let out = run_ok(
+        Command::new(venv_bin("python"))
+            .arg(workspace_root().join("tests/peers/ddp_buckets.py"))
+            .args(args),
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().rfind(|l| l.starts_with('{')).unwrap();
+    serde_json::from_str::<serde_json::Value>(line).unwrap()["rebuilt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            b.as_array()
+                .unwrap()
+                .iter()
+                .map(|n| n.as_str().unwrap().to_owned())
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn buckets_are_rebuilt_in_gradient_ready_order_as_pytorchs_reducer_does() {
+    let dir = tempfile::tempdir().unwrap();
+    // accel's program and settings, PyTorch's model and bucket_cap_mb
+    // (none: its default, 1 MiB for the first bucket, 25 after).
+    let mlp_cases: [(&[&str], &[&str], &[&str]); 2] = [
+        (&["--hidden", "1024"], &[], &["--hidden", "1024"]),
+        (
+            &["--hidden", "32", "--layers", "2"],
+            &["bucket_cap_mb: 0.005"],
+            &[
+                "--hidden",
+                "32",
+                "--layers",
+                "2",
+                "--bucket-cap-mb",
+                "0.005",
+            ],
+        ),
+    ];
+    for (args, settings, peer_args) in mlp_cases {
+        let cfg = config(dir.path(), 2, true, settings);
+        let out = run_ok(
+            launch_with_config(&cfg, &[args, &["--steps", "3"]].concat())
+                .env("ACCEL_LOG", "plugin=debug"),
+        );
+        let peer = pytorch_buckets(&[&["mlp", "--batch-size", "8"], peer_args].concat());
+        assert!(peer.len() > 1, "{peer:?}");
+        assert_eq!(rebuilt_buckets(&out, 2), peer, "mlp {args:?} {settings:?}");
+    }
+    // gpt2 from a transformers checkpoint: in buckets of 0.1 MB, and in
+    // one bucket by default (the model is 0.55 MB).
+    let init = dir.path().join("init");
+    run_ok(
+        gpt2::peer()
+            .arg("init")
+            .arg(&init)
+            .args(gpt2::SIZES)
+            .args(["--seed", "0"]),
+    );
+    let tokens = dir.path().join("tokens.bin");
+    gpt2::write_tokens(&tokens);
+    for (settings, cap) in [
+        (&["bucket_cap_mb: 0.1"][..], &["--bucket-cap-mb", "0.1"][..]),
+        (&[], &[]),
+    ] {
+        let cfg = config(dir.path(), 2, true, settings);
+        let out = run_ok(
+            Command::new(accel_bin())
+                .args(["launch", "-q", "--config_file"])
+                .arg(&cfg)
+                .arg(gpt2::gpt2())
+                .args(gpt2::on_tokens(
+                    init.to_str(),
+                    tokens.to_str().unwrap(),
+                    &["--batch-size", "2", "--steps", "3"],
+                ))
+                .env("ACCEL_LOG", "plugin=debug"),
+        );
+        let init = init.to_str().unwrap();
+        let peer = pytorch_buckets(
+            &[
+                &[
+                    "gpt2",
+                    "--model",
+                    init,
+                    "--block-size",
+                    "32",
+                    "--batch-size",
+                    "2",
+                ],
+                cap,
+            ]
+            .concat(),
+        );
+        assert_eq!(peer.len() > 1, !cap.is_empty(), "{peer:?}");
+        assert_eq!(rebuilt_buckets(&out, 2), peer, "gpt2 {settings:?}");
+    }
 }

@@ -3,10 +3,17 @@
 //!
 //! * `prepare_model`: every parameter is broadcast from rank 0, so all
 //!   ranks start identical.
-//! * Gradients are grouped into buckets of at most `bucket_cap_mb` (default
-//!   25, PyTorch's), in reverse parameter order as PyTorch's reducer fills
-//!   them, all-reduced and averaged; nothing is communicated on
-//!   accumulation micro-steps (no_sync). Each bucket is one persistent flat
+//! * Gradients are grouped into buckets as PyTorch's Reducer groups them,
+//!   all-reduced and averaged; nothing is communicated on accumulation
+//!   micro-steps (no_sync). The first synced step all-reduces every
+//!   gradient in one bucket after backward; then the buckets are rebuilt in
+//!   the order the gradients became ready in that backward (rank 0's order,
+//!   broadcast), a bucket closing once it holds 1 MiB (the first) or
+//!   `bucket_cap_mb` (default 25) — PyTorch's `_DEFAULT_FIRST_BUCKET_BYTES`
+//!   and `bucket_cap_mb`; an explicit `bucket_cap_mb` is the first bucket's
+//!   cap too, as in PyTorch. With `find_unused_parameters` the buckets are
+//!   made once, in reverse parameter order (PyTorch's: it never rebuilds
+//!   them then). Each bucket is one persistent flat
 //!   buffer and, after the first sync, the gradients are views into it
 //!   (PyTorch's `gradient_as_bucket_view`): backward accumulates into the
 //!   bucket and the all-reduce needs no copy.
@@ -20,7 +27,8 @@
 //!   holding a parameter without a gradient: see `find_unused_parameters`)
 //!   and waits for all. Without it, every bucket is all-reduced in
 //!   `post_backward`, one after the other. Both give the same bits. A model
-//!   whose gradients fit one bucket has nothing to overlap (its bucket is
+//!   whose gradients fit one bucket (and every model's first synced step)
+//!   has nothing to overlap (its bucket is
 //!   ready only when backward ends): it is all-reduced in `post_backward`
 //!   either way, with a blocking collective, which does not wake MPI's
 //!   progress thread (on the small mlp, 18-23 % of its steps/s).
@@ -34,8 +42,9 @@
 //! At trace level (`ACCEL_LOG=plugin=trace`) each synced step logs how
 //! many buckets started during backward and how long `post_backward`
 //! waited for communication (the exposed communication time); at debug
-//! level the plugin logs the totals once, when the model is dropped (a line
-//! a step cost the small mlp 5-15 % of its speed).
+//! level the plugin logs the rebuilt buckets (parameter names) once, and
+//! the totals once, when the model is dropped (a line a step cost the small
+//! mlp 5-15 % of its speed).
 
 use accel_sdk::tch::Tensor;
 use accel_sdk::{
@@ -57,11 +66,11 @@ const PLUGIN: &str = "accel-ddp";
 /// hooks. [`Replicated`] keeps the parameters and does the rest (broadcast
 /// at prepare, plain steps, rank 0's state dict).
 struct Ddp {
-    bucket_bytes: u64,
     /// Start all-reduces during backward (`overlap_comm`).
     overlap: bool,
     buckets: Arc<Mutex<Buckets>>,
-    /// One gradient-ready hook per trainable parameter (with `overlap`).
+    /// One gradient-ready hook per trainable parameter: they start the
+    /// buckets (with `overlap`) and record the order for the rebuild.
     hooks: Vec<GradReadyHook>,
 }
 
@@ -83,10 +92,16 @@ struct Buckets {
     params: Vec<(String, Tensor)>,
     /// Indices into the parameters, one list per bucket.
     plan: Vec<Vec<usize>>,
+    /// The byte caps of the buckets the rebuild makes: the first's, then
+    /// the rest's.
+    caps: [u64; 2],
+    /// Until the buckets are rebuilt: the parameters whose gradients came
+    /// in during the first synced backward, in the order they came.
+    ready: Option<Vec<usize>>,
     /// The bucket of each parameter (`None`: frozen).
     bucket_of: Vec<Option<usize>>,
-    /// One flat buffer per bucket, made as it is first all-reduced; the
-    /// gradients then become views into it.
+    /// One flat buffer per bucket, made as it is first all-reduced (or
+    /// rebuilt); the gradients then become views into it.
     buffers: Vec<Tensor>,
     /// Per bucket, its parameters' views into its buffer (in the bucket's
     /// order), made with the buffer: what their gradients are copied into
@@ -112,7 +127,8 @@ struct Buckets {
 
 /// The plugin's settings (`accel.plugins.accel-ddp`).
 struct Settings {
-    bucket_cap_mb: f64,
+    /// `None`: PyTorch's default (25 MiB, the first bucket 1 MiB).
+    bucket_cap_mb: Option<f64>,
     find_unused_parameters: bool,
     overlap_comm: bool,
 }
@@ -133,9 +149,9 @@ fn settings_of(settings: &str) -> Result<Settings, PluginError> {
     let v: Value = accel_sdk::serde_json::from_str(settings)
         .map_err(|e| PluginError::config(PLUGIN, format!("settings are not JSON: {e}")))?;
     let bucket_cap_mb = match v.pointer("/settings/bucket_cap_mb") {
-        None | Some(Value::Null) => 25.0,
+        None | Some(Value::Null) => None,
         Some(x) => match x.as_f64() {
-            Some(mb) if mb > 0.0 => mb,
+            Some(mb) if mb > 0.0 => Some(mb),
             _ => return Err(PluginError::config(
                 PLUGIN,
                 format!("accel.plugins.{PLUGIN}.bucket_cap_mb must be a positive number of megabytes, got {x}"),
@@ -155,14 +171,21 @@ fn validate(settings: &str) -> Result<(), PluginError> {
 
 fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError> {
     let s = settings_of(settings)?;
+    // PyTorch's DDP: 25 MiB buckets after a first one of 1 MiB, unless
+    // `bucket_cap_mb` is given (then every bucket's cap).
+    let caps = match s.bucket_cap_mb {
+        None => [FIRST_BUCKET_BYTES, 25 << 20],
+        Some(mb) => [(mb * 1024.0 * 1024.0) as u64; 2],
+    };
     let ddp = Ddp {
-        bucket_bytes: (s.bucket_cap_mb * 1024.0 * 1024.0) as u64,
         overlap: s.overlap_comm,
         buckets: Arc::new(Mutex::new(Buckets {
             ctx: ctx.clone(),
             find_unused: s.find_unused_parameters,
             params: Vec::new(),
             plan: Vec::new(),
+            caps,
+            ready: None,
             bucket_of: Vec::new(),
             buffers: Vec::new(),
             views: Vec::new(),
@@ -192,24 +215,87 @@ accel_sdk::inventory::submit! {
 
 accel_sdk::export_plugin!();
 
-/// Groups parameter indices into buckets of at most `cap` bytes, last
-/// parameter first (the order backward produces gradients in).
-fn plan_buckets(sizes: &[u64], cap: u64) -> Vec<Vec<usize>> {
-    let mut buckets: Vec<Vec<usize>> = Vec::new();
-    let mut current: Vec<usize> = Vec::new();
-    let mut filled = 0;
-    for i in (0..sizes.len()).rev() {
-        if !current.is_empty() && filled + sizes[i] > cap {
-            buckets.push(std::mem::take(&mut current));
-            filled = 0;
+/// The first bucket's cap when `bucket_cap_mb` is not set (PyTorch's
+/// `dist._DEFAULT_FIRST_BUCKET_BYTES`).
+const FIRST_BUCKET_BYTES: u64 = 1 << 20;
+
+/// PyTorch's `_compute_bucket_assignment_by_size`: walks the parameters in
+/// `order` and adds each to the open bucket of its kind and device, which
+/// closes once it holds `caps[k]` bytes or more (the `k`-th bucket of that
+/// kind and device; the last cap for all after). The buckets come in the
+/// order they closed, then those left open.
+fn assign_buckets<K: PartialEq>(
+    order: &[usize],
+    size: impl Fn(usize) -> u64,
+    key: impl Fn(usize) -> K,
+    caps: &[u64],
+) -> Vec<Vec<usize>> {
+    struct Open<K> {
+        key: K,
+        indices: Vec<usize>,
+        bytes: u64,
+        cap: usize,
+    }
+    let mut open: Vec<Open<K>> = Vec::new();
+    let mut closed = Vec::new();
+    for &i in order {
+        let k = key(i);
+        let at = match open.iter().position(|o| o.key == k) {
+            Some(at) => at,
+            None => {
+                open.push(Open {
+                    key: k,
+                    indices: Vec::new(),
+                    bytes: 0,
+                    cap: 0,
+                });
+                open.len() - 1
+            }
+        };
+        let o = &mut open[at];
+        o.indices.push(i);
+        o.bytes += size(i);
+        if o.bytes >= caps[o.cap] {
+            closed.push(std::mem::take(&mut o.indices));
+            o.bytes = 0;
+            o.cap = (o.cap + 1).min(caps.len() - 1);
         }
-        current.push(i);
-        filled += sizes[i];
     }
-    if !current.is_empty() {
-        buckets.push(current);
-    }
-    buckets
+    closed.extend(
+        open.into_iter()
+            .map(|o| o.indices)
+            .filter(|b| !b.is_empty()),
+    );
+    closed
+}
+
+/// The buckets of parameters `trainable` (in model order) before any
+/// backward, as PyTorch's DDP makes them: with `find_unused`, buckets of
+/// `caps` in reverse parameter order (kept for good); without, one bucket
+/// a kind and device (until the rebuild).
+fn initial_buckets(
+    trainable: &[usize],
+    params: &[(String, Tensor)],
+    find_unused: bool,
+    caps: [u64; 2],
+) -> Vec<Vec<usize>> {
+    let caps: &[u64] = if find_unused { &caps } else { &[u64::MAX] };
+    let mut plan = assign_buckets(
+        trainable,
+        |i| bytes(&params[i].1),
+        |i| param_key(&params[i].1),
+        caps,
+    );
+    // Each bucket's indices ascend: order the buckets by their first, then
+    // reverse them (the last parameters' gradients come first).
+    plan.sort_by_key(|b| b[0]);
+    plan.reverse();
+    plan
+}
+
+/// What a bucket is made of: a kind and a device.
+fn param_key(p: &Tensor) -> (accel_sdk::tch::Kind, accel_sdk::tch::Device) {
+    (p.kind(), p.device())
 }
 
 fn lock(b: &Mutex<Buckets>) -> MutexGuard<'_, Buckets> {
@@ -232,24 +318,7 @@ impl Buckets {
             let g = p.grad();
             grads.push((i, if g.defined() { g } else { p.zeros_like() }));
         }
-        if self.buffers.len() <= bucket {
-            let first = &grads[0].1;
-            let total: i64 = grads.iter().map(|(_, g)| g.numel() as i64).sum();
-            let buffer = Tensor::zeros([total], (first.kind(), first.device()));
-            let mut offset = 0;
-            let mut views = Vec::with_capacity(grads.len());
-            for (i, g) in &grads {
-                let n = g.numel() as i64;
-                views.push(
-                    buffer
-                        .narrow(0, offset, n)
-                        .view(self.params[*i].1.size().as_slice()),
-                );
-                offset += n;
-            }
-            self.buffers.push(buffer);
-            self.views.push(views);
-        }
+        self.make_buffer(bucket);
         let mut placed = Vec::new();
         accel_sdk::tch::no_grad(|| {
             for (k, (i, g)) in grads.iter().enumerate() {
@@ -276,12 +345,61 @@ impl Buckets {
         Ok(())
     }
 
+    /// Makes bucket `bucket`'s flat buffer and its parameters' views into
+    /// it, unless made already.
+    fn make_buffer(&mut self, bucket: usize) {
+        if self.buffers.len() > bucket {
+            return;
+        }
+        let params = &self.params;
+        let first = &params[self.plan[bucket][0]].1;
+        let total: i64 = self.plan[bucket]
+            .iter()
+            .map(|&i| params[i].1.numel() as i64)
+            .sum();
+        let buffer = Tensor::zeros([total], (first.kind(), first.device()));
+        let mut offset = 0;
+        let mut views = Vec::with_capacity(self.plan[bucket].len());
+        for &i in &self.plan[bucket] {
+            let p = &params[i].1;
+            let n = p.numel() as i64;
+            views.push(buffer.narrow(0, offset, n).view(p.size().as_slice()));
+            offset += n;
+        }
+        self.buffers.push(buffer);
+        self.views.push(views);
+    }
+
+    /// Makes `plan` the buckets: which bucket each parameter is in, and
+    /// no buffers yet.
+    fn set_plan(&mut self, plan: Vec<Vec<usize>>) {
+        self.bucket_of = vec![None; self.params.len()];
+        for (k, bucket) in plan.iter().enumerate() {
+            for &i in bucket {
+                self.bucket_of[i] = Some(k);
+            }
+        }
+        self.pending = plan.iter().map(Vec::len).collect();
+        self.plan = plan;
+        self.buffers.clear();
+        self.views.clear();
+    }
+
     /// The gradient of parameter `i` is in (its gradient-ready hook): on a
-    /// synced backward, starts every bucket, in order, whose gradients are
-    /// all in.
+    /// synced backward, notes the order for the rebuild and, with overlap,
+    /// starts every bucket, in order, whose gradients are all in.
     fn grad_ready(&mut self, i: usize) -> Result<(), PluginError> {
+        if !self.overlap && self.ready.is_none() {
+            return Ok(());
+        }
         let ctx = &self.ctx;
         if !*self.armed.get_or_insert_with(|| ctx.sync_gradients()) {
+            return Ok(());
+        }
+        if let Some(ready) = &mut self.ready {
+            ready.push(i);
+        }
+        if !self.overlap {
             return Ok(());
         }
         if let Some(b) = self.bucket_of[i] {
@@ -317,6 +435,83 @@ impl Buckets {
             }
         }
         first_error.map_or(Ok(()), Err)
+    }
+
+    /// After the first synced step: the buckets are made again, as
+    /// PyTorch's Reducer rebuilds them, in the order the gradients came in
+    /// that backward (rank 0's, so that every rank has the same buckets),
+    /// the first closing at `caps[0]` bytes, the rest at `caps[1]`. The
+    /// gradients move into the new buckets (still their views). Returns
+    /// the number of buckets.
+    fn rebuild(&mut self) -> Result<usize, PluginError> {
+        let Some(ready) = self.ready.take() else {
+            return Ok(self.plan.len());
+        };
+        // Each trainable parameter once, in the order its gradient came
+        // (one that came in no hook, last, last parameter first).
+        let mut order: Vec<usize> = Vec::with_capacity(self.params.len());
+        let mut seen = vec![false; self.params.len()];
+        let trainable = (0..self.params.len())
+            .rev()
+            .filter(|&i| self.bucket_of[i].is_some());
+        for i in ready.into_iter().chain(trainable) {
+            if self.bucket_of[i].is_some() && !std::mem::replace(&mut seen[i], true) {
+                order.push(i);
+            }
+        }
+        let mut shared = Tensor::from_slice(&order.iter().map(|&i| i as i64).collect::<Vec<_>>());
+        self.ctx
+            .broadcast(TensorMut::new(&mut shared), 0)
+            .into_result()?;
+        let order: Vec<usize> = Vec::<i64>::try_from(&shared)
+            .map_err(|e| PluginError::other(PLUGIN, e.to_string()))?
+            .into_iter()
+            .map(|i| i as usize)
+            .collect();
+        let params = &self.params;
+        let plan = assign_buckets(
+            &order,
+            |i| bytes(&params[i].1),
+            |i| param_key(&params[i].1),
+            &self.caps,
+        );
+        let names: Vec<String> = plan
+            .iter()
+            .map(|b| {
+                format!(
+                    "[{}]",
+                    b.iter()
+                        .map(|&i| params[i].0.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })
+            .collect();
+        self.ctx.log(
+            LogLevel::Debug,
+            PLUGIN.into(),
+            format!(
+                "buckets rebuilt in gradient-ready order: {} bucket(s): {}",
+                plan.len(),
+                names.join(", ")
+            )
+            .as_str()
+            .into(),
+        );
+        self.set_plan(plan);
+        for b in 0..self.plan.len() {
+            self.make_buffer(b);
+            for (k, &i) in self.plan[b].iter().enumerate() {
+                let (p, view) = (&self.params[i].1, &mut self.views[b][k]);
+                let g = p.grad();
+                if g.defined() {
+                    accel_sdk::tch::no_grad(|| view.copy_(&g));
+                    shim::set_grad(p, view)
+                        .map_err(|e| PluginError::other(PLUGIN, e.to_string()))?;
+                }
+            }
+        }
+        Ok(self.plan.len())
     }
 
     /// The trainable parameters of the buckets not started yet that have
@@ -417,32 +612,18 @@ impl Replica for Ddp {
         let trainable: Vec<usize> = (0..params.items.len())
             .filter(|&i| params.items[i].1.requires_grad())
             .collect();
-        let sizes: Vec<u64> = trainable
-            .iter()
-            .map(|&i| bytes(&params.items[i].1))
-            .collect();
-        let plan: Vec<Vec<usize>> = plan_buckets(&sizes, self.bucket_bytes)
-            .into_iter()
-            .map(|b| b.into_iter().map(|k| trainable[k]).collect())
-            .collect();
         let mut b = lock(&self.buckets);
         b.params = params
             .items
             .iter()
             .map(|(n, p)| (n.clone(), p.shallow_clone()))
             .collect();
-        b.bucket_of = vec![None; params.items.len()];
-        for (k, bucket) in plan.iter().enumerate() {
-            for &i in bucket {
-                b.bucket_of[i] = Some(k);
-            }
-        }
-        b.pending = plan.iter().map(Vec::len).collect();
-        b.plan = plan;
-        b.buffers.clear();
-        b.views.clear();
+        let plan = initial_buckets(&trainable, &b.params, b.find_unused, b.caps);
+        b.set_plan(plan);
         b.launched.clear();
         b.armed = None;
+        // PyTorch rebuilds the buckets only without find_unused_parameters.
+        b.ready = (!b.find_unused).then(Vec::new);
         self.hooks.clear();
         if self.overlap && model.ctx.host_abi_minor() < 2 {
             self.overlap = false;
@@ -454,7 +635,7 @@ impl Replica for Ddp {
         }
         // One bucket is ready only when backward ends: nothing to overlap.
         b.overlap = self.overlap && b.plan.len() > 1;
-        if b.overlap {
+        if b.overlap || b.ready.is_some() {
             for &i in &trainable {
                 let buckets = Arc::clone(&self.buckets);
                 let hook = shim::on_grad_ready(
@@ -471,7 +652,11 @@ impl Replica for Ddp {
     fn post_backward(&mut self, _model: &Model, sync: bool) -> Result<(), PluginError> {
         let mut b = lock(&self.buckets);
         if sync {
-            b.sync()
+            b.sync()?;
+            if b.ready.is_some() {
+                b.overlap = self.overlap && b.rebuild()? > 1;
+            }
+            Ok(())
         } else {
             // A micro-step of accumulation: nothing was started (the hooks
             // asked `sync_gradients`), nothing is communicated.
@@ -489,20 +674,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn buckets_fill_from_the_last_parameter_up_to_the_cap() {
-        assert_eq!(
-            plan_buckets(&[10, 10, 10, 25], 25),
-            vec![vec![3], vec![2, 1], vec![0]]
-        );
-        assert_eq!(plan_buckets(&[1, 2, 3], 100), vec![vec![2, 1, 0]]);
-        assert!(plan_buckets(&[], 10).is_empty());
+    fn buckets_close_at_their_cap_as_pytorchs() {
+        // The big mlp's parameters (W1 b1 W2 b2 W3 b3, bytes) in the order
+        // their gradients come: PyTorch's DDP rebuilds them as
+        // `rebuilt_per_bucket_param_indices` "5 4 3 2, 1 0".
+        let sizes = [65536u64, 4096, 4194304, 4096, 16384, 16];
+        let caps = [FIRST_BUCKET_BYTES, 25 << 20];
+        let ready = [5, 4, 3, 2, 1, 0];
+        let plan = assign_buckets(&ready, |i| sizes[i], |_| (), &caps);
+        assert_eq!(plan, vec![vec![5, 4, 3, 2], vec![1, 0]]);
+        // A bucket closes once it reaches its cap, not before; caps after
+        // the last repeat it.
+        let plan = assign_buckets(&[0, 1, 2, 3, 4], |_| 10, |_| (), &[15, 20]);
+        assert_eq!(plan, vec![vec![0, 1], vec![2, 3], vec![4]]);
+        // Kinds are bucketed apart, each with its own run of caps.
+        let plan = assign_buckets(&[0, 1, 2, 3, 4], |_| 10, |i| i % 2, &[20]);
+        assert_eq!(plan, vec![vec![0, 2], vec![1, 3], vec![4]]);
+        assert!(assign_buckets(&[], |_| 1, |_| (), &[10]).is_empty());
     }
 
     #[test]
     fn settings_are_read_and_checked() {
         let cap = |s: &str| settings_of(s).map(|s| s.bucket_cap_mb);
-        assert_eq!(cap("{}").unwrap(), 25.0);
-        assert_eq!(cap(r#"{"settings": {"bucket_cap_mb": 50}}"#).unwrap(), 50.0);
+        assert_eq!(cap("{}").unwrap(), None);
+        assert_eq!(
+            cap(r#"{"settings": {"bucket_cap_mb": 50}}"#).unwrap(),
+            Some(50.0)
+        );
         assert!(cap(r#"{"settings": {"bucket_cap_mb": -1}}"#).is_err());
         let unused = |s: &str| settings_of(s).map(|s| s.find_unused_parameters);
         assert!(!unused("{}").unwrap());
