@@ -280,12 +280,7 @@ fn initial_buckets(
     caps: [u64; 2],
 ) -> Vec<Vec<usize>> {
     let caps: &[u64] = if find_unused { &caps } else { &[u64::MAX] };
-    let mut plan = assign_buckets(
-        trainable,
-        |i| bytes(&params[i].1),
-        |i| param_key(&params[i].1),
-        caps,
-    );
+    let mut plan = param_buckets(params, trainable, caps);
     // Each bucket's indices ascend: order the buckets by their first, then
     // reverse them (the last parameters' gradients come first).
     plan.sort_by_key(|b| b[0]);
@@ -293,9 +288,15 @@ fn initial_buckets(
     plan
 }
 
-/// What a bucket is made of: a kind and a device.
-fn param_key(p: &Tensor) -> (accel_sdk::tch::Kind, accel_sdk::tch::Device) {
-    (p.kind(), p.device())
+/// [`assign_buckets`] of `params` (by their bytes, kind and device).
+fn param_buckets(params: &[(String, Tensor)], order: &[usize], caps: &[u64]) -> Vec<Vec<usize>> {
+    let tensor = |i: usize| &params[i].1;
+    assign_buckets(
+        order,
+        |i| bytes(tensor(i)),
+        |i| (tensor(i).kind(), tensor(i).device()),
+        caps,
+    )
 }
 
 fn lock(b: &Mutex<Buckets>) -> MutexGuard<'_, Buckets> {
@@ -469,12 +470,7 @@ impl Buckets {
             .map(|i| i as usize)
             .collect();
         let params = &self.params;
-        let plan = assign_buckets(
-            &order,
-            |i| bytes(&params[i].1),
-            |i| param_key(&params[i].1),
-            &self.caps,
-        );
+        let plan = param_buckets(params, &order, &self.caps);
         let names: Vec<String> = plan
             .iter()
             .map(|b| {
