@@ -601,14 +601,9 @@ impl Block {
         let heads = |t_: &Tensor| t_.view([b, t, self.n_head, d]).transpose(1, 2);
         let (q, k, v) = (heads(&qkv[0]), heads(&qkv[1]), heads(&qkv[2]));
         let scores = q.matmul(&k.transpose(-1, -2)) * self.scaling;
-        // The causal mask: a position sees itself and the ones before. Added,
-        // as transformers' eager attention adds it (0 where seen, the
-        // kind's lowest value where not): the same softmax as filling the
-        // scores, without a copy of them forward and backward.
+        // The causal mask: a position sees itself and the ones before.
         let future = Tensor::ones([t, t], (Kind::Bool, x.device())).triu(1);
-        let mask = Tensor::zeros([t, t], (scores.kind(), x.device()))
-            .masked_fill(&future, finfo_min(scores.kind()));
-        let scores = scores + mask;
+        let scores = scores.masked_fill(&future, finfo_min(scores.kind()));
         let weights = dropout(scores.softmax(-1, Kind::Float), self.attn_pdrop, train);
         let out = weights.matmul(&v).transpose(1, 2).reshape([b, t, e]);
         dropout(self.attn_c_proj.forward(&out), self.resid_pdrop, train)
