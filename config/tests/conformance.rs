@@ -11,43 +11,14 @@
 
 use std::path::{Path, PathBuf};
 
-use accel_test_kit::conformance_dir;
+use accel_test_kit::{accelerate_configs_dir as corpus, yaml_files};
 
 use accel_config::{
     load_file, load_str, resolve, Format, Layer, LoadOptions, Source, LAUNCH_PRECEDENCE,
 };
 
-/// `accelerate-configs/` of the corpus, or `None` (said on stderr) when
-/// there is no corpus.
-fn corpus() -> Option<PathBuf> {
-    let dir = conformance_dir()?;
-    let root = dir.canonicalize().unwrap().join("accelerate-configs");
-    assert!(
-        root.is_dir(),
-        "{} exists but has no accelerate-configs/",
-        dir.display()
-    );
-    Some(root)
-}
-
-fn collect(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    entries.sort();
-    for p in entries {
-        if p.is_dir() {
-            collect(&p, out);
-        } else if matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml")) {
-            out.push(p);
-        }
-    }
-}
-
 fn accelerate_configs(root: &Path) -> Vec<PathBuf> {
-    let mut files = Vec::new();
-    collect(root, &mut files);
+    let files = yaml_files(root);
     assert!(
         files.len() >= 20,
         "expected the whole corpus in {}, found {} files",

@@ -203,5 +203,51 @@ pub fn conformance_dir() -> Option<PathBuf> {
         eprintln!("conformance: skipped: {why}");
         return None;
     }
-    Some(dir)
+    Some(dir.canonicalize().unwrap_or(dir))
+}
+
+/// `accelerate-configs/` of the conformance corpus (Accelerate's own
+/// config files), or `None` as [`conformance_dir`] says; a corpus without
+/// it fails.
+pub fn accelerate_configs_dir() -> Option<PathBuf> {
+    let dir = conformance_dir()?;
+    let root = dir.join("accelerate-configs");
+    assert!(
+        root.is_dir(),
+        "{} exists but has no accelerate-configs/",
+        dir.display()
+    );
+    Some(root)
+}
+
+/// Every `.yaml`/`.yml` file under `dir` (recursively), sorted.
+///
+/// ```
+/// let dir = tempfile::tempdir().unwrap();
+/// std::fs::create_dir(dir.path().join("sub")).unwrap();
+/// for f in ["b.yaml", "sub/a.yml", "c.json"] {
+///     std::fs::write(dir.path().join(f), "").unwrap();
+/// }
+/// let names: Vec<_> = accel_test_kit::yaml_files(dir.path())
+///     .iter()
+///     .map(|p| p.strip_prefix(dir.path()).unwrap().to_owned())
+///     .collect();
+/// assert_eq!(names, ["b.yaml", "sub/a.yml"].map(std::path::PathBuf::from));
+/// ```
+pub fn yaml_files(dir: &Path) -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        let entries =
+            std::fs::read_dir(dir).unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()));
+        for p in entries.map(|e| e.unwrap().path()) {
+            if p.is_dir() {
+                walk(&p, out);
+            } else if matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml")) {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(dir, &mut files);
+    files.sort();
+    files
 }

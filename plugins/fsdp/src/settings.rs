@@ -1249,44 +1249,16 @@ mod tests {
         }
     }
 
-    fn yaml_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                yaml_files(&p, out);
-            } else if matches!(p.extension().and_then(|x| x.to_str()), Some("yaml" | "yml")) {
-                out.push(p);
-            }
-        }
-    }
-
     /// Every Accelerate config with `distributed_type: FSDP` in the
     /// conformance corpus is accepted (possibly with unsupported requests).
     #[test]
     fn conformance_configs_parse() {
         // The corpus beside the repository, as in CI (a plain clone has none).
-        let corpus = std::env::var_os("ACCEL_CONFORMANCE_DIR").map_or_else(
-            || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/conformance"),
-            std::path::PathBuf::from,
-        );
-        if !corpus.is_dir() {
-            assert!(
-                std::env::var_os("ACCEL_REQUIRE_CONFORMANCE").is_none(),
-                "conformance: no corpus at {}, and ACCEL_REQUIRE_CONFORMANCE is set",
-                corpus.display()
-            );
-            eprintln!("conformance: skipped: no corpus at {}", corpus.display());
+        let Some(dir) = accel_test_kit::accelerate_configs_dir() else {
             return;
-        }
-        let dir = &corpus.join("accelerate-configs");
-        let mut files = Vec::new();
-        yaml_files(dir, &mut files);
-        files.sort();
+        };
         let mut seen = 0;
-        for f in files {
+        for f in accel_test_kit::yaml_files(&dir) {
             let text = std::fs::read_to_string(&f).unwrap();
             let Ok(docs) = yaml_rust2::YamlLoader::load_from_str(&text) else {
                 continue;
