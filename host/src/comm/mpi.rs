@@ -63,7 +63,8 @@
 //! that way). BENCHMARKS.md ("The small mlp's step, taken apart")
 //! measures what this is worth. An all-gather or a reduce-scatter receives
 //! straight into its output when MPI can (a contiguous CPU tensor of the
-//! kind it sends, apart from its input); every other collective in flight
+//! kind it sends, apart from its input), an all-reduce reduces in place
+//! (`MPI_IN_PLACE`: no receive buffer); every other collective in flight
 //! receives into a buffer of its own, kept for reuse afterwards.
 //!
 //! A rank killed by a signal (a crash, `panic = "abort"`) runs no handler;
@@ -76,6 +77,8 @@ use accel_rendezvous::Client;
 use accel_sdk::ReduceOp;
 use mpi::{
     collective::SystemOperation,
+    datatype::Equivalence,
+    raw::AsRaw,
     request::{Request, StaticScope},
     topology::SimpleCommunicator,
     traits::{Communicator as _, CommunicatorCollectives, Root},
@@ -83,7 +86,7 @@ use mpi::{
 };
 use std::{
     collections::BTreeMap,
-    ffi::c_int,
+    ffi::{c_int, c_void},
     sync::{
         atomic::{AtomicI32, AtomicU64, AtomicUsize, Ordering},
         Arc, Condvar, Mutex, MutexGuard,
@@ -95,9 +98,10 @@ use tch::{Kind, Tensor};
 /// The world communicator.
 pub struct Mpi {
     world: Mutex<SimpleCommunicator>,
-    /// The receive buffers of finished all-reduces, kept for the next ones
-    /// (one per all-reduce in flight at once: a DDP bucket each) so no call
-    /// faults in fresh pages.
+    /// The receive buffers of finished broadcasts, all-gathers and
+    /// reduce-scatters that could not receive into their output, kept for
+    /// the next ones so no call faults in fresh pages (an all-reduce needs
+    /// none: it reduces in place).
     scratch: Mutex<Vec<Tensor>>,
     /// The world size as a 0-dim tensor of each floating kind averaged so
     /// far (see [`Mpi::divisor`]).
@@ -597,18 +601,16 @@ impl Mpi {
         } = landing;
         match collective {
             Collective::AllReduce(op) => {
-                let mut out = send.view([-1]);
-                let result = recv.narrow(0, 0, out.numel() as i64);
+                // The sum is in `send` (reduced in place).
+                let mut sum = send.view([-1]);
                 tch::no_grad(|| match op {
-                    ReduceOp::Avg if result.is_floating_point() => {
-                        let _ = result.div_out(&out, &self.divisor(result.kind()));
+                    ReduceOp::Avg if sum.is_floating_point() => {
+                        let _ = sum.g_div_(&self.divisor(sum.kind()));
                     }
                     ReduceOp::Avg => {
-                        let _ = result.floor_divide_scalar_out(&out, size);
+                        let _ = sum.floor_divide_scalar_(size);
                     }
-                    _ => {
-                        out.copy_(&result);
-                    }
+                    _ => {}
                 });
                 write_back(&mut output, &send);
             }
@@ -724,8 +726,8 @@ fn work_buffer(op: &'static str, t: &Tensor) -> Result<Tensor, CommError> {
 /// receive straight into it: a contiguous CPU tensor of the kind it sends,
 /// whose memory does not overlap what it sends (MPI forbids that). The
 /// result then lands where it belongs without a copy from a kept buffer.
-/// An all-reduce (in place: its output is its input) and a broadcast keep
-/// receiving into a kept buffer.
+/// A broadcast receives into a kept buffer; an all-reduce needs none (it
+/// reduces in place: its output is its input).
 fn receives_into(collective: Collective, send: &Tensor, output: &Tensor) -> Option<Tensor> {
     if !matches!(
         collective,
@@ -791,6 +793,75 @@ macro_rules! with_slices {
     }};
 }
 
+extern "C" {
+    /// `MPI_IN_PLACE` (src/comm/mpi_in_place.c).
+    static accel_mpi_in_place: *mut c_void;
+}
+
+/// Starts the all-reduce of `buf` (a contiguous CPU tensor of an MPI kind,
+/// from [`work_buffer`]) in place: `MPI_Iallreduce` with `MPI_IN_PLACE`,
+/// the sum landing in `buf` itself. No receive buffer (a DDP bucket's
+/// all-reduce would need one of the bucket's size, every bucket in flight
+/// at once one each), as gloo and NCCL reduce in place; and Open MPI's
+/// ring skips its first copy of the send buffer into the receive buffer.
+/// A sum of the same values in the same order: the same bits as into a
+/// separate buffer.
+fn start_all_reduce_in_place(
+    w: &SimpleCommunicator,
+    buf: &Tensor,
+    op: ReduceOp,
+) -> Result<RawRequest, CommError> {
+    let name = "all_reduce";
+    let datatype = match buf.kind() {
+        Kind::Float => f32::equivalent_datatype().as_raw(),
+        Kind::Double => f64::equivalent_datatype().as_raw(),
+        Kind::Int64 => i64::equivalent_datatype().as_raw(),
+        Kind::Int => i32::equivalent_datatype().as_raw(),
+        Kind::Uint8 => u8::equivalent_datatype().as_raw(),
+        other => {
+            return Err(CommError::new(
+                name,
+                format!("unsupported tensor kind {other:?}"),
+            ))
+        }
+    };
+    let count = c_int::try_from(buf.numel()).map_err(|_| {
+        CommError::new(
+            name,
+            format!(
+                "{} elements in one tensor: MPI counts at most {}",
+                buf.numel(),
+                c_int::MAX
+            ),
+        )
+    })?;
+    // An empty tensor may have no data pointer: MPI moves nothing from a
+    // dangling one.
+    let data: *mut c_void = if buf.numel() == 0 {
+        std::ptr::NonNull::<u64>::dangling().as_ptr().cast()
+    } else {
+        buf.data_ptr()
+    };
+    let mut request = std::mem::MaybeUninit::<mpi::ffi::MPI_Request>::uninit();
+    // SAFETY: `data` holds `count` elements of `datatype`; the caller keeps
+    // `buf` in the table of collectives in flight until the request
+    // completes (for good after a timeout); MPI_IN_PLACE is the library's
+    // own constant; the request is written by MPI_Iallreduce (errors abort,
+    // MPI's default handler).
+    unsafe {
+        mpi::ffi::MPI_Iallreduce(
+            accel_mpi_in_place,
+            data,
+            count,
+            datatype,
+            system_op(op).as_raw(),
+            w.as_raw(),
+            request.as_mut_ptr(),
+        );
+        Ok(RawRequest(request.assume_init()))
+    }
+}
+
 /// The handle of a request MPI has just started.
 fn raw<D: ?Sized>(request: Request<'static, D, StaticScope>) -> RawRequest {
     // SAFETY: the request is kept in the table of those in flight until it
@@ -820,8 +891,9 @@ impl Mpi {
 
     /// Starts `collective` from `input` into `output`: its handle. The
     /// input is sent straight from the tensor's memory when it is a
-    /// contiguous CPU tensor of an MPI kind, received into `output` itself
-    /// where [`receives_into`] allows, else into a kept buffer (a
+    /// contiguous CPU tensor of an MPI kind (an all-reduce reduces there,
+    /// in place), received into `output` itself where [`receives_into`]
+    /// allows, else into a kept buffer (a
     /// broadcast's root copies its tensor there first) and written into
     /// `output` (averaged on the way) in one pass by `wait`.
     fn start_collective(
@@ -835,6 +907,17 @@ impl Mpi {
         collective.check(input, output, self.group.size)?;
         let send = work_buffer(name, input)?;
         let count = self.number(name)?;
+        if let Collective::AllReduce(op) = collective {
+            let request = self.with_world(|w| start_all_reduce_in_place(w, &send, op))?;
+            let landing = Landing {
+                collective,
+                output: output.shallow_clone(),
+                send,
+                recv: Tensor::new(),
+                kept: false,
+            };
+            return Ok(self.keep(count, request, landing, wake));
+        }
         let n = output.numel() as i64;
         let direct = receives_into(collective, &send, output);
         let kept = direct.is_none();
@@ -844,9 +927,8 @@ impl Mpi {
         }
         let request = with_slices!(name, &send, &recv.narrow(0, 0, n), |s, r| self.with_world(
             |w| raw(match collective {
-                Collective::AllReduce(op) => {
-                    w.immediate_all_reduce_into(StaticScope, s, r, system_op(op))
-                }
+                // Started in place above, before any receive buffer.
+                Collective::AllReduce(_) => unreachable!("all-reduces run in place"),
                 Collective::AllGather => w.immediate_all_gather_into(StaticScope, s, r),
                 Collective::ReduceScatter(op) => {
                     w.immediate_reduce_scatter_block_into(StaticScope, s, r, system_op(op))
