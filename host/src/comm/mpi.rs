@@ -748,6 +748,33 @@ fn receives_into(collective: Collective, send: &Tensor, output: &Tensor) -> Opti
     (!overlap).then(|| output.view([-1]))
 }
 
+/// Runs `$body` with `$t` the Rust element type of tensor kind `$kind`,
+/// for the kinds MPI moves (f32, f64, i64, i32, u8); returns collective
+/// `$op`'s error naming any other kind.
+macro_rules! by_kind {
+    ($op:expr, $kind:expr, |$t:ident| $body:expr) => {{
+        macro_rules! as_type {
+            ($ty:ty) => {{
+                type $t = $ty;
+                $body
+            }};
+        }
+        match $kind {
+            Kind::Float => as_type!(f32),
+            Kind::Double => as_type!(f64),
+            Kind::Int64 => as_type!(i64),
+            Kind::Int => as_type!(i32),
+            Kind::Uint8 => as_type!(u8),
+            other => {
+                return Err(CommError::new(
+                    $op,
+                    format!("unsupported tensor kind {other:?}"),
+                ))
+            }
+        }
+    }};
+}
+
 /// Runs `$body` with `$a` seen as a shared slice and `$b` (same kind) as a
 /// mutable slice of their element type, both `'static`: MPI may hold them
 /// past this call (the table of collectives in flight holds both tensors
@@ -777,19 +804,7 @@ macro_rules! with_slices {
                 $body
             }};
         }
-        match a.kind() {
-            Kind::Float => typed!(f32),
-            Kind::Double => typed!(f64),
-            Kind::Int64 => typed!(i64),
-            Kind::Int => typed!(i32),
-            Kind::Uint8 => typed!(u8),
-            other => {
-                return Err(CommError::new(
-                    $op,
-                    format!("unsupported tensor kind {other:?}"),
-                ))
-            }
-        }
+        by_kind!($op, a.kind(), |T| typed!(T))
     }};
 }
 
@@ -812,19 +827,7 @@ fn start_all_reduce_in_place(
     op: ReduceOp,
 ) -> Result<RawRequest, CommError> {
     let name = "all_reduce";
-    let datatype = match buf.kind() {
-        Kind::Float => f32::equivalent_datatype().as_raw(),
-        Kind::Double => f64::equivalent_datatype().as_raw(),
-        Kind::Int64 => i64::equivalent_datatype().as_raw(),
-        Kind::Int => i32::equivalent_datatype().as_raw(),
-        Kind::Uint8 => u8::equivalent_datatype().as_raw(),
-        other => {
-            return Err(CommError::new(
-                name,
-                format!("unsupported tensor kind {other:?}"),
-            ))
-        }
-    };
+    let datatype = by_kind!(name, buf.kind(), |T| T::equivalent_datatype().as_raw());
     let count = c_int::try_from(buf.numel()).map_err(|_| {
         CommError::new(
             name,
