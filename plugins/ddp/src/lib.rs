@@ -14,9 +14,14 @@
 //!   cap too, as in PyTorch. With `find_unused_parameters` the buckets are
 //!   made once, in reverse parameter order (PyTorch's: it never rebuilds
 //!   them then). Each bucket is one persistent flat
-//!   buffer and, after the first sync, the gradients are views into it
-//!   (PyTorch's `gradient_as_bucket_view`): backward accumulates into the
-//!   bucket and the all-reduce needs no copy.
+//!   buffer and the gradients are views into it (PyTorch's
+//!   `gradient_as_bucket_view`): each gradient moves into its bucket the
+//!   moment backward has made it (its gradient-ready hook, as PyTorch's
+//!   Reducer copies it in), so the tensor backward made is freed at once
+//!   (a `zero_grad` that frees the gradients makes every step start
+//!   afresh) and a rank holds one model size of gradients, not two, by the
+//!   end of backward; accumulation micro-steps add into the bucket in place
+//!   and the all-reduce needs no copy.
 //! * With `overlap_comm` (the default), a bucket's all-reduce starts during
 //!   backward, from the gradient-ready hook of its last parameter (the
 //!   hook PyTorch's Reducer uses), while backward computes the gradients of
@@ -74,14 +79,6 @@ struct Ddp {
     hooks: Vec<GradReadyHook>,
 }
 
-/// A bucket's all-reduce in flight: the host's handle (0: complete), and the gradients
-/// (their places in the bucket) that become views into the bucket's
-/// buffer once it completes.
-struct Launched {
-    handle: u64,
-    placed: Vec<usize>,
-}
-
 /// The buckets and where this backward pass is with them.
 struct Buckets {
     ctx: HostContextBox,
@@ -98,8 +95,8 @@ struct Buckets {
     /// Until the buckets are rebuilt: the parameters whose gradients came
     /// in during the first synced backward, in the order they came.
     ready: Option<Vec<usize>>,
-    /// The bucket of each parameter (`None`: frozen).
-    bucket_of: Vec<Option<usize>>,
+    /// The bucket of each parameter and its place there (`None`: frozen).
+    bucket_of: Vec<Option<(usize, usize)>>,
     /// One flat buffer per bucket, made as it is first all-reduced (or
     /// rebuilt); the gradients then become views into it.
     buffers: Vec<Tensor>,
@@ -109,8 +106,9 @@ struct Buckets {
     views: Vec<Vec<Tensor>>,
     /// Gradients still to arrive in this backward, per bucket.
     pending: Vec<usize>,
-    /// The buckets started in this backward, in bucket order.
-    launched: Vec<Launched>,
+    /// The host's handles of the buckets' all-reduces started in this
+    /// backward, in bucket order (0: a blocking one, complete).
+    launched: Vec<u64>,
     /// Whether this backward pass ends in a sync (asked at its first
     /// gradient; `None` before it).
     armed: Option<bool>,
@@ -307,29 +305,15 @@ impl Buckets {
     /// Starts (or, `blocking`, runs) the all-reduce of bucket `bucket`, the
     /// next in order: its gradients are averaged across ranks in place in
     /// the bucket's flat buffer, where they live as views (PyTorch's
-    /// `gradient_as_bucket_view`). Gradients that are not views yet (first
-    /// step, or a `zero_grad` that freed them) are copied in, and become
-    /// views once it completes; a missing one (find_unused_parameters) is
-    /// a zero, averaged with the ranks that did use it.
+    /// `gradient_as_bucket_view`). A gradient backward did not move there
+    /// (one set by hand) moves now ([`Buckets::place`]); a missing one
+    /// (find_unused_parameters) is a zero, averaged with the ranks that did
+    /// use it.
     fn launch(&mut self, bucket: usize, blocking: bool) -> Result<(), PluginError> {
         debug_assert_eq!(bucket, self.launched.len());
-        let mut grads = Vec::with_capacity(self.plan[bucket].len());
-        for &i in &self.plan[bucket] {
-            let p = &self.params[i].1;
-            let g = p.grad();
-            grads.push((i, if g.defined() { g } else { p.zeros_like() }));
+        for k in 0..self.plan[bucket].len() {
+            self.place(self.plan[bucket][k])?;
         }
-        self.make_buffer(bucket);
-        let mut placed = Vec::new();
-        accel_sdk::tch::no_grad(|| {
-            for (k, (i, g)) in grads.iter().enumerate() {
-                let view = &mut self.views[bucket][k];
-                if !accel_sdk::params::grad_views_buffer(g, view, 0, &self.params[*i].1) {
-                    view.copy_(g);
-                    placed.push(k);
-                }
-            }
-        });
         let buffer = &mut self.buffers[bucket];
         self.peak = self.peak.max(bytes(buffer));
         let handle = if blocking {
@@ -342,42 +326,41 @@ impl Buckets {
                 .all_reduce_start(TensorMut::new(buffer), ReduceOp::Avg)
                 .into_result()?
         };
-        self.launched.push(Launched { handle, placed });
+        self.launched.push(handle);
         Ok(())
     }
 
-    /// Makes bucket `bucket`'s flat buffer and its parameters' views into
-    /// it, unless made already.
-    fn make_buffer(&mut self, bucket: usize) {
-        if self.buffers.len() > bucket {
-            return;
+    /// Makes the flat buffers of the first `n` buckets and their
+    /// parameters' views into them, unless made already.
+    fn make_buffers(&mut self, n: usize) {
+        for b in self.buffers.len()..n {
+            let params = &self.params;
+            let first = &params[self.plan[b][0]].1;
+            let total: i64 = self.plan[b]
+                .iter()
+                .map(|&i| params[i].1.numel() as i64)
+                .sum();
+            let buffer = Tensor::zeros([total], (first.kind(), first.device()));
+            let mut offset = 0;
+            let mut views = Vec::with_capacity(self.plan[b].len());
+            for &i in &self.plan[b] {
+                let p = &params[i].1;
+                let n = p.numel() as i64;
+                views.push(buffer.narrow(0, offset, n).view(p.size().as_slice()));
+                offset += n;
+            }
+            self.buffers.push(buffer);
+            self.views.push(views);
         }
-        let params = &self.params;
-        let first = &params[self.plan[bucket][0]].1;
-        let total: i64 = self.plan[bucket]
-            .iter()
-            .map(|&i| params[i].1.numel() as i64)
-            .sum();
-        let buffer = Tensor::zeros([total], (first.kind(), first.device()));
-        let mut offset = 0;
-        let mut views = Vec::with_capacity(self.plan[bucket].len());
-        for &i in &self.plan[bucket] {
-            let p = &params[i].1;
-            let n = p.numel() as i64;
-            views.push(buffer.narrow(0, offset, n).view(p.size().as_slice()));
-            offset += n;
-        }
-        self.buffers.push(buffer);
-        self.views.push(views);
     }
 
     /// Makes `plan` the buckets: which bucket each parameter is in, and
     /// no buffers yet.
     fn set_plan(&mut self, plan: Vec<Vec<usize>>) {
         self.bucket_of = vec![None; self.params.len()];
-        for (k, bucket) in plan.iter().enumerate() {
-            for &i in bucket {
-                self.bucket_of[i] = Some(k);
+        for (b, bucket) in plan.iter().enumerate() {
+            for (k, &i) in bucket.iter().enumerate() {
+                self.bucket_of[i] = Some((b, k));
             }
         }
         self.pending = plan.iter().map(Vec::len).collect();
@@ -386,10 +369,12 @@ impl Buckets {
         self.views.clear();
     }
 
-    /// The gradient of parameter `i` is in (its gradient-ready hook): on a
-    /// synced backward, notes the order for the rebuild and, with overlap,
-    /// starts every bucket, in order, whose gradients are all in.
+    /// The gradient of parameter `i` is in (its gradient-ready hook): it
+    /// moves into its bucket ([`Buckets::place`]); on a synced backward,
+    /// notes the order for the rebuild and, with overlap, starts every
+    /// bucket, in order, whose gradients are all in.
     fn grad_ready(&mut self, i: usize) -> Result<(), PluginError> {
+        self.place(i)?;
         if !self.overlap && self.ready.is_none() {
             return Ok(());
         }
@@ -403,7 +388,7 @@ impl Buckets {
         if !self.overlap {
             return Ok(());
         }
-        if let Some(b) = self.bucket_of[i] {
+        if let Some((b, _)) = self.bucket_of[i] {
             self.pending[b] = self.pending[b].saturating_sub(1);
         }
         while self.launched.len() < self.plan.len() && self.pending[self.launched.len()] == 0 {
@@ -413,8 +398,35 @@ impl Buckets {
         Ok(())
     }
 
-    /// Waits for every bucket started, in order, and points the gradients
-    /// copied in at their buckets; then the next backward starts afresh.
+    /// Parameter `i`'s gradient, just made by backward, becomes its view
+    /// into its bucket's buffer (copied in, unless it is that view
+    /// already; a missing one, zeros), as PyTorch's Reducer moves a gradient into its bucket the
+    /// moment it is ready: the tensor backward made is freed now instead of
+    /// living beside the buffer until backward ends (after a `zero_grad`
+    /// that frees the gradients, every step makes them afresh). Later
+    /// micro-steps accumulate into the view in place.
+    fn place(&mut self, i: usize) -> Result<(), PluginError> {
+        let Some((b, k)) = self.bucket_of[i] else {
+            return Ok(());
+        };
+        self.make_buffers(b + 1);
+        let (p, view) = (&self.params[i].1, &mut self.views[b][k]);
+        let g = p.grad();
+        if g.defined() && accel_sdk::params::grad_views_buffer(&g, view, 0, p) {
+            return Ok(());
+        }
+        accel_sdk::tch::no_grad(|| {
+            if g.defined() {
+                view.copy_(&g)
+            } else {
+                let _ = view.zero_();
+            }
+        });
+        shim::set_grad(p, view).map_err(|e| PluginError::other(PLUGIN, e.to_string()))
+    }
+
+    /// Waits for every bucket started, in order; then the next backward
+    /// starts afresh.
     fn finish(&mut self) -> Result<(), PluginError> {
         let launched = std::mem::take(&mut self.launched);
         self.armed = None;
@@ -422,17 +434,11 @@ impl Buckets {
             *n = self.plan[b].len();
         }
         let mut first_error = None;
-        for (b, l) in launched.into_iter().enumerate() {
+        for handle in launched {
             // Every one is waited on, even after an error, so none is left
             // behind in flight.
-            if let Err(e) = self.ctx.wait(l.handle).into_result() {
+            if let Err(e) = self.ctx.wait(handle).into_result() {
                 first_error.get_or_insert(e);
-                continue;
-            }
-            for k in l.placed {
-                let p = &self.params[self.plan[b][k]].1;
-                shim::set_grad(p, &self.views[b][k])
-                    .map_err(|e| PluginError::other(PLUGIN, e.to_string()))?;
             }
         }
         first_error.map_or(Ok(()), Err)
@@ -495,8 +501,8 @@ impl Buckets {
             .into(),
         );
         self.set_plan(plan);
+        self.make_buffers(self.plan.len());
         for b in 0..self.plan.len() {
-            self.make_buffer(b);
             for (k, &i) in self.plan[b].iter().enumerate() {
                 let (p, view) = (&self.params[i].1, &mut self.views[b][k]);
                 let g = p.grad();
@@ -631,16 +637,16 @@ impl Replica for Ddp {
         }
         // One bucket is ready only when backward ends: nothing to overlap.
         b.overlap = self.overlap && b.plan.len() > 1;
-        if b.overlap || b.ready.is_some() {
-            for &i in &trainable {
-                let buckets = Arc::clone(&self.buckets);
-                let hook = shim::on_grad_ready(
-                    &params.items[i].1,
-                    Box::new(move || lock(&buckets).grad_ready(i).map_err(|e| e.to_string())),
-                )
-                .map_err(|e| PluginError::other(PLUGIN, e.to_string()))?;
-                self.hooks.push(hook);
-            }
+        // Every gradient moves into its bucket as it comes (place), with
+        // overlap or without.
+        for &i in &trainable {
+            let buckets = Arc::clone(&self.buckets);
+            let hook = shim::on_grad_ready(
+                &params.items[i].1,
+                Box::new(move || lock(&buckets).grad_ready(i).map_err(|e| e.to_string())),
+            )
+            .map_err(|e| PluginError::other(PLUGIN, e.to_string()))?;
+            self.hooks.push(hook);
         }
         Ok(())
     }
