@@ -23,11 +23,12 @@
 //! | ZeRO-3 | P/N + K | P/N | 2P/N | 4P/N + K + max(3L, K + K/N) (a unit gathered with its gradients, the next prefetched, the gradients of the unit whose reduce-scatter is in flight; or the persistent parameters' all-gather after a step) |
 //! | FSDP (FULL_SHARD) | P/N | P/N | 2P/N | 4P/N + 3L (the same) |
 //!
-//! DDP's all-reduces run in place (no receive buffer), so its steady state
-//! is 4P; the bucket term is the DDP plugin's accounting of a bucket of
-//! gradients copied in, largest on the first synced step (every gradient
-//! copied into one bucket, as PyTorch's first step buckets them): a run
-//! resumed with optimizer state holds 5P there.
+//! DDP's all-reduces run in place (no receive buffer) and each gradient
+//! moves into its bucket as backward makes it, so its steady state is 4P;
+//! the bucket term is the DDP plugin's accounting of a bucket of gradients,
+//! largest on the first synced step (every gradient in one bucket, as
+//! PyTorch's first step buckets them, then copied into the rebuilt
+//! buckets): a run resumed with optimizer state holds 5P there.
 //!
 //! K is the persistent parameters ZeRO-3 keeps whole on every rank: the
 //! tensors of at most 1e5 elements (DeepSpeed's default
