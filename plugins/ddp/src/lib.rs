@@ -97,8 +97,8 @@ struct Buckets {
     ready: Option<Vec<usize>>,
     /// The bucket of each parameter and its place there (`None`: frozen).
     bucket_of: Vec<Option<(usize, usize)>>,
-    /// One flat buffer per bucket, made as it is first all-reduced (or
-    /// rebuilt); the gradients then become views into it.
+    /// One flat buffer per bucket, made when its first gradient comes (or
+    /// at the rebuild); the gradients are views into it.
     buffers: Vec<Tensor>,
     /// Per bucket, its parameters' views into its buffer (in the bucket's
     /// order), made with the buffer: what their gradients are copied into
@@ -400,11 +400,11 @@ impl Buckets {
 
     /// Parameter `i`'s gradient, just made by backward, becomes its view
     /// into its bucket's buffer (copied in, unless it is that view
-    /// already; a missing one, zeros), as PyTorch's Reducer moves a gradient into its bucket the
-    /// moment it is ready: the tensor backward made is freed now instead of
-    /// living beside the buffer until backward ends (after a `zero_grad`
-    /// that frees the gradients, every step makes them afresh). Later
-    /// micro-steps accumulate into the view in place.
+    /// already; a missing one, zeros), as PyTorch's Reducer moves a
+    /// gradient into its bucket the moment it is ready: the tensor backward
+    /// made is freed now instead of living beside the buffer until backward
+    /// ends (after a `zero_grad` that frees the gradients, every step makes
+    /// them afresh). Later micro-steps accumulate into the view in place.
     fn place(&mut self, i: usize) -> Result<(), PluginError> {
         let Some((b, k)) = self.bucket_of[i] else {
             return Ok(());
@@ -502,15 +502,9 @@ impl Buckets {
         );
         self.set_plan(plan);
         self.make_buffers(self.plan.len());
-        for b in 0..self.plan.len() {
-            for (k, &i) in self.plan[b].iter().enumerate() {
-                let (p, view) = (&self.params[i].1, &mut self.views[b][k]);
-                let g = p.grad();
-                if g.defined() {
-                    accel_sdk::tch::no_grad(|| view.copy_(&g));
-                    shim::set_grad(p, view)
-                        .map_err(|e| PluginError::other(PLUGIN, e.to_string()))?;
-                }
+        for i in 0..self.params.len() {
+            if self.params[i].1.grad().defined() {
+                self.place(i)?;
             }
         }
         Ok(self.plan.len())
