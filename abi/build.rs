@@ -4,11 +4,12 @@
 //! script (its C++ shim compiles against the same headers). Without it,
 //! nothing about libtorch is looked at and the version is empty.
 //!
-//! Test hook: `ACCEL_ABI_TEST_MINOR=0` (or `1`) builds the contract as ABI
-//! minor 0 (or 1) was, without the later, compatible additions (cfg
+//! Test hook: `ACCEL_ABI_TEST_MINOR=0` (or `1`, `2`) builds the contract as
+//! ABI minor 0 (or 1, 2) was, without the later, compatible additions (cfg
 //! `accel_abi_minor_0`: no `env_report`; cfg `accel_abi_before_2`: none of
-//! 4.2's `LogValue` variants and `HostContext` methods), so a test can prove
-//! that a plugin built before an addition still loads.
+//! 4.2's `LogValue` variants and `HostContext` methods; cfg
+//! `accel_abi_before_3`: no `DistributedStrategy::unit_backward_done`), so a
+//! test can prove that a plugin built before an addition still loads.
 use std::{env, fs, path::Path};
 
 fn define(text: &str, name: &str) -> Option<u32> {
@@ -44,12 +45,16 @@ fn main() {
     println!("cargo:rerun-if-env-changed=ACCEL_ABI_TEST_MINOR");
     println!("cargo:rustc-check-cfg=cfg(accel_abi_minor_0)");
     println!("cargo:rustc-check-cfg=cfg(accel_abi_before_2)");
+    println!("cargo:rustc-check-cfg=cfg(accel_abi_before_3)");
     let test_minor = env::var("ACCEL_ABI_TEST_MINOR").ok();
     if test_minor.as_deref() == Some("0") {
         println!("cargo:rustc-cfg=accel_abi_minor_0");
     }
     if matches!(test_minor.as_deref(), Some("0" | "1")) {
         println!("cargo:rustc-cfg=accel_abi_before_2");
+    }
+    if matches!(test_minor.as_deref(), Some("0" | "1" | "2")) {
+        println!("cargo:rustc-cfg=accel_abi_before_3");
     }
     let version = if env::var_os("CARGO_FEATURE_TCH").is_some() {
         let lib = env::var("DEP_TCH_LIBTORCH_LIB").expect(

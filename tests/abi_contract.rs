@@ -220,15 +220,19 @@ fn a_tracker_built_for_abi_minor_1_gets_scalars_and_skips_the_values_it_does_not
 }
 
 #[test]
-fn a_plugin_built_for_abi_minor_1_still_loads_and_runs() {
-    // The contract as ABI 4.1 was: the host context without 4.2's methods
-    // (its vtable, shorter than the host's, is in the root module's layout).
-    let env = built_for_an_older_minor_loads_and_runs(1);
-    assert!(
-        env.lines()
-            .any(|l| l.contains("plain tracker:") && l.ends_with(" built without libtorch")),
-        "{env}"
-    );
+fn plugins_built_for_abi_minors_1_and_2_still_load_and_run() {
+    // The contract as ABI 4.1 was: the host context without 4.2's methods;
+    // as 4.2 was: the strategy without 4.3's `unit_backward_done`. Both
+    // vtables, shorter than the host's, are in the root module's layout
+    // (through `new_strategy`, also in a library without a strategy).
+    for minor in [1, 2] {
+        let env = built_for_an_older_minor_loads_and_runs(minor);
+        assert!(
+            env.lines()
+                .any(|l| l.contains("plain tracker:") && l.ends_with(" built without libtorch")),
+            "minor {minor}: {env}"
+        );
+    }
 }
 
 /// The code block after `<!-- skeleton: NAME -->` in the README.

@@ -103,11 +103,13 @@ pub fn into_launcher<T: Launcher + 'static>(launcher: T) -> LauncherBox {
 
 /// Methods of `impl $trait for Guarded<T>` that call the wrapped value's
 /// method of the same name inside [`guard`], named `$trait::method`. Each
-/// is written as its signature, `&mut self` or `&self` first. (For the
+/// is written as its signature, `&mut self` or `&self` first, after its
+/// attributes (a `cfg` of the ABI minor). (For the
 /// strategy's many methods; the shorter traits below forward by hand.)
 macro_rules! guarded {
     ($trait:ident;) => {};
-    ($trait:ident; fn $name:ident(&mut self $(, $arg:ident: $ty:ty)*) -> $ret:ty; $($rest:tt)*) => {
+    ($trait:ident; $(#[$attr:meta])* fn $name:ident(&mut self $(, $arg:ident: $ty:ty)*) -> $ret:ty; $($rest:tt)*) => {
+        $(#[$attr])*
         fn $name(&mut self $(, $arg: $ty)*) -> $ret {
             guard(concat!(stringify!($trait), "::", stringify!($name)), || {
                 self.0.$name($($arg),*)
@@ -115,7 +117,8 @@ macro_rules! guarded {
         }
         guarded!($trait; $($rest)*);
     };
-    ($trait:ident; fn $name:ident(&self $(, $arg:ident: $ty:ty)*) -> $ret:ty; $($rest:tt)*) => {
+    ($trait:ident; $(#[$attr:meta])* fn $name:ident(&self $(, $arg:ident: $ty:ty)*) -> $ret:ty; $($rest:tt)*) => {
+        $(#[$attr])*
         fn $name(&self $(, $arg: $ty)*) -> $ret {
             guard(concat!(stringify!($trait), "::", stringify!($name)), || {
                 self.0.$name($($arg),*)
@@ -143,6 +146,8 @@ impl<T: DistributedStrategy> DistributedStrategy for Guarded<T> {
         fn shard_optimizer_state(&mut self, param: RStr<'_>, state: TensorRef<'_>) -> PluginResult<OwnedTensor>;
         fn memory_stats(&self) -> PluginResult<MemoryStats>;
         fn run_overrides(&self) -> PluginResult<RunOverrides>;
+        #[cfg(not(accel_abi_before_3))]
+        fn unit_backward_done(&mut self, unit: u32) -> PluginResult<()>;
     }
     /// Not guarded: it returns no error to carry a panic.
     fn state_dict_kind(&self) -> StateDictKind {

@@ -45,7 +45,8 @@
 //! for the same one. [`ABI_MINOR`] counts compatible additions within it:
 //! fields appended to the root module (a prefix type) or methods with a
 //! default appended to a `#[sabi_trait]` after its last prefix field (with
-//! the earlier layout frozen beside it: [`context::v4_1`], [`root::v4_1`]),
+//! the earlier layout frozen beside it: [`context::v4_1`], [`root::v4_1`],
+//! [`strategy::v4_2`], [`root::v4_2`]),
 //! and variants appended to the
 //! non-exhaustive enums ([`LogValue`], [`ErrorKind`], [`PluginKind`]). A
 //! plugin built for an older minor still loads; what it lacks reads as
@@ -109,12 +110,16 @@ pub const ABI_VERSION: u32 = 4;
 /// `host_abi_minor`, `sync_gradients`, `all_reduce_start`,
 /// `all_gather_start`, `reduce_scatter_start` and `wait` (collectives in
 /// flight while compute runs: DDP's overlap, FSDP's prefetch).
+/// 3: [`DistributedStrategy`]'s `unit_backward_done` (a unit's backward is
+/// over, frozen parameters included: FSDP reshards LoRA's blocks).
 pub const ABI_MINOR: u32 = if cfg!(accel_abi_minor_0) {
     0
 } else if cfg!(accel_abi_before_2) {
     1
-} else {
+} else if cfg!(accel_abi_before_3) {
     2
+} else {
+    3
 };
 
 /// The libtorch version this contract was compiled against (`2.13.0`)

@@ -85,17 +85,39 @@ root_module! {
 /// One row of `accel env`: a label and its value.
 pub type EnvRow = Tuple2<RString, RString>;
 
+/// The root module as ABI 4.2 defined it, frozen: its fields, tracker and
+/// host context are those of today, but its strategy's vtable has the
+/// methods of 4.2 ([`strategy::v4_2`](crate::strategy::v4_2)). abi_stable
+/// accepts a library whose trait vtables are at least as long as the
+/// host's, so a plugin built for 4.2 is checked against this layout.
+pub mod v4_2 {
+    use super::*;
+    use crate::strategy::v4_2::StrategyBox;
+
+    root_module! {
+        /// [`AccelPlugin`](super::AccelPlugin) of ABI 4.2.
+        pub struct AccelPlugin {
+            /// As in ABI 4.3.
+            #[sabi(missing_field(option))]
+            pub env_report:
+                extern "C" fn(RStr<'_>) -> PluginResult<abi_stable::std_types::RVec<EnvRow>>,
+        }
+    }
+}
+
 /// The root module as ABI 4.1 defined it, frozen: its fields are those of
 /// today, but its tracker's [`LogValue`](crate::LogValue) has the two
-/// variants of 4.1 ([`tracker::v4_1`](crate::tracker::v4_1)) and its
+/// variants of 4.1 ([`tracker::v4_1`](crate::tracker::v4_1)), its
 /// [`HostContext`](crate::HostContext) the methods of 4.1
-/// ([`context::v4_1`](crate::context::v4_1)). abi_stable accepts a library
+/// ([`context::v4_1`](crate::context::v4_1)) and its strategy those of 4.2. abi_stable accepts a library
 /// whose non-exhaustive enums have at least the host's variants and whose
 /// prefix types (this module, a trait's vtable) are at least as long as the
 /// host's, so a plugin built for 4.1 is checked against this layout.
 pub mod v4_1 {
     use super::*;
-    use crate::{context::v4_1::HostContextBox, tracker::v4_1::TrackerBox};
+    use crate::{
+        context::v4_1::HostContextBox, strategy::v4_2::StrategyBox, tracker::v4_1::TrackerBox,
+    };
 
     root_module! {
         /// [`AccelPlugin`](super::AccelPlugin) of ABI 4.1.
@@ -109,12 +131,15 @@ pub mod v4_1 {
 }
 
 /// The root module as ABI 4.0 defined it (the fields before any minor
-/// addition, the tracker and host context of 4.0 and 4.1), frozen: abi_stable accepts a
+/// addition, the tracker and host context of 4.0 and 4.1, the strategy of
+/// 4.0 to 4.2), frozen: abi_stable accepts a
 /// library whose prefix type is at least as long as the host's, so a
 /// plugin built for 4.0 is checked against this layout, not the current one.
 pub mod v4_0 {
     use super::*;
-    use crate::{context::v4_1::HostContextBox, tracker::v4_1::TrackerBox};
+    use crate::{
+        context::v4_1::HostContextBox, strategy::v4_2::StrategyBox, tracker::v4_1::TrackerBox,
+    };
 
     root_module! {
         /// [`AccelPlugin`](super::AccelPlugin)'s fields of ABI 4.0.
@@ -126,7 +151,8 @@ pub mod v4_0 {
 /// the current layout, or, for a plugin built for an earlier minor ABI
 /// version, against that version's (the fields it lacks then read as
 /// `None`, the log values it does not know as unknown; the context it gets
-/// has more methods than it knows, which a vtable allows). Otherwise the
+/// has more methods than it knows, which a vtable allows, and its strategy
+/// fewer than the host's, whose defaults then run). Otherwise the
 /// error is the check against the current layout.
 pub fn init_root_module(header: &'static LibHeader) -> Result<AccelPluginRef, LibraryError> {
     let current = match header.init_root_module::<AccelPluginRef>() {
@@ -135,7 +161,9 @@ pub fn init_root_module(header: &'static LibHeader) -> Result<AccelPluginRef, Li
     };
     // The newest earlier layout the library matches, and whether that minor
     // has `env_report`.
-    let has_env_report = if header.init_root_module::<v4_1::AccelPluginRef>().is_ok() {
+    let has_env_report = if header.init_root_module::<v4_2::AccelPluginRef>().is_ok()
+        || header.init_root_module::<v4_1::AccelPluginRef>().is_ok()
+    {
         true
     } else if header.init_root_module::<v4_0::AccelPluginRef>().is_ok() {
         false
@@ -145,7 +173,11 @@ pub fn init_root_module(header: &'static LibHeader) -> Result<AccelPluginRef, Li
     // SAFETY: the fields of that minor were just checked, and its types
     // have the layout of today's but for the variants `LogValue` gained
     // since (a non-exhaustive enum of the same size: the plugin sees them
-    // as unknown values). Every later field is read through an accessor
+    // as unknown values) and the methods trait vtables gained since (the
+    // host's context vtable is longer than the plugin knows, which it never
+    // reads past; the plugin's strategy vtable is shorter than the host
+    // knows, and abi_stable runs a method's default where the vtable it
+    // holds ends before it). Every later field is read through an accessor
     // that sees whether the library has it: one with a field its minor
     // lacks, or one that says it is of the current minor (it would have
     // passed the current check), is refused.

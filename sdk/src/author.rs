@@ -72,6 +72,13 @@ pub trait Strategy: Send + 'static {
         Ok(())
     }
 
+    /// Once `unit`'s backward is over, frozen parameters included (its
+    /// parameters' gradients and its declared inputs' gradients are in).
+    /// Default: nothing.
+    fn unit_backward_done(&mut self, _unit: u32) -> Result<(), PluginError> {
+        Ok(())
+    }
+
     /// After `loss.backward()`; `sync` is false on accumulation micro-steps,
     /// where no communication may happen, and after a backward that failed
     /// part-way (land what the hooks started). Default: nothing.
@@ -164,6 +171,9 @@ impl<S: Strategy> DistributedStrategy for Authored<S> {
     }
     fn post_unit_backward(&mut self, unit: u32) -> PluginResult<()> {
         self.0.post_unit_backward(unit).into()
+    }
+    fn unit_backward_done(&mut self, unit: u32) -> PluginResult<()> {
+        self.0.unit_backward_done(unit).into()
     }
     fn post_backward(&mut self, sync: bool) -> PluginResult<()> {
         self.0.post_backward(sync).into()

@@ -688,7 +688,9 @@ impl Accelerator {
             // parameters cannot say whether it was reached: it syncs. A
             // frozen model has nothing to reduce and is not called (ZeRO-0/1
             // would all-reduce an empty buffer).
-            if single || m.units.reached() || (m.trainable() && !m.units.hooked()) {
+            let reached = single || m.units.reached() || (m.trainable() && !m.units.hooked());
+            m.units.end_backward();
+            if reached {
                 lock(&m.strategy).post_backward(sync).into_result()?;
             }
         }

@@ -12,7 +12,14 @@
 //!   `post_forward(u)` when the last closes;
 //! * `pre_backward(u)` from a hook on the scope output's gradient;
 //! * `post_unit_backward(u)` from hooks on the gradient accumulators, once
-//!   every parameter of `u` has its gradient in this backward pass.
+//!   every parameter of `u` has its gradient in this backward pass;
+//! * `unit_backward_done(u)` once, besides, the gradients of the inputs its
+//!   scopes declared ([`ForwardScope::checkpointable`],
+//!   [`ForwardScope::checkpoint`]) are in: nothing left in the backward
+//!   reads `u`'s parameters, frozen ones included (FSDP reshards a LoRA
+//!   block there). Not for a unit that also ran in a scope declaring no
+//!   inputs ([`ForwardScope::unit`]) or inside a larger scope in this
+//!   forward, nor for one whose declared inputs need no gradient.
 //!
 //! Under DDP and ZeRO-0/1/2 these calls do nothing, so a model written with
 //! scopes runs unchanged under every strategy.
@@ -40,11 +47,65 @@ pub(crate) type SharedStrategy = Arc<Mutex<StrategyBox>>;
 
 /// Locks the strategy (a panic elsewhere does not poison it for good).
 pub(crate) fn lock(strategy: &SharedStrategy) -> MutexGuard<'_, StrategyBox> {
-    strategy.lock().unwrap_or_else(|p| p.into_inner())
+    unpoisoned(strategy)
 }
 
-fn lock_vec<T>(m: &Mutex<Vec<T>>) -> MutexGuard<'_, Vec<T>> {
+/// Locks `m`, whether or not a panic poisoned it.
+fn unpoisoned<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Where a unit is in this forward and backward pass.
+#[derive(Debug, Clone, Copy, Default)]
+struct Progress {
+    /// Gradients of its parameters still to come in this backward pass.
+    grads: usize,
+    /// Gradients of the inputs its scopes declared, still to come.
+    inputs: usize,
+    /// Whether a scope declared inputs of it that require grad.
+    declared: bool,
+    /// Whether it ran where its inputs are unknown (a scope that declares
+    /// none, or one inside it): when its backward ends is then unknown.
+    undeclared: bool,
+}
+
+impl Progress {
+    /// Whether the unit's backward is over, as far as the host can tell.
+    fn done(&self) -> bool {
+        self.grads == 0 && self.inputs == 0 && self.declared && !self.undeclared
+    }
+}
+
+/// Every unit's [`Progress`], and the pass the input hooks belong to.
+#[derive(Debug, Default)]
+struct Passes {
+    units: Vec<Progress>,
+    /// Counts the ended backward passes: an input hook of an earlier pass
+    /// (a graph dropped without backward, a leaf's hook that outlives its
+    /// pass) is ignored.
+    pass: u64,
+}
+
+/// Calls `unit_backward_done` for `done` (units whose backward a hook just
+/// ended).
+fn report_done(
+    strategy: &Weak<Mutex<StrategyBox>>,
+    done: impl IntoIterator<Item = u32>,
+) -> Result<(), String> {
+    let mut done = done.into_iter().peekable();
+    if done.peek().is_none() {
+        return Ok(());
+    }
+    let Some(s) = strategy.upgrade() else {
+        return Ok(());
+    };
+    let mut s = lock(&s);
+    for u in done {
+        s.unit_backward_done(u)
+            .into_result()
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
 }
 
 /// The strategy's units and the hooks that report their backward.
@@ -60,8 +121,8 @@ pub(crate) struct Units {
     /// Whether a unit ran through [`ForwardScope::unit`] while
     /// `checkpoint_units` asked for checkpointing (warned once).
     warned_unit: AtomicBool,
-    /// Gradients each unit still waits for in this backward pass.
-    pending: Arc<Mutex<Vec<usize>>>,
+    /// Each unit's progress through this forward and backward pass.
+    passes: Arc<Mutex<Passes>>,
     /// Gradients each unit needs (its parameters that require grad).
     sizes: Vec<usize>,
     _hooks: Vec<GradReadyHook>,
@@ -75,7 +136,10 @@ impl Units {
         units: &[WrapUnit],
         params: &[(String, Tensor)],
     ) -> Result<Self, AccelError> {
-        let pending = Arc::new(Mutex::new(vec![0usize; units.len()]));
+        let passes = Arc::new(Mutex::new(Passes {
+            units: vec![Progress::default(); units.len()],
+            pass: 0,
+        }));
         let mut sizes = vec![0; units.len()];
         let mut hooks = Vec::new();
         for (u, unit) in units.iter().enumerate() {
@@ -93,22 +157,24 @@ impl Units {
                     continue;
                 }
                 sizes[u] += 1;
-                let (pending, strategy) = (pending.clone(), Arc::downgrade(strategy));
+                let (passes, strategy) = (passes.clone(), Arc::downgrade(strategy));
                 hooks.push(shim::on_grad_ready(
                     p,
                     Box::new(move || {
-                        let ready = {
-                            let mut left = lock_vec(&pending);
-                            left[u] = left[u].saturating_sub(1);
-                            left[u] == 0
+                        let (ready, done) = {
+                            let progress = &mut unpoisoned(&passes).units[u];
+                            let was_done = progress.done();
+                            progress.grads = progress.grads.saturating_sub(1);
+                            (progress.grads == 0, !was_done && progress.done())
                         };
                         match strategy.upgrade() {
                             Some(s) if ready => lock(&s)
                                 .post_unit_backward(u as u32)
                                 .into_result()
-                                .map_err(|e| e.to_string()),
-                            _ => Ok(()),
+                                .map_err(|e| e.to_string())?,
+                            _ => {}
                         }
+                        report_done(&strategy, done.then_some(u as u32))
                     }),
                 )?);
             }
@@ -122,7 +188,7 @@ impl Units {
             depth: Arc::new(Mutex::new(vec![0; units.len()])),
             checkpoint_units: false,
             warned_unit: AtomicBool::new(false),
-            pending,
+            passes,
             sizes,
             _hooks: hooks,
         })
@@ -146,13 +212,104 @@ impl Units {
 
     /// Arms the per-unit gradient counts for a backward pass.
     pub(crate) fn begin_backward(&self) {
-        lock_vec(&self.pending).clone_from(&self.sizes);
+        let mut passes = unpoisoned(&self.passes);
+        for (progress, &size) in passes.units.iter_mut().zip(&self.sizes) {
+            progress.grads = size;
+        }
     }
 
     /// Whether a gradient of this model arrived since
     /// [`Units::begin_backward`] (the loss reached the model).
     pub(crate) fn reached(&self) -> bool {
-        *lock_vec(&self.pending) != self.sizes
+        let passes = unpoisoned(&self.passes);
+        passes
+            .units
+            .iter()
+            .zip(&self.sizes)
+            .any(|(progress, &size)| progress.grads != size)
+    }
+
+    /// Ends a backward pass: the inputs the next forward declares start
+    /// afresh, and hooks of this pass that did not run are ignored.
+    pub(crate) fn end_backward(&self) {
+        let mut passes = unpoisoned(&self.passes);
+        passes.pass += 1;
+        for progress in &mut passes.units {
+            *progress = Progress {
+                grads: progress.grads,
+                ..Progress::default()
+            };
+        }
+    }
+
+    /// Records the forward of a scope at `path` over the units `covered`,
+    /// whose output `out` requires grad: with `inputs` declared, the units
+    /// inside the scope wait for the gradients of those that require grad
+    /// (one hook each); units around it, or every unit without `inputs`,
+    /// cannot tell when their backward ends.
+    fn track_inputs(
+        &self,
+        strategy: &SharedStrategy,
+        path: &str,
+        covered: &[u32],
+        inputs: Option<&[&Tensor]>,
+    ) -> Result<(), AccelError> {
+        let below = format!("{path}.");
+        let (inside, around): (Vec<u32>, Vec<u32>) = covered.iter().partition(|&&u| {
+            let name = &self.names[u as usize];
+            inputs.is_some() && (name == path || name.starts_with(&below))
+        });
+        let needing: Vec<&Tensor> = inputs
+            .unwrap_or_default()
+            .iter()
+            .copied()
+            .filter(|t| t.requires_grad())
+            .collect();
+        let pass = {
+            let mut passes = unpoisoned(&self.passes);
+            for &u in &around {
+                passes.units[u as usize].undeclared = true;
+            }
+            for &u in inside.iter().filter(|_| !needing.is_empty()) {
+                let progress = &mut passes.units[u as usize];
+                progress.inputs += needing.len();
+                progress.declared = true;
+            }
+            passes.pass
+        };
+        if inside.is_empty() {
+            return Ok(());
+        }
+        for input in needing {
+            let (passes, strategy, inside) = (
+                self.passes.clone(),
+                Arc::downgrade(strategy),
+                inside.clone(),
+            );
+            shim::on_grad(
+                input,
+                Box::new(move || {
+                    let done: Vec<u32> = {
+                        let mut passes = unpoisoned(&passes);
+                        if passes.pass != pass {
+                            return Ok(());
+                        }
+                        inside
+                            .iter()
+                            .copied()
+                            .filter(|&u| {
+                                let progress = &mut passes.units[u as usize];
+                                let was_done = progress.done();
+                                progress.inputs = progress.inputs.saturating_sub(1);
+                                !was_done && progress.done()
+                            })
+                            .collect()
+                    };
+                    report_done(&strategy, done)
+                }),
+            )?;
+        }
+        Ok(())
     }
 
     /// Whether any parameter has a gradient hook (one that requires grad
@@ -180,7 +337,7 @@ impl Units {
     fn enter(&self, strategy: &SharedStrategy, units: &[u32]) -> Result<(), AccelError> {
         for &u in units {
             let first = {
-                let mut depth = lock_vec(&self.depth);
+                let mut depth = unpoisoned(&self.depth);
                 depth[u as usize] += 1;
                 depth[u as usize] == 1
             };
@@ -194,7 +351,7 @@ impl Units {
     fn exit(&self, strategy: &SharedStrategy, units: &[u32]) -> Result<(), AccelError> {
         for &u in units {
             let last = {
-                let mut depth = lock_vec(&self.depth);
+                let mut depth = unpoisoned(&self.depth);
                 depth[u as usize] = depth[u as usize].saturating_sub(1);
                 depth[u as usize] == 0
             };
@@ -271,7 +428,7 @@ struct RecomputeOpen<'a> {
 
 impl Drop for RecomputeOpen<'_> {
     fn drop(&mut self) {
-        let mut depth = lock_vec(self.depth);
+        let mut depth = unpoisoned(self.depth);
         for &u in &self.opened {
             depth[u as usize] = depth[u as usize].saturating_sub(1);
         }
@@ -292,7 +449,7 @@ impl Recompute {
                 .ok_or("a checkpointed layer was recomputed after its Accelerator was dropped")?;
             for &u in &self.covered {
                 let first = {
-                    let mut depth = lock_vec(&self.depth);
+                    let mut depth = unpoisoned(&self.depth);
                     depth[u as usize] += 1;
                     depth[u as usize] == 1
                 };
@@ -333,13 +490,15 @@ impl ForwardScope<'_> {
                 );
             }
         }
-        self.unit_unchecked(path, layer)
+        self.unit_unchecked(path, None, layer)
     }
 
-    /// [`ForwardScope::unit`] without the checkpointing warning.
+    /// [`ForwardScope::unit`] without the checkpointing warning, for a
+    /// layer whose inputs are `inputs` when they are declared.
     fn unit_unchecked(
         &self,
         path: &str,
+        inputs: Option<&[&Tensor]>,
         layer: impl FnOnce() -> Tensor,
     ) -> Result<Tensor, AccelError> {
         let Some(units) = self.units else {
@@ -351,6 +510,7 @@ impl ForwardScope<'_> {
         units.exit(self.strategy, &covered)?;
         let out = out?;
         if !covered.is_empty() && out.requires_grad() {
+            units.track_inputs(self.strategy, path, &covered, inputs)?;
             let strategy = Arc::downgrade(self.strategy);
             shim::on_grad(
                 &out,
@@ -443,7 +603,11 @@ impl ForwardScope<'_> {
         units.enter(self.strategy, &covered)?;
         let out = shim::checkpoint(inputs, run);
         units.exit(self.strategy, &covered)?;
-        out.map_err(|e| units.sharded_hint(&e.0).unwrap_or(AccelError::Torch(e)))
+        let out = out.map_err(|e| units.sharded_hint(&e.0).unwrap_or(AccelError::Torch(e)))?;
+        if out.iter().any(Tensor::requires_grad) {
+            units.track_inputs(self.strategy, path, &covered, Some(inputs))?;
+        }
+        Ok(out)
     }
 
     /// Runs `layer` at `path` as [`ForwardScope::checkpoint`] when the
@@ -466,7 +630,7 @@ impl ForwardScope<'_> {
             return self.checkpoint(path, inputs, layer);
         }
         let xs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
-        self.unit_unchecked(path, || layer(&xs))
+        self.unit_unchecked(path, Some(inputs), || layer(&xs))
     }
 
     /// Whether [`ForwardScope::checkpointable`] checkpoints the layer at

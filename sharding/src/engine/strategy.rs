@@ -62,6 +62,14 @@ impl DistributedStrategy for Sharded {
         }))
     }
 
+    fn unit_backward_done(&mut self, unit: u32) -> PluginResult<()> {
+        result(self.unit_index(unit).and_then(|u| {
+            self.reshard(u)?;
+            self.release_freed();
+            Ok(())
+        }))
+    }
+
     fn post_backward(&mut self, sync: bool) -> PluginResult<()> {
         result(self.finish_backward(sync))
     }

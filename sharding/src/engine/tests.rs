@@ -220,6 +220,41 @@ fn gradients_reach_the_chunks_and_clipping_scales_them_to_the_norm() {
 }
 
 #[test]
+fn a_unit_with_a_frozen_parameter_stays_gathered_until_its_backward_is_done() {
+    // Unit `a` holds `a.w` (frozen) and `b.w` (trained); the root unit
+    // holds nothing: `a.w` is still needed for the input's gradient once
+    // `b.w`'s is in.
+    let mut params = model();
+    params[0].1 = params[0].1.detach().set_requires_grad(false);
+    let one_unit: WrapPolicy = Box::new(|_, _| Ok(vec![("a".to_owned(), vec![0, 1])]));
+    let mut engine = prepared(full_shard(), one_unit, &mut params);
+    engine.pre_forward(0).into_result().unwrap();
+    let loss = half_square_sum(&params);
+    loss.backward();
+    engine.post_unit_backward(0).into_result().unwrap();
+    assert!(
+        shim::storage_bytes(&params[0].1) > 0,
+        "resharded while its backward may still read the frozen weight"
+    );
+    engine.unit_backward_done(0).into_result().unwrap();
+    for (n, p) in &params {
+        assert_eq!(
+            shim::storage_bytes(p),
+            0,
+            "`{n}` gathered after its backward"
+        );
+    }
+    engine.post_backward(true).into_result().unwrap();
+    let chunks = optimizer_chunks(&mut engine);
+    assert_eq!(chunks.len(), 1, "only `b.w` is trained");
+    assert_eq!(
+        values(&chunks[0].grad()),
+        [1.0, -2.0, 3.0, -4.0, 5.0],
+        "its gradient reached its chunk"
+    );
+}
+
+#[test]
 fn state_dicts_hold_the_masters_and_load_back() {
     let mut params = model();
     let originals = all_values(&params);
