@@ -7,7 +7,8 @@
 # FSDP with and without fsdp_cpu_ram_efficient_loading (each rank maps the
 # checkpoint and reads only its slices) -- and, for the sharded rows, with
 # the sharding engine's `release_freed_memory` (on by default when
-# parameters are sharded) set the other way.
+# parameters are sharded) set the other way; then a LoRA fine-tune of the
+# same model (`--lora-r 8`) under DDP, ZeRO-3 and FSDP.
 #
 # The figure is the largest VmHWM (from /proc, polled every 0.2 s) of any
 # rank of the run. It needs about 24 GB of memory (DDP: 4 x 5 GB).
@@ -44,11 +45,13 @@ for efficient in false true; do
 done
 
 # Runs one job, polling the peak RSS of its gpt2 ranks; prints the kB.
+# Extra arguments go to gpt2 (and name the log: `ddp-lora-r-8.log`).
 peak() {
     local cfg=$1; shift
-    peak_rss "$out/$cfg.log" "$rel/gpt2" \
+    local tag; tag=$(printf -- '-%s' "$@" | tr -s ' -' '-')
+    peak_rss "$out/$cfg${*:+$tag}.log" "$rel/gpt2" \
         "$rel/accel" launch -q --config_file "$out/$cfg.yaml" "$rel/gpt2" --model "$out/model" \
-        --data "$out/tokens.bin" --block-size 128 --batch-size 2 --steps 2 --lr 3e-4
+        --data "$out/tokens.bin" --block-size 128 --batch-size 2 --steps 2 --lr 3e-4 "$@"
 }
 
 # The same config with the engine's release_freed_memory set to $2.
@@ -72,4 +75,13 @@ for cfg in zero1 zero2; do
 done
 for cfg in zero3 zero3-init-flag fsdp-efficient-loading-false fsdp-efficient-loading-true; do
     row "$cfg" "$(peak "$cfg")" false "$(peak "$(flipped "$cfg" false)")"
+done
+
+# LoRA (rank-8 adapters beside every c_attn, the base frozen): the sharded
+# strategies free each block once its input's gradient is in.
+printf '\nLoRA, `--lora-r 8`:\n\n| strategy | peak RSS per rank | x DDP |\n| --- | --- | --- |\n'
+ddp=$(peak ddp --lora-r 8)
+for cfg in ddp zero3 fsdp-efficient-loading-true; do
+    if [ "$cfg" = ddp ]; then kb=$ddp; else kb=$(peak "$cfg" --lora-r 8); fi
+    python3 -c "import sys; d, p = int(sys.argv[2]), int(sys.argv[3]); print(f'| {sys.argv[1]} | {p/1048576:.2f} GiB | {p/d:.2f} |')" "$cfg" "$ddp" "$kb"
 done
