@@ -242,8 +242,8 @@ impl Units {
         }
     }
 
-    /// Records the forward of a scope at `path` over the units `covered`,
-    /// whose output `out` requires grad: with `inputs` declared, the units
+    /// Records the forward of a scope at `path` over the units `covered`
+    /// (called once its output requires grad): with `inputs` declared, the units
     /// inside the scope wait for the gradients of those that require grad
     /// (one hook each); units around it, or every unit without `inputs`,
     /// cannot tell when their backward ends.
@@ -548,6 +548,12 @@ impl ForwardScope<'_> {
     /// when grad is on, even when no input does, so the layer's parameters
     /// get their gradients (a block after frozen embeddings).
     ///
+    /// Every tensor the layer reads that requires grad, its parameters
+    /// aside, must be one of `inputs`: once their gradients are in, nothing
+    /// later in the backward pass reads the units `path` covers, and FSDP
+    /// and ZeRO-3 free a unit holding frozen parameters there (a LoRA
+    /// block) rather than at the end of backward.
+    ///
     /// ```no_run
     /// # use accel::accelerator::{Accelerator, AccelError};
     /// # use tch::{nn, nn::Module, Tensor};
@@ -615,7 +621,8 @@ impl ForwardScope<'_> {
     /// and `path` is a unit FSDP wrapped (`fsdp_transformer_layer_cls_to_wrap`
     /// or the size policy), as Accelerate's `apply_activation_checkpointing`
     /// over FSDP's auto-wrap policy — and as [`ForwardScope::unit`]
-    /// otherwise. A model runs its layers through this to let the config
+    /// otherwise (with `inputs` declared, as [`ForwardScope::checkpoint`]
+    /// asks). A model runs its layers through this to let the config
     /// decide.
     pub fn checkpointable<F>(
         &self,
