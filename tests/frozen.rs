@@ -117,29 +117,31 @@ fn frozen_parameters_stay_put_and_the_rest_reach_ddps_weights_under_every_strate
 fn a_unit_with_frozen_weights_is_resharded_as_soon_as_backward_leaves_it() {
     // block1 as a LoRA block: its weight frozen, its bias trained. Its
     // weight is read for its input's gradient after the bias's gradient is
-    // in, so only the input's gradient says that backward is done with it.
+    // in, so only the end of its scope's backward (its input's gradient)
+    // says that backward is done with it.
     let base = tempfile::tempdir().unwrap();
     write_freeze_probe_init(base.path());
     let full = "fsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n  fsdp_auto_wrap_policy: \
                 TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: block0,block1\n";
     let checkpointed = format!("{full}  fsdp_activation_checkpointing: true\n");
     let zero3 = zero3_shard_everything(base.path(), "zero3");
-    // (run, distributed type, config, the input declared, block1's weight
+    // (run, distributed type, config, the blocks through
+    // `ForwardScope::checkpointable` rather than `unit`, block1's weight
     // resharded when backward reaches the data).
     let runs = [
+        // Nothing sharded: the watch sees every parameter whole.
         ("ddp", "MULTI_CPU", "", true, false),
         ("fsdp", "FSDP", full, true, true),
+        ("fsdp-unit", "FSDP", full, false, true),
         ("fsdp-checkpointed", "FSDP", &checkpointed, true, true),
         ("zero3", "DEEPSPEED", &zero3, true, true),
-        // Through `ForwardScope::unit`, which declares no input: the unit
-        // stays gathered until backward ends, as before.
-        ("fsdp-unit", "FSDP", full, false, false),
+        ("zero3-unit", "DEEPSPEED", &zero3, false, true),
     ];
     let mut reference: Option<Vec<(String, Tensor)>> = None;
-    for (name, dt, rest, declared, freed) in runs {
+    for (name, dt, rest, checkpointable, freed) in runs {
         let mut args = vec!["watch", "block1.w"];
-        if declared {
-            args.push("declared");
+        if checkpointable {
+            args.push("checkpointable");
         }
         let (weights, optim) = train(base.path(), name, dt, rest, &args);
         for report in &optim {

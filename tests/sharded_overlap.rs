@@ -249,6 +249,16 @@ fn frozen_parameters_keep_their_units_gathered_and_the_same_bits() {
             true,
             |cfg, save| freeze_probe(cfg, save, &["block0.w"]),
         );
+        // A LoRA-like block1, freed once its scope's backward is over
+        // (tests/frozen.rs), here with prefetching, two micro-steps a step
+        // and 3 ranks too, its input (the data) requiring grad.
+        same_bits(
+            "FULL_SHARD with frozen block1.w, through checkpointable",
+            ("FSDP", "accel-fsdp", full.as_str()),
+            ranks,
+            true,
+            |cfg, save| freeze_probe(cfg, save, &["block1.w", "checkpointable", "watch"]),
+        );
         let files = tempfile::tempdir().unwrap();
         same_bits(
             "ZeRO-1 with frozen block0.w",

@@ -18,8 +18,8 @@
 //! `pre_backward` from a hook on a scope's output gradient,
 //! `post_unit_backward` from hooks on the gradient accumulators once every
 //! parameter of a unit has its gradient for this backward pass, and
-//! `unit_backward_done` once, besides, the gradients of the inputs the
-//! unit's scope declared are in (ABI 4.3).
+//! `unit_backward_done` once, besides, the backward of the graph the
+//! unit's scope made is over (hooks on that graph's boundary; ABI 4.3).
 
 use crate::{
     error::PluginResult,
@@ -227,17 +227,18 @@ distributed_strategy! {
         /// Called during backward once wrap unit `unit`'s backward is over:
         /// every parameter of it that requires grad has its gradient
         /// ([`post_unit_backward`](DistributedStrategy::post_unit_backward)
-        /// came first) and the gradients of the inputs its scope declared
-        /// (`ForwardScope::checkpointable`/`checkpoint`) are computed, so
-        /// nothing left in this backward pass reads the unit's parameters —
-        /// frozen ones included, which `post_unit_backward` cannot say (LoRA's
-        /// frozen weight is read for the input's gradient after the adapters'
-        /// gradients are in). Not called for a unit whose scope declared no
-        /// input that requires grad, nor for one that also ran in a scope
-        /// that declares none (`ForwardScope::unit`) in this forward: those
-        /// end with [`post_backward`](DistributedStrategy::post_backward).
-        /// Where FSDP and ZeRO-3 reshard a unit holding frozen parameters.
-        /// Added in ABI 4.3; default: nothing.
+        /// came first) and the backward of the graph its scope made in the
+        /// forward has run to its boundary (the gradients toward what the
+        /// scope read, its input among them, are computed), so nothing left
+        /// in this backward pass reads the unit's parameters — frozen ones
+        /// included, which `post_unit_backward` cannot say (LoRA's frozen
+        /// weight is read for the input's gradient after the adapters'
+        /// gradients are in). Not called for a unit that ran only under a
+        /// scope of one of its parts in this forward (that graph is not all
+        /// of the unit's): it ends with
+        /// [`post_backward`](DistributedStrategy::post_backward). Where FSDP
+        /// and ZeRO-3 reshard a unit holding frozen parameters. Added in ABI
+        /// 4.3; default: nothing.
         fn unit_backward_done(&mut self, _unit: u32) -> PluginResult<()> {
             abi_stable::std_types::ROk(())
         }

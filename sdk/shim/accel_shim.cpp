@@ -5,11 +5,13 @@
 // (freed with `accel_shim_free`).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/SequenceNumber.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -20,6 +22,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -76,16 +79,40 @@ struct RustCallback {
   }
 };
 
-// Runs after a leaf's gradient accumulator wrote `.grad` (PyTorch's
-// Reducer uses the same post hook: the gradient is final for this backward).
-struct GradReadyHook : torch::autograd::FunctionPostHook {
-  std::shared_ptr<RustCallback> callback;
-  explicit GradReadyHook(std::shared_ptr<RustCallback> cb) : callback(std::move(cb)) {}
+// Runs a callback after a node executed: on a leaf's gradient accumulator,
+// once it wrote `.grad` (PyTorch's Reducer uses the same post hook: the
+// gradient is final for this backward).
+template <typename Callback>
+struct AfterNodeHook : torch::autograd::FunctionPostHook {
+  std::shared_ptr<Callback> callback;
+  explicit AfterNodeHook(std::shared_ptr<Callback> cb) : callback(std::move(cb)) {}
   torch::autograd::variable_list operator()(
       const torch::autograd::variable_list& outputs,
       const torch::autograd::variable_list& /*inputs*/) override {
     (*callback)();
     return outputs;
+  }
+};
+
+// One Rust closure shared by the hooks of several autograd nodes, called
+// one at a time.
+struct SharedCallback {
+  RustCallback callback;
+  std::mutex lock;
+  SharedCallback(bool (*c)(void*, char*, size_t), void (*d)(void*), void* x) : callback(c, d, x) {}
+  void operator()() {
+    std::lock_guard<std::mutex> guard(lock);
+    callback();
+  }
+};
+
+// Runs the closure before a node executes (every gradient into it is in).
+struct BeforeNodeHook : torch::autograd::FunctionPreHook {
+  std::shared_ptr<SharedCallback> shared;
+  explicit BeforeNodeHook(std::shared_ptr<SharedCallback> s) : shared(std::move(s)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    (*shared)();
+    return grads;
   }
 };
 
@@ -463,7 +490,7 @@ char* accel_grad_ready_hook(at::Tensor* param, bool (*call)(void*, char*, size_t
                 "a gradient-ready hook needs a leaf tensor that requires grad");
     auto acc = torch::autograd::impl::grad_accumulator(*param);
     TORCH_CHECK(acc != nullptr, "the tensor has no gradient accumulator");
-    acc->add_post_hook(std::make_unique<GradReadyHook>(callback));
+    acc->add_post_hook(std::make_unique<AfterNodeHook<RustCallback>>(callback));
     *handle = new GradAccumulatorHandle{acc};
   });
 }
@@ -482,6 +509,67 @@ char* accel_grad_hook(at::Tensor* output, bool (*call)(void*, char*, size_t),
   return guarded([&] {
     TORCH_CHECK(output->requires_grad(), "the tensor does not require grad");
     output->register_hook([callback](const at::TensorBase&) { (*callback)(); });
+  });
+}
+
+// The sequence number the next autograd node made on this thread gets:
+// nodes made after this call have one at least as large.
+uint64_t accel_sequence_peek() { return at::sequence_number::peek(); }
+
+// The graph a scope made: the nodes reached from the `outputs`' through
+// nodes made since sequence number `since`. Hooks its boundary, each
+// running `call(ctx, ...)`: before each first node made before `since`
+// (what the scope read) executes, and after each node of the scope that
+// hands a leaf its gradient (a parameter's, a leaf input's accumulator) or
+// hands nothing on (activation checkpointing's node when no input needs a
+// gradient: the parameters' gradients come from inside it) executed; sets
+// `*count` to their number. Once every one has run, no node
+// of the scope is left in backward (each lies upstream of one of them,
+// and a node runs only after every node upstream of it). The hooks are on
+// nodes of this graph only, never on a leaf's accumulator, which may
+// outlive it. Nodes numbered UINT64_MAX (made outside any sequence) are
+// walked through; an output that is a leaf has no node and adds nothing.
+char* accel_scope_boundary_hooks(at::Tensor* const* outputs, size_t n, uint64_t since,
+                                 bool (*call)(void*, char*, size_t), void (*drop)(void*),
+                                 void* ctx, size_t* count) {
+  auto shared = std::make_shared<SharedCallback>(call, drop, ctx);
+  return guarded([&] {
+    using torch::autograd::Node;
+    using NodePtr = decltype(torch::autograd::Edge::function);  // shared or intrusive
+    auto is_leaf = [](const NodePtr& node) {
+      return dynamic_cast<torch::autograd::AccumulateGrad*>(node.get()) != nullptr;
+    };
+    std::vector<NodePtr> todo, before, after;
+    std::unordered_set<Node*> seen;
+    auto visit = [&](const NodePtr& node) {
+      if (node && !is_leaf(node) && seen.insert(node.get()).second) todo.push_back(node);
+    };
+    for (size_t i = 0; i < n; ++i) {
+      if (outputs[i]->requires_grad()) visit(outputs[i]->grad_fn());
+    }
+    while (!todo.empty()) {
+      NodePtr node = std::move(todo.back());
+      todo.pop_back();
+      uint64_t seq = node->sequence_nr();
+      if (seq < since && seq != UINT64_MAX) {
+        before.push_back(std::move(node));
+        continue;
+      }
+      bool feeds_leaf = false, sink = true;
+      for (const auto& edge : node->next_edges()) {
+        feeds_leaf |= edge.function && is_leaf(edge.function);
+        sink &= !edge.function;
+        visit(edge.function);
+      }
+      if (feeds_leaf || sink) after.push_back(std::move(node));
+    }
+    for (auto& node : before) {
+      node->add_pre_hook(std::make_unique<BeforeNodeHook>(shared));
+    }
+    for (auto& node : after) {
+      node->add_post_hook(std::make_unique<AfterNodeHook<SharedCallback>>(shared));
+    }
+    *count = before.size() + after.size();
   });
 }
 

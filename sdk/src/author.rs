@@ -73,8 +73,8 @@ pub trait Strategy: Send + 'static {
     }
 
     /// Once `unit`'s backward is over, frozen parameters included (its
-    /// parameters' gradients and its declared inputs' gradients are in).
-    /// Default: nothing.
+    /// parameters' gradients are in and its scope's graph has been
+    /// backpropagated through). Default: nothing.
     fn unit_backward_done(&mut self, _unit: u32) -> Result<(), PluginError> {
         Ok(())
     }

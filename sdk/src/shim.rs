@@ -64,6 +64,16 @@ extern "C" {
         drop: HookDrop,
         ctx: *mut c_void,
     ) -> *mut c_char;
+    fn accel_sequence_peek() -> u64;
+    fn accel_scope_boundary_hooks(
+        outputs: *const *mut C_tensor,
+        n: usize,
+        since: u64,
+        call: HookCall,
+        drop: HookDrop,
+        ctx: *mut c_void,
+        count: *mut usize,
+    ) -> *mut c_char;
     fn accel_tensor_list_push(list: *mut c_void, t: *const C_tensor) -> *mut c_char;
     fn accel_checkpoint(
         inputs: *const *mut C_tensor,
@@ -315,6 +325,67 @@ pub fn on_grad_ready(param: &Tensor, f: HookFn) -> Result<GradReadyHook, ShimErr
 pub fn on_grad(output: &Tensor, f: HookFn) -> Result<(), ShimError> {
     // SAFETY: as in on_grad_ready.
     check(unsafe { accel_grad_hook(ptr(output), hook_call, hook_drop, leak_hook(f)) })
+}
+
+/// Where a scope starts, for [`on_scope_backward_done`]: autograd nodes
+/// made on this thread from now on are the scope's.
+pub fn scope_start() -> u64 {
+    // SAFETY: reads a thread-local counter.
+    unsafe { accel_sequence_peek() }
+}
+
+/// Hooks the boundary of the graph a scope made — the nodes reached back
+/// from `outputs` through those made since `start` (from [`scope_start`],
+/// on this thread) — and returns the number of hooks: `f` runs before each
+/// first node made before `start` executes (what the scope read: its
+/// inputs, whatever tensors it captured), and after each node of the scope
+/// that hands a leaf (a parameter) its gradient, or hands nothing on,
+/// executed. Once `f` has run that many times in a backward pass, no node
+/// of the scope is left — where FSDP may free a unit whose frozen weights
+/// the scope's backward read. The hooks are on this graph's nodes, which
+/// go with it (never on a parameter's gradient accumulator, which may
+/// outlive the step).
+///
+/// ```
+/// use tch::{Kind, Tensor};
+/// use std::sync::{Arc, atomic::{AtomicUsize, Ordering}};
+/// let x = Tensor::ones([3], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+/// let h = &x * 2.0; // made before the scope: its node is the boundary
+/// let w = Tensor::ones([3], (Kind::Float, tch::Device::Cpu)); // frozen
+/// let b = Tensor::zeros([3], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+/// let start = accel_sdk::shim::scope_start();
+/// let out = (&h * &w + &b).sum(Kind::Float); // the scope
+/// let runs = Arc::new(AtomicUsize::new(0));
+/// let seen = runs.clone();
+/// let n = accel_sdk::shim::on_scope_backward_done(&[&out], start, Box::new(move || {
+///     seen.fetch_add(1, Ordering::SeqCst);
+///     Ok(())
+/// })).unwrap();
+/// assert_eq!(n, 2); // before `h`'s node; after the add, which hands `b` its gradient
+/// out.backward();
+/// assert_eq!(runs.load(Ordering::SeqCst), 2);
+/// ```
+pub fn on_scope_backward_done(
+    outputs: &[&Tensor],
+    start: u64,
+    f: HookFn,
+) -> Result<usize, ShimError> {
+    let ptrs: Vec<*mut C_tensor> = outputs.iter().map(|t| ptr(t)).collect();
+    let mut count = 0;
+    // SAFETY: the handles are live for the call; the closure's ownership
+    // passes to the shim, which drops it through hook_drop (also on failure).
+    check(unsafe {
+        accel_scope_boundary_hooks(
+            ptrs.as_ptr(),
+            ptrs.len(),
+            start,
+            hook_call,
+            hook_drop,
+            leak_hook(f),
+            &mut count,
+        )
+    })?;
+    Ok(count)
 }
 
 /// Frees the memory behind `t` and every tensor sharing its storage (their

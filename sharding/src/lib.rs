@@ -27,8 +27,8 @@
 //!   reshards the unit. Peak memory holds about one unit in full. A unit
 //!   with frozen parameters (LoRA's blocks) may still be read after that,
 //!   for its input's gradient: it is resharded when the host calls
-//!   `unit_backward_done` (the gradients of the inputs its scope declared
-//!   are in), or at the end of backward when the host cannot tell.
+//!   `unit_backward_done` (its scope's graph has been backpropagated
+//!   through), or at the end of backward when the host cannot tell.
 //! * without sharded gradients (ZeRO-0/1, NO_SHARD) the gradients are
 //!   all-reduced in one flat buffer on sync steps, as DDP does.
 //! * step: the optimizer updates the chunks; when parameters are not

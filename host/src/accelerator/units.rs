@@ -13,13 +13,14 @@
 //! * `pre_backward(u)` from a hook on the scope output's gradient;
 //! * `post_unit_backward(u)` from hooks on the gradient accumulators, once
 //!   every parameter of `u` has its gradient in this backward pass;
-//! * `unit_backward_done(u)` once, besides, the gradients of the inputs its
-//!   scopes declared ([`ForwardScope::checkpointable`],
-//!   [`ForwardScope::checkpoint`]) are in: nothing left in the backward
-//!   reads `u`'s parameters, frozen ones included (FSDP reshards a LoRA
-//!   block there). Not for a unit that also ran in a scope declaring no
-//!   inputs ([`ForwardScope::unit`]) or inside a larger scope in this
-//!   forward, nor for one whose declared inputs need no gradient.
+//! * `unit_backward_done(u)` once, besides, the backward of the graph made
+//!   by the outermost scope covering `u` is over: hooks on the nodes at
+//!   that graph's boundary (the first nodes made before the scope — what it
+//!   read — and the leaves' gradient accumulators) have all run, so
+//!   nothing left in the backward reads `u`'s parameters, frozen ones
+//!   included (FSDP reshards a LoRA block there). Not for a unit whose
+//!   outermost scope is one of its parts (unit `p` run only through a scope
+//!   at `p.fc1`: that graph is not all of `p`'s) in this forward.
 //!
 //! Under DDP and ZeRO-0/1/2 these calls do nothing, so a model written with
 //! scopes runs unchanged under every strategy.
@@ -60,19 +61,19 @@ fn unpoisoned<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Progress {
     /// Gradients of its parameters still to come in this backward pass.
     grads: usize,
-    /// Gradients of the inputs its scopes declared, still to come.
-    inputs: usize,
-    /// Whether a scope declared inputs of it that require grad.
-    declared: bool,
-    /// Whether it ran where its inputs are unknown (a scope that declares
-    /// none, or one inside it): when its backward ends is then unknown.
-    undeclared: bool,
+    /// Nodes at the boundary of its scopes' graphs still to run.
+    boundary: usize,
+    /// Whether a scope of its own traced its graph in this forward.
+    traced: bool,
+    /// Whether it ran under a scope of one of its parts only, whose graph
+    /// is not all of its own: when its backward ends is then unknown.
+    untraced: bool,
 }
 
 impl Progress {
     /// Whether the unit's backward is over, as far as the host can tell.
     fn done(&self) -> bool {
-        self.grads == 0 && self.inputs == 0 && self.declared && !self.undeclared
+        self.grads == 0 && self.boundary == 0 && self.traced && !self.untraced
     }
 }
 
@@ -80,7 +81,7 @@ impl Progress {
 #[derive(Debug, Default)]
 struct Passes {
     units: Vec<Progress>,
-    /// Counts the ended backward passes: an input hook of an earlier pass
+    /// Counts the ended backward passes: a boundary hook of an earlier pass
     /// (a graph dropped without backward, a leaf's hook that outlives its
     /// pass) is ignored.
     pass: u64,
@@ -229,7 +230,7 @@ impl Units {
             .any(|(progress, &size)| progress.grads != size)
     }
 
-    /// Ends a backward pass: the inputs the next forward declares start
+    /// Ends a backward pass: the graphs the next forward traces start
     /// afresh, and hooks of this pass that did not run are ignored.
     pub(crate) fn end_backward(&self) {
         let mut passes = unpoisoned(&self.passes);
@@ -242,52 +243,40 @@ impl Units {
         }
     }
 
-    /// Records the forward of a scope at `path` over the units `covered`
-    /// (called once its output requires grad): with `inputs` declared, the units
-    /// inside the scope wait for the gradients of those that require grad
-    /// (one hook each); units around it, or every unit without `inputs`,
-    /// cannot tell when their backward ends.
-    fn track_inputs(
+    /// Records the forward of a scope at `path` over the units `covered`,
+    /// which made `outputs` (one requires grad) from the autograd nodes
+    /// made since `start`: each unit this was the outermost scope of — its
+    /// depth back to 0 — waits for the graph's boundary nodes to run when
+    /// the scope is the unit or one of the unit's ancestors in the module
+    /// tree (`path` is the unit's name or a prefix of it), or cannot tell
+    /// when its backward ends when the scope is one of its parts.
+    fn trace_backward(
         &self,
         strategy: &SharedStrategy,
         path: &str,
         covered: &[u32],
-        inputs: Option<&[&Tensor]>,
+        outputs: &[&Tensor],
+        start: u64,
     ) -> Result<(), AccelError> {
         let below = format!("{path}.");
-        let (inside, around): (Vec<u32>, Vec<u32>) = covered.iter().partition(|&&u| {
+        let depth = unpoisoned(&self.depth).clone();
+        let outermost = covered.iter().copied().filter(|&u| depth[u as usize] == 0);
+        let (inside, parts_of): (Vec<u32>, Vec<u32>) = outermost.partition(|&u| {
             let name = &self.names[u as usize];
-            inputs.is_some() && (name == path || name.starts_with(&below))
+            name == path || name.starts_with(&below)
         });
-        let needing: Vec<&Tensor> = inputs
-            .unwrap_or_default()
-            .iter()
-            .copied()
-            .filter(|t| t.requires_grad())
-            .collect();
-        let pass = {
-            let mut passes = unpoisoned(&self.passes);
-            for &u in &around {
-                passes.units[u as usize].undeclared = true;
-            }
-            for &u in inside.iter().filter(|_| !needing.is_empty()) {
-                let progress = &mut passes.units[u as usize];
-                progress.inputs += needing.len();
-                progress.declared = true;
-            }
-            passes.pass
-        };
-        if inside.is_empty() {
-            return Ok(());
-        }
-        for input in needing {
+        let pass = unpoisoned(&self.passes).pass;
+        let boundary = if inside.is_empty() {
+            0
+        } else {
             let (passes, strategy, inside) = (
                 self.passes.clone(),
                 Arc::downgrade(strategy),
                 inside.clone(),
             );
-            shim::on_grad(
-                input,
+            shim::on_scope_backward_done(
+                outputs,
+                start,
                 Box::new(move || {
                     let done: Vec<u32> = {
                         let mut passes = unpoisoned(&passes);
@@ -300,14 +289,24 @@ impl Units {
                             .filter(|&u| {
                                 let progress = &mut passes.units[u as usize];
                                 let was_done = progress.done();
-                                progress.inputs = progress.inputs.saturating_sub(1);
+                                progress.boundary = progress.boundary.saturating_sub(1);
                                 !was_done && progress.done()
                             })
                             .collect()
                     };
                     report_done(&strategy, done)
                 }),
-            )?;
+            )?
+        };
+        let mut passes = unpoisoned(&self.passes);
+        for &u in &parts_of {
+            passes.units[u as usize].untraced = true;
+        }
+        for &u in &inside {
+            let progress = &mut passes.units[u as usize];
+            progress.boundary += boundary;
+            progress.traced |= boundary > 0;
+            progress.untraced |= boundary == 0;
         }
         Ok(())
     }
@@ -490,15 +489,13 @@ impl ForwardScope<'_> {
                 );
             }
         }
-        self.unit_unchecked(path, None, layer)
+        self.unit_unchecked(path, layer)
     }
 
-    /// [`ForwardScope::unit`] without the checkpointing warning, for a
-    /// layer whose inputs are `inputs` when they are declared.
+    /// [`ForwardScope::unit`] without the checkpointing warning.
     fn unit_unchecked(
         &self,
         path: &str,
-        inputs: Option<&[&Tensor]>,
         layer: impl FnOnce() -> Tensor,
     ) -> Result<Tensor, AccelError> {
         let Some(units) = self.units else {
@@ -506,11 +503,12 @@ impl ForwardScope<'_> {
         };
         let covered = units.covering(path);
         units.enter(self.strategy, &covered)?;
+        let start = shim::scope_start();
         let out = units.guarded(layer);
         units.exit(self.strategy, &covered)?;
         let out = out?;
         if !covered.is_empty() && out.requires_grad() {
-            units.track_inputs(self.strategy, path, &covered, inputs)?;
+            units.trace_backward(self.strategy, path, &covered, &[&out], start)?;
             let strategy = Arc::downgrade(self.strategy);
             shim::on_grad(
                 &out,
@@ -547,12 +545,6 @@ impl ForwardScope<'_> {
     /// mask, positions) are passed the same way. The output requires grad
     /// when grad is on, even when no input does, so the layer's parameters
     /// get their gradients (a block after frozen embeddings).
-    ///
-    /// Every tensor the layer reads that requires grad, its parameters
-    /// aside, must be one of `inputs`: once their gradients are in, nothing
-    /// later in the backward pass reads the units `path` covers, and FSDP
-    /// and ZeRO-3 free a unit holding frozen parameters there (a LoRA
-    /// block) rather than at the end of backward.
     ///
     /// ```no_run
     /// # use accel::accelerator::{Accelerator, AccelError};
@@ -607,11 +599,13 @@ impl ForwardScope<'_> {
             }
         });
         units.enter(self.strategy, &covered)?;
+        let start = shim::scope_start();
         let out = shim::checkpoint(inputs, run);
         units.exit(self.strategy, &covered)?;
         let out = out.map_err(|e| units.sharded_hint(&e.0).unwrap_or(AccelError::Torch(e)))?;
-        if out.iter().any(Tensor::requires_grad) {
-            units.track_inputs(self.strategy, path, &covered, Some(inputs))?;
+        if !covered.is_empty() && out.iter().any(Tensor::requires_grad) {
+            let outputs: Vec<&Tensor> = out.iter().collect();
+            units.trace_backward(self.strategy, path, &covered, &outputs, start)?;
         }
         Ok(out)
     }
@@ -621,8 +615,7 @@ impl ForwardScope<'_> {
     /// and `path` is a unit FSDP wrapped (`fsdp_transformer_layer_cls_to_wrap`
     /// or the size policy), as Accelerate's `apply_activation_checkpointing`
     /// over FSDP's auto-wrap policy — and as [`ForwardScope::unit`]
-    /// otherwise (with `inputs` declared, as [`ForwardScope::checkpoint`]
-    /// asks). A model runs its layers through this to let the config
+    /// otherwise. A model runs its layers through this to let the config
     /// decide.
     pub fn checkpointable<F>(
         &self,
@@ -637,7 +630,7 @@ impl ForwardScope<'_> {
             return self.checkpoint(path, inputs, layer);
         }
         let xs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
-        self.unit_unchecked(path, Some(inputs), || layer(&xs))
+        self.unit_unchecked(path, || layer(&xs))
     }
 
     /// Whether [`ForwardScope::checkpointable`] checkpoints the layer at

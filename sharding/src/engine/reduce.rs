@@ -342,9 +342,9 @@ impl Sharded {
         // input may still flow through a frozen weight after that (LoRA's
         // `x @ W + x @ A @ B`: A's and B's gradients come first, then W is
         // needed for x's). Such a unit stays gathered until the host says
-        // its backward is over (`unit_backward_done`, once its inputs'
-        // gradients are in) or, when it cannot say, until the backward ends
-        // (`finish_backward`), as units with no trainable parameter do.
+        // its backward is over (`unit_backward_done`, once its scope's graph
+        // has been backpropagated through) or, when it cannot say, until the
+        // backward ends (`finish_backward`).
         if self.trainable(&self.units[u].params).len() == self.units[u].params.len() {
             self.reshard(u)
         } else {
