@@ -224,7 +224,8 @@ distributed_strategy! {
     /// their defaults.
     #[cfg(not(accel_abi_before_3))]
     {
-        /// Called during backward once wrap unit `unit`'s backward is over:
+        /// Called during backward, for a wrap unit holding parameters that
+        /// do not require grad, once its backward is over:
         /// every parameter of it that requires grad has its gradient
         /// ([`post_unit_backward`](DistributedStrategy::post_unit_backward)
         /// came first) and the backward of the graph its scope made in the

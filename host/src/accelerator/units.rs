@@ -13,14 +13,16 @@
 //! * `pre_backward(u)` from a hook on the scope output's gradient;
 //! * `post_unit_backward(u)` from hooks on the gradient accumulators, once
 //!   every parameter of `u` has its gradient in this backward pass;
-//! * `unit_backward_done(u)` once, besides, the backward of the graph made
-//!   by the outermost scope covering `u` is over: hooks on the nodes at
-//!   that graph's boundary (the first nodes made before the scope — what it
-//!   read — and the leaves' gradient accumulators) have all run, so
-//!   nothing left in the backward reads `u`'s parameters, frozen ones
-//!   included (FSDP reshards a LoRA block there). Not for a unit whose
-//!   outermost scope is one of its parts (unit `p` run only through a scope
-//!   at `p.fc1`: that graph is not all of `p`'s) in this forward.
+//! * for a unit holding frozen parameters, `unit_backward_done(u)` once,
+//!   besides, the backward of the graph made by the outermost scope
+//!   covering `u` is over: the hooks at that graph's boundary
+//!   ([`shim::on_scope_backward_done`]: before the first nodes made before
+//!   the scope — what it read — and after the scope's nodes that hand a
+//!   parameter its gradient) have all run, so nothing left in the backward
+//!   reads `u`'s parameters, frozen ones included (FSDP reshards a LoRA
+//!   block there). Not for a unit whose outermost scope is one of its parts
+//!   (unit `p` run only through a scope at `p.fc1`: that graph is not all
+//!   of `p`'s) in this forward.
 //!
 //! Under DDP and ZeRO-0/1/2 these calls do nothing, so a model written with
 //! scopes runs unchanged under every strategy.
@@ -126,6 +128,10 @@ pub(crate) struct Units {
     passes: Arc<Mutex<Passes>>,
     /// Gradients each unit needs (its parameters that require grad).
     sizes: Vec<usize>,
+    /// Whether each unit holds a parameter that does not require grad: only
+    /// those need [`Units::trace_backward`] (the others are resharded once
+    /// their gradients are in).
+    frozen: Vec<bool>,
     _hooks: Vec<GradReadyHook>,
 }
 
@@ -190,6 +196,11 @@ impl Units {
             checkpoint_units: false,
             warned_unit: AtomicBool::new(false),
             passes,
+            frozen: units
+                .iter()
+                .zip(&sizes)
+                .map(|(unit, &size)| size < unit.params.len())
+                .collect(),
             sizes,
             _hooks: hooks,
         })
@@ -245,8 +256,9 @@ impl Units {
 
     /// Records the forward of a scope at `path` over the units `covered`,
     /// which made `outputs` (one requires grad) from the autograd nodes
-    /// made since `start`: each unit this was the outermost scope of — its
-    /// depth back to 0 — waits for the graph's boundary nodes to run when
+    /// made since `start`: each unit holding frozen parameters this was the
+    /// outermost scope of — its depth back to 0 — waits for the graph's
+    /// boundary nodes to run when
     /// the scope is the unit or one of the unit's ancestors in the module
     /// tree (`path` is the unit's name or a prefix of it), or cannot tell
     /// when its backward ends when the scope is one of its parts.
@@ -258,9 +270,15 @@ impl Units {
         outputs: &[&Tensor],
         start: u64,
     ) -> Result<(), AccelError> {
+        if !covered.iter().any(|&u| self.frozen[u as usize]) {
+            return Ok(());
+        }
         let below = format!("{path}.");
         let depth = unpoisoned(&self.depth).clone();
-        let outermost = covered.iter().copied().filter(|&u| depth[u as usize] == 0);
+        let outermost = covered
+            .iter()
+            .copied()
+            .filter(|&u| self.frozen[u as usize] && depth[u as usize] == 0);
         let (inside, parts_of): (Vec<u32>, Vec<u32>) = outermost.partition(|&u| {
             let name = &self.names[u as usize];
             name == path || name.starts_with(&below)
