@@ -228,7 +228,7 @@ distributed_strategy! {
         /// do not require grad, once its backward is over:
         /// every parameter of it that requires grad has its gradient
         /// ([`post_unit_backward`](DistributedStrategy::post_unit_backward)
-        /// came first) and the backward of the graph its scope made in the
+        /// came first, if it has any) and the backward of the graph its scope made in the
         /// forward has run to its boundary (the gradients toward what the
         /// scope read, its input among them, are computed), so nothing left
         /// in this backward pass reads the unit's parameters — frozen ones
