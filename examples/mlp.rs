@@ -18,7 +18,8 @@
 mod training;
 
 use accel::accelerator::{
-    AccelError, Accelerator, Checkpointable, DataLoader, ForwardScope, SaveOptions, TrainingObjects,
+    AccelError, Accelerator, Checkpointable, DataLoader, ForwardScope, ProfileSettings,
+    SaveOptions, TrainingObjects,
 };
 use accel_sdk::{optim::OptimizerConfig, schedule::LrScheduler, TableCell};
 use anyhow::{anyhow, bail, Context, Result};
@@ -169,6 +170,12 @@ struct Args {
     /// `loss`, `lr`, `steps`), all at the last step.
     #[arg(long = "log-media")]
     log_media: bool,
+    /// Profile the whole run (a few steps, then), each step a
+    /// `ProfilerStep#N` range: each rank writes its Chrome trace
+    /// `DIR/profile_{rank}.json` and the main process prints the 15
+    /// operators with the most self time.
+    #[arg(long = "profile-dir")]
+    profile_dir: Option<PathBuf>,
 }
 
 /// `--log-media`: a weight histogram, two images and a table at `step`.
@@ -565,6 +572,13 @@ fn main() -> Result<()> {
     // Drawn on the local main process's terminal only (accel::progress).
     let bar = acc.progress_bar(stop.saturating_sub(step), "mlp");
     let mut report = Report::new(log, true);
+    let mut profiling = match &args.profile_dir {
+        Some(dir) => Some(acc.start_profiling(&ProfileSettings {
+            output_trace_dir: Some(dir.clone()),
+            ..Default::default()
+        })?),
+        None => None,
+    };
     let epochs_done = |loader: &accel::accelerator::ShardedLoader| {
         let p = loader.position();
         p.epoch + u64::from(p.finished)
@@ -590,6 +604,9 @@ fn main() -> Result<()> {
             }
             step += 1;
             bar.inc(1);
+            if let Some(p) = profiling.as_mut() {
+                p.step();
+            }
             if args
                 .checkpoint_every
                 .is_some_and(|n| step.is_multiple_of(n))
@@ -610,6 +627,10 @@ fn main() -> Result<()> {
         }
     }
     bar.finish();
+    if let Some(profiling) = profiling {
+        let profile = profiling.finish()?;
+        acc.print(format!("mlp: profile\n{}", profile.table(15)));
+    }
     if args.log_media {
         log_media(&acc, &model, step, report.last, opt.lr())?;
     }

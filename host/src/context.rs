@@ -12,6 +12,7 @@ use accel_sdk::{
         std_types::{RArc, ROk, RStr},
     },
     context::HostContext_TO,
+    profiler::Range,
     tensor::{TensorMut, TensorRef},
     DeviceSpec, ErrorKind, HostContext, HostContextBox, LogLevel, PluginError, PluginResult,
     ReduceOp,
@@ -69,8 +70,11 @@ fn comm_error(e: CommError) -> PluginError {
     PluginError::new(ErrorKind::Communication, "accel", e.to_string())
 }
 
-fn result<T>(r: Result<T, CommError>) -> PluginResult<T> {
-    r.map_err(comm_error).into()
+/// Runs a collective inside a profiler range named `name` (recorded when
+/// [`Accelerator::profile`](crate::accelerator::Accelerator::profile) runs).
+fn traced<T>(name: &str, collective: impl FnOnce() -> Result<T, CommError>) -> PluginResult<T> {
+    let _range = Range::new(name);
+    collective().map_err(comm_error).into()
 }
 
 impl HostContext for ProcessContext {
@@ -90,13 +94,19 @@ impl HostContext for ProcessContext {
         self.device
     }
     fn all_reduce(&self, mut tensor: TensorMut<'_>, op: ReduceOp) -> PluginResult<()> {
-        result(self.comm.all_reduce(&mut tensor.get_mut(), op))
+        traced("accel::all_reduce", || {
+            self.comm.all_reduce(&mut tensor.get_mut(), op)
+        })
     }
     fn broadcast(&self, mut tensor: TensorMut<'_>, root: u32) -> PluginResult<()> {
-        result(self.comm.broadcast(&mut tensor.get_mut(), root))
+        traced("accel::broadcast", || {
+            self.comm.broadcast(&mut tensor.get_mut(), root)
+        })
     }
     fn all_gather(&self, input: TensorRef<'_>, mut output: TensorMut<'_>) -> PluginResult<()> {
-        result(self.comm.all_gather(&input.get(), &mut output.get_mut()))
+        traced("accel::all_gather", || {
+            self.comm.all_gather(&input.get(), &mut output.get_mut())
+        })
     }
     fn reduce_scatter(
         &self,
@@ -104,13 +114,13 @@ impl HostContext for ProcessContext {
         mut output: TensorMut<'_>,
         op: ReduceOp,
     ) -> PluginResult<()> {
-        result(
+        traced("accel::reduce_scatter", || {
             self.comm
-                .reduce_scatter(&input.get(), &mut output.get_mut(), op),
-        )
+                .reduce_scatter(&input.get(), &mut output.get_mut(), op)
+        })
     }
     fn barrier(&self) -> PluginResult<()> {
-        result(self.comm.barrier())
+        traced("accel::barrier", || self.comm.barrier())
     }
     fn log(&self, level: LogLevel, target: RStr<'_>, message: RStr<'_>) {
         forward_log(level, target.as_str(), message.as_str());
@@ -124,14 +134,18 @@ impl HostContext for ProcessContext {
             .is_none_or(|g| g.lock().unwrap_or_else(|p| p.into_inner()).sync_gradients)
     }
     fn all_reduce_start(&self, mut tensor: TensorMut<'_>, op: ReduceOp) -> PluginResult<u64> {
-        result(self.comm.all_reduce_start(&tensor.get_mut(), op))
+        traced("accel::all_reduce_start", || {
+            self.comm.all_reduce_start(&tensor.get_mut(), op)
+        })
     }
     fn all_gather_start(
         &self,
         input: TensorRef<'_>,
         mut output: TensorMut<'_>,
     ) -> PluginResult<u64> {
-        result(self.comm.all_gather_start(&input.get(), &output.get_mut()))
+        traced("accel::all_gather_start", || {
+            self.comm.all_gather_start(&input.get(), &output.get_mut())
+        })
     }
     fn reduce_scatter_start(
         &self,
@@ -139,16 +153,16 @@ impl HostContext for ProcessContext {
         mut output: TensorMut<'_>,
         op: ReduceOp,
     ) -> PluginResult<u64> {
-        result(
+        traced("accel::reduce_scatter_start", || {
             self.comm
-                .reduce_scatter_start(&input.get(), &output.get_mut(), op),
-        )
+                .reduce_scatter_start(&input.get(), &output.get_mut(), op)
+        })
     }
     fn wait(&self, handle: u64) -> PluginResult<()> {
         if handle == 0 {
             return ROk(());
         }
-        result(self.comm.wait(handle))
+        traced("accel::wait", || self.comm.wait(handle))
     }
 }
 

@@ -7,11 +7,13 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -20,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
@@ -303,6 +306,12 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 };
 
 }  // namespace
+
+// Exported by libtorch (torch/csrc/profiler/kineto_shim.h, whose Kineto
+// headers are not installed with it).
+namespace torch::autograd::profiler {
+TORCH_API void addMetadataJson(const std::string& key, const std::string& value);
+}
 
 extern "C" {
 
@@ -696,5 +705,67 @@ char* accel_checkpoint(at::Tensor* const* inputs, size_t n,
     for (const auto& t : outputs) emit(out, &t);
   });
 }
+
+// Starts libtorch's Kineto profiler (torch.profiler's engine) on this thread
+// and the threads autograd hands its work to: CPU operators, and CUDA kernels
+// when `cuda`; input shapes, allocations and FLOPs on request.
+char* accel_profiler_start(bool cuda, bool record_shapes, bool profile_memory, bool with_flops) {
+  return guarded([&] {
+    namespace impl = torch::profiler::impl;
+    TORCH_CHECK(!impl::profilerEnabled(), "a profiler is already running on this thread");
+    impl::ProfilerConfig config(impl::ProfilerState::KINETO, record_shapes, profile_memory,
+                                /*with_stack=*/false, with_flops, /*with_modules=*/false);
+    std::set<impl::ActivityType> activities{impl::ActivityType::CPU};
+    if (cuda) activities.insert(impl::ActivityType::CUDA);
+    torch::autograd::profiler::prepareProfiler(config, activities);
+    torch::autograd::profiler::enableProfiler(config, activities);
+  });
+}
+
+// Stops the profiler started on this thread: hands each recorded event to
+// `emit(ctx, name, device, thread, start_ns, duration_ns, flops)` (device 0
+// CPU, 1 CUDA, 2 other) and, when `path` is not NULL, writes the Chrome trace
+// there.
+char* accel_profiler_stop(const char* path,
+                          void (*emit)(void*, const char*, int, uint64_t, uint64_t, uint64_t,
+                                       uint64_t),
+                          void* ctx) {
+  return guarded([&] {
+    TORCH_CHECK(torch::profiler::impl::profilerEnabled(), "no profiler is running on this thread");
+    auto result = torch::autograd::profiler::disableProfiler();
+    TORCH_CHECK(result != nullptr, "no profiler is running on this thread");
+    for (const auto& e : result->events()) {
+      if (e.isHiddenEvent()) continue;
+      auto type = e.deviceType();
+      int device = type == c10::DeviceType::CPU ? 0 : type == c10::DeviceType::CUDA ? 1 : 2;
+      std::string name = e.name();
+      emit(ctx, name.c_str(), device, e.startThreadId(), e.startNs(), e.durationNs(), e.flops());
+    }
+    if (path != nullptr) result->save(path);
+  });
+}
+
+// Adds `key: json` to the top level of the running profiler's trace (as
+// torch.profiler's `add_metadata_json`, which writes `distributedInfo`).
+char* accel_profiler_metadata(const char* key, const char* json) {
+  return guarded([&] { torch::autograd::profiler::addMetadataJson(key, json); });
+}
+
+// Opens a named range (a `torch.profiler.record_function`) that the running
+// profiler records; NULL (and nothing recorded) when no profiler listens.
+void* accel_range_enter(const char* name, size_t len) {
+  auto callbacks = at::getStepCallbacksUnlessEmpty(at::RecordScope::USER_SCOPE);
+  if (!callbacks) return nullptr;
+  try {
+    auto* range = new at::RecordFunction(std::move(*callbacks));
+    range->before(std::string_view(name, len));
+    return range;
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+// Closes a range `accel_range_enter` opened, on the thread that opened it.
+void accel_range_exit(void* range) { delete static_cast<at::RecordFunction*>(range); }
 
 }  // extern "C"

@@ -97,6 +97,7 @@ pub mod deepspeed;
 pub mod grad;
 pub mod optim;
 pub mod params;
+pub mod profiler;
 pub mod replicated;
 pub mod schedule;
 pub mod shim;

@@ -493,7 +493,7 @@ impl std::fmt::Display for ShimError {
 impl std::error::Error for ShimError {}
 
 /// Turns the shim's return value into a `Result`, freeing the message.
-fn check(message: *mut c_char) -> Result<(), ShimError> {
+pub(crate) fn check(message: *mut c_char) -> Result<(), ShimError> {
     if message.is_null() {
         return Ok(());
     }

@@ -42,6 +42,7 @@ mod loading;
 mod media;
 mod precision;
 mod processes;
+mod profiling;
 mod tracking;
 mod training;
 mod units;
@@ -58,6 +59,7 @@ pub use data::{
 pub use loading::deferred_var;
 pub use media::HistogramValues;
 pub use processes::Reduction;
+pub use profiling::{ProfileReport, ProfileSettings, Profiling};
 pub use tracking::{image_entry, IntoLogEntry, LOG_WITH_ENV};
 pub use training::{AcceleratedScheduler, ModelId, TrainOptimizer};
 pub use units::ForwardScope;

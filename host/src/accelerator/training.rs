@@ -13,6 +13,7 @@ use accel_sdk::{
         std_types::{RErr, ROk},
     },
     optim::{Hyper, Optimizer, OptimizerConfig, ParamGroup},
+    profiler::Range,
     schedule::LrScheduler,
     strategy::{OptimizerStep, OptimizerStep_TO},
     tensor::NamedTensorMut,
@@ -588,6 +589,7 @@ impl Accelerator {
         let units = prepared.map(|p| &p.units);
         let strategy = prepared.map_or(&self.strategy, |p| &p.strategy);
         let scope = ForwardScope { strategy, units };
+        let _range = Range::new("accel::forward");
         self.precision.autocast(|| match units {
             Some(u) => u.run_root(strategy, || forward(&scope)),
             None => Ok(forward(&scope)),
@@ -691,6 +693,7 @@ impl Accelerator {
             let reached = single || m.units.reached() || (m.trainable() && !m.units.hooked());
             m.units.end_backward();
             if reached {
+                let _range = Range::new("accel::post_backward");
                 lock(&m.strategy).post_backward(sync).into_result()?;
             }
         }
@@ -735,6 +738,7 @@ impl Accelerator {
             .unscale_for_step(model, || Ok(prepared.optimized_grads()))?;
         self.optimizer_steps += 1;
         if !found_inf {
+            let _range = Range::new("accel::optimizer_step");
             let mut step = StepWith(optimizer);
             lock(&prepared.strategy)
                 .optimizer_step(OptimizerStep_TO::from_ptr(RMut::new(&mut step), TD_Opaque))

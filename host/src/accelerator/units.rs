@@ -36,6 +36,7 @@
 
 use super::AccelError;
 use accel_sdk::{
+    profiler::Range,
     shim::{self, GradReadyHook},
     StrategyBox, WrapUnit,
 };
@@ -359,6 +360,7 @@ impl Units {
                 depth[u as usize] == 1
             };
             if first {
+                let _range = Range::new("accel::pre_forward");
                 lock(strategy).pre_forward(u).into_result()?;
             }
         }
@@ -373,6 +375,7 @@ impl Units {
                 depth[u as usize] == 0
             };
             if last {
+                let _range = Range::new("accel::post_forward");
                 lock(strategy).post_forward(u).into_result()?;
             }
         }
@@ -472,6 +475,7 @@ impl Recompute {
                 };
                 open.opened.push(u);
                 if first {
+                    let _range = Range::new("accel::pre_backward");
                     lock(&strategy)
                         .pre_backward(u)
                         .into_result()
@@ -516,6 +520,7 @@ impl ForwardScope<'_> {
         path: &str,
         layer: impl FnOnce() -> Tensor,
     ) -> Result<Tensor, AccelError> {
+        let _range = Range::new(path);
         let Some(units) = self.units else {
             return Ok(layer());
         };
@@ -534,6 +539,7 @@ impl ForwardScope<'_> {
                     let Some(s) = strategy.upgrade() else {
                         return Ok(());
                     };
+                    let _range = Range::new("accel::pre_backward");
                     let mut s = lock(&s);
                     for &u in &covered {
                         s.pre_backward(u).into_result().map_err(|e| e.to_string())?;
@@ -598,6 +604,7 @@ impl ForwardScope<'_> {
     where
         F: Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static,
     {
+        let _range = Range::new(path);
         let Some(units) = self.units else {
             return Ok(shim::checkpoint(inputs, Box::new(move |xs| Ok(layer(xs))))?);
         };
