@@ -79,7 +79,7 @@ use std::{
     path::{Path, PathBuf},
 };
 use tch::{nn, Kind, Tensor};
-use training::{backward_and_step, Precision, Report, Sched};
+use training::{backward_and_step, Precision, Report, RunProfile, Sched};
 
 #[derive(Clone, Copy, ValueEnum)]
 enum LoraInitArg {
@@ -217,6 +217,12 @@ struct Args {
     /// Comma-separated token ids for --logits-out.
     #[arg(long = "logits-input")]
     logits_input: Option<String>,
+    /// Profile the training steps (a few, then), each a `ProfilerStep#N`
+    /// range: each rank writes its Chrome trace `DIR/profile_{rank}.json`
+    /// and the main process prints the 15 operators with the most self
+    /// time.
+    #[arg(long = "profile-dir")]
+    profile_dir: Option<PathBuf>,
 }
 
 fn create(path: &Path, flag: &str) -> Result<BufWriter<File>> {
@@ -728,6 +734,7 @@ fn main() -> Result<()> {
         };
         // Drawn on the local main process's terminal only (accel::progress).
         let bar = acc.progress_bar(args.steps, "gpt2");
+        let mut profile = RunProfile::start(&acc, args.profile_dir.as_deref())?;
         'training: while step < args.steps && args.epochs.is_none_or(|e| epochs_done(&loader) < e) {
             for batch in loader.iter()? {
                 let batch = batch?;
@@ -749,6 +756,7 @@ fn main() -> Result<()> {
                 }
                 step += 1;
                 bar.inc(1);
+                profile.step();
                 if let (Some(every), Some(eval)) = (args.eval_every, eval.as_ref()) {
                     if step.is_multiple_of(every) {
                         let loss =
@@ -770,6 +778,7 @@ fn main() -> Result<()> {
         }
         report.flush(&mut acc)?;
         bar.finish();
+        profile.finish(&acc, "gpt2")?;
     }
     let secs = started.elapsed().as_secs_f64();
     if let Some(mut l) = report.log.take() {

@@ -18,8 +18,7 @@
 mod training;
 
 use accel::accelerator::{
-    AccelError, Accelerator, Checkpointable, DataLoader, ForwardScope, ProfileSettings,
-    SaveOptions, TrainingObjects,
+    AccelError, Accelerator, Checkpointable, DataLoader, ForwardScope, SaveOptions, TrainingObjects,
 };
 use accel_sdk::{optim::OptimizerConfig, schedule::LrScheduler, TableCell};
 use anyhow::{anyhow, bail, Context, Result};
@@ -32,7 +31,7 @@ use std::{
     path::{Path, PathBuf},
 };
 use tch::{nn, nn::Module, Device, Kind, Tensor};
-use training::{backward_and_step, Precision, Report, Sched};
+use training::{backward_and_step, Precision, Report, RunProfile, Sched};
 
 /// The network; every module runs as a unit scope named by its VarStore
 /// path, so sharding strategies can gather and free it (FSDP wraps the
@@ -572,13 +571,7 @@ fn main() -> Result<()> {
     // Drawn on the local main process's terminal only (accel::progress).
     let bar = acc.progress_bar(stop.saturating_sub(step), "mlp");
     let mut report = Report::new(log, true);
-    let mut profiling = match &args.profile_dir {
-        Some(dir) => Some(acc.start_profiling(&ProfileSettings {
-            output_trace_dir: Some(dir.clone()),
-            ..Default::default()
-        })?),
-        None => None,
-    };
+    let mut profile = RunProfile::start(&acc, args.profile_dir.as_deref())?;
     let epochs_done = |loader: &accel::accelerator::ShardedLoader| {
         let p = loader.position();
         p.epoch + u64::from(p.finished)
@@ -604,9 +597,7 @@ fn main() -> Result<()> {
             }
             step += 1;
             bar.inc(1);
-            if let Some(p) = profiling.as_mut() {
-                p.step();
-            }
+            profile.step();
             if args
                 .checkpoint_every
                 .is_some_and(|n| step.is_multiple_of(n))
@@ -627,10 +618,7 @@ fn main() -> Result<()> {
         }
     }
     bar.finish();
-    if let Some(profiling) = profiling {
-        let profile = profiling.finish()?;
-        acc.print(format!("mlp: profile\n{}", profile.table(15)));
-    }
+    profile.finish(&acc, "mlp")?;
     if args.log_media {
         log_media(&acc, &model, step, report.last, opt.lr())?;
     }

@@ -3,10 +3,12 @@
 //! profiler with accel's own work in it as ranges, in the right places.
 
 use accel_integration_tests::{
-    assert_failed_with, launch_mlp, launch_with_config, output_of, run_ok, write_config,
+    accel_bin, assert_failed_with,
+    gpt2::{gpt2, on_tokens, write_tokens, SIZES},
+    launch_mlp, launch_with_config, output_of, run_ok, write_config,
 };
 use serde_json::Value;
-use std::{collections::HashSet, path::Path};
+use std::{collections::HashSet, path::Path, process::Command};
 
 /// A complete event of a trace: name, thread, start and end (µs).
 #[derive(Debug, Clone)]
@@ -39,6 +41,11 @@ fn read_trace(path: &Path) -> (Value, Vec<Span>) {
     (trace, spans)
 }
 
+/// Whether `inner` lies inside `outer` on its thread.
+fn holds(outer: &Span, inner: &Span) -> bool {
+    outer.tid == inner.tid && outer.start <= inner.start && inner.end <= outer.end
+}
+
 fn named<'a>(spans: &'a [Span], name: &str) -> Vec<&'a Span> {
     spans.iter().filter(|s| s.name == name).collect()
 }
@@ -50,10 +57,9 @@ fn assert_inside(spans: &[Span], inner: &str, outer: &[&str]) {
     assert!(!inners.is_empty(), "no {inner} in the trace");
     for i in inners {
         assert!(
-            spans.iter().any(|o| outer.contains(&o.name.as_str())
-                && o.tid == i.tid
-                && o.start <= i.start
-                && i.end <= o.end),
+            spans
+                .iter()
+                .any(|o| outer.contains(&o.name.as_str()) && holds(o, i)),
             "{inner} at {} is not inside any of {outer:?}",
             i.start
         );
@@ -69,9 +75,14 @@ fn every_rank_of_a_ddp_job_writes_a_chrome_trace_with_accels_sync_in_it() {
         &["--steps", "3", "--profile-dir", traces.to_str().unwrap()],
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    // The main process prints its table once.
+    // The main process prints its table once: a header and 15 rows.
     assert_eq!(stdout.matches("mlp: profile").count(), 1, "{stdout}");
-    assert!(stdout.contains("accel::post_backward") && stdout.contains("aten::addmm"));
+    let table: Vec<&str> = stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("Name"))
+        .take_while(|l| !l.is_empty())
+        .collect();
+    assert_eq!(table.len(), 16, "{stdout}");
     let mut pids = HashSet::new();
     for rank in 0..2u32 {
         let path = traces.join(format!("profile_{rank}.json"));
@@ -94,14 +105,13 @@ fn every_rank_of_a_ddp_job_writes_a_chrome_trace_with_accels_sync_in_it() {
         for n in 0..3 {
             let marked = named(&spans, &format!("ProfilerStep#{n}"));
             assert_eq!(marked.len(), 1, "ProfilerStep#{n}");
-            let inside = |name: &str| {
-                named(&spans, name)
-                    .iter()
-                    .filter(|s| marked[0].start <= s.start && s.end <= marked[0].end)
-                    .count()
-            };
-            assert_eq!(inside("accel::optimizer_step"), 1, "ProfilerStep#{n}");
-            assert_eq!(inside("accel::forward"), 1, "ProfilerStep#{n}");
+            for inner in ["accel::optimizer_step", "accel::forward"] {
+                assert_eq!(
+                    count_inside(&spans, marked[0], inner),
+                    1,
+                    "ProfilerStep#{n}"
+                );
+            }
         }
         for layer in ["l1", "l2", "l3"] {
             assert_eq!(named(&spans, layer).len(), 3, "{layer}");
@@ -154,11 +164,67 @@ fn an_fsdp_trace_shows_each_unit_gathered_for_its_forward_and_backward() {
             .filter(|p| {
                 spans
                     .iter()
-                    .any(|u| u.name.starts_with("layers.") && u.start <= p.start && p.end <= u.end)
+                    .any(|u| u.name.starts_with("layers.") && holds(u, p))
             })
             .count();
         assert_eq!(in_blocks, 2 * 3);
         assert_eq!(named(&spans, "accel::pre_forward").len(), 3 * 3);
+    }
+}
+
+/// How many `inner` spans lie inside `outer` (on its thread).
+fn count_inside(spans: &[Span], outer: &Span, inner: &str) -> usize {
+    named(spans, inner)
+        .iter()
+        .filter(|s| holds(outer, s))
+        .count()
+}
+
+#[test]
+fn a_gpt2_trace_under_fsdp_shows_each_block_with_its_gather_and_its_attention() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.bin");
+    write_tokens(&tokens);
+    let config = write_config(
+        dir.path(),
+        "fsdp.yaml",
+        "FSDP",
+        2,
+        "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
+         fsdp_transformer_layer_cls_to_wrap: GPT2Block\n",
+    );
+    let traces = dir.path().join("traces");
+    let mut extra: Vec<&str> = SIZES.to_vec();
+    extra.extend(["--steps", "2", "--batch-size", "2"]);
+    extra.extend(["--profile-dir", traces.to_str().unwrap()]);
+    let out = run_ok(
+        Command::new(accel_bin())
+            .args(["launch", "-q", "--config_file"])
+            .arg(&config)
+            .arg(gpt2())
+            .args(on_tokens(None, tokens.to_str().unwrap(), &extra)),
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("gpt2: profile"));
+    for rank in 0..2 {
+        let (_, spans) = read_trace(&traces.join(format!("profile_{rank}.json")));
+        for block in ["transformer.h.0", "transformer.h.1"] {
+            let runs = named(&spans, block);
+            assert_eq!(runs.len(), 2, "{block}: one forward a step");
+            for run in runs {
+                // The block's own gather and its attention's softmax, in it.
+                assert_eq!(count_inside(&spans, run, "accel::pre_forward"), 1);
+                assert_eq!(count_inside(&spans, run, "aten::softmax"), 1);
+            }
+        }
+        assert_inside(
+            &spans,
+            "accel::all_gather",
+            &["accel::pre_forward", "accel::pre_backward"],
+        );
+        for n in 0..2 {
+            let step = named(&spans, &format!("ProfilerStep#{n}"));
+            assert_eq!(count_inside(&spans, step[0], "accel::optimizer_step"), 1);
+        }
     }
 }
 

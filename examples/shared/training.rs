@@ -1,9 +1,12 @@
 //! What the `mlp` and `gpt2` examples share in their training loops: a
 //! micro-batch's backward and, at the end of an accumulation window, the
 //! clip, optimizer and scheduler steps; and the report of finished steps,
-//! whose losses are averaged across ranks [`REPORT_EVERY`] steps at a time.
+//! whose losses are averaged across ranks [`REPORT_EVERY`] steps at a time;
+//! and `--profile-dir` ([`RunProfile`]).
 
-use accel::accelerator::{AccelError, AcceleratedScheduler, Accelerator, Reduction};
+use accel::accelerator::{
+    AccelError, AcceleratedScheduler, Accelerator, ProfileSettings, Profiling, Reduction,
+};
 use accel_sdk::optim::Optimizer;
 use accel_sdk::schedule::Schedule;
 use anyhow::Result;
@@ -11,6 +14,7 @@ use clap::ValueEnum;
 use std::{
     fs::File,
     io::{BufWriter, Write},
+    path::Path,
 };
 use tch::{Kind, Tensor};
 
@@ -210,6 +214,41 @@ impl Report {
                 // Queued for the tracker thread (main process only).
                 acc.log([("loss", loss), ("lr", p.lr)], Some(p.step))?;
             }
+        }
+        Ok(())
+    }
+}
+
+/// `--profile-dir DIR`: the run under libtorch's profiler, each optimizer
+/// step a `ProfilerStep#N` range; each rank writes `DIR/profile_{rank}.json`
+/// and the main process prints the 15 operators with the most self time.
+pub struct RunProfile(Option<Profiling>);
+
+impl RunProfile {
+    /// Starts profiling when `dir` is given.
+    pub fn start(acc: &Accelerator, dir: Option<&Path>) -> Result<Self> {
+        let settings = |dir: &Path| ProfileSettings {
+            output_trace_dir: Some(dir.to_path_buf()),
+            ..Default::default()
+        };
+        Ok(RunProfile(match dir {
+            Some(dir) => Some(acc.start_profiling(&settings(dir))?),
+            None => None,
+        }))
+    }
+
+    /// Marks the end of an optimizer step.
+    pub fn step(&mut self) {
+        if let Some(p) = self.0.as_mut() {
+            p.step();
+        }
+    }
+
+    /// Writes the traces and prints the table as `{example}: profile`.
+    pub fn finish(self, acc: &Accelerator, example: &str) -> Result<()> {
+        if let Some(p) = self.0 {
+            let report = p.finish()?;
+            acc.print(format!("{example}: profile\n{}", report.table(15)));
         }
         Ok(())
     }
