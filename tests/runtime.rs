@@ -238,6 +238,7 @@ fn collectives_give_what_accelerate_gives_on_1_2_and_3_ranks() {
                 "broadcast",
                 "pad_gather",
                 "metrics",
+                "trigger",
             ] {
                 assert_eq!(
                     a[r][key], b[r][key],
@@ -245,6 +246,10 @@ fn collectives_give_what_accelerate_gives_on_1_2_and_3_ranks() {
                     a[r][key], b[r][key]
                 );
             }
+        }
+        // Every rank stops at the same check, the one after the raise.
+        for r in 0..n as usize {
+            assert_eq!(a[r]["trigger"], serde_json::json!([false, true, false]));
         }
         // gather_for_metrics saw every sample exactly once.
         let metrics: Vec<f64> = serde_json::from_value(a[0]["metrics"].clone()).unwrap();

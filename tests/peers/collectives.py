@@ -29,6 +29,13 @@ metrics = []
 for (xb,) in loader:
     metrics += acc.gather_for_metrics(xb).tolist()
 out["metrics"] = metrics
+# Nobody raised the flag; the last rank raises it; a yes lowers it.
+trigger = [acc.check_trigger()]
+if r == acc.num_processes - 1:
+    acc.set_trigger()
+trigger.append(acc.check_trigger())
+trigger.append(acc.check_trigger())
+out["trigger"] = trigger
 # Empty tensors: nothing to reduce or gather, and no error.
 empty = torch.zeros(0)
 out["empty_sum"] = acc.reduce(empty.clone(), reduction="sum").tolist()

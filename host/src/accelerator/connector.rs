@@ -145,6 +145,7 @@ impl Accelerator {
             micro_step: 0,
             dataloader: b.dataloader,
             step_was_skipped: false,
+            trigger: false,
             health: TrainingHealth::default(),
             tracking,
             optimizer_steps: 0,

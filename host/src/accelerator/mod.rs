@@ -199,6 +199,8 @@ pub struct Accelerator {
     micro_step: u32,
     dataloader: DataLoaderConfiguration,
     step_was_skipped: bool,
+    /// This rank's flag for `check_trigger` (`set_trigger`).
+    trigger: bool,
     /// Skipped steps and non-finite losses so far.
     health: TrainingHealth,
     /// Experiment trackers (`log_with`, `init_trackers`, `log`).

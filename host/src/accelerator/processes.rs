@@ -99,6 +99,43 @@ impl Accelerator {
         Ok(t)
     }
 
+    /// Raises this rank's flag for [`Accelerator::check_trigger`]
+    /// (Accelerate's `set_trigger`): for a condition one rank sees — a
+    /// target loss on its batch, a file appearing, a NaN — that must stop
+    /// every rank at the same step, where a rank breaking out of its loop
+    /// alone would leave the others waiting in the next collective.
+    pub fn set_trigger(&mut self) {
+        self.trigger = true;
+    }
+
+    /// Whether any rank raised its flag ([`Accelerator::set_trigger`])
+    /// since a check last said yes (Accelerate's `check_trigger`): one
+    /// all-reduce, so every rank calls it at the same point of its loop,
+    /// and every rank gets the same answer. A yes lowers every rank's flag.
+    ///
+    /// ```no_run
+    /// # use accel::accelerator::{Accelerator, AccelError};
+    /// # fn f(acc: &mut Accelerator, losses: &[f64]) -> Result<(), AccelError> {
+    /// for &loss in losses {
+    ///     if loss < 0.01 {
+    ///         acc.set_trigger();
+    ///     }
+    ///     if acc.check_trigger()? {
+    ///         break; // on every rank, at the same step
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn check_trigger(&mut self) -> Result<bool, AccelError> {
+        let mut flag = Tensor::from_slice(&[f32::from(u8::from(self.trigger))]).to(self.device);
+        self.comm.all_reduce(&mut flag, ReduceOp::Sum)?;
+        let raised = flag.double_value(&[0]) >= 1.0;
+        if raised {
+            self.trigger = false;
+        }
+        Ok(raised)
+    }
+
     /// Rank `from`'s `tensor` on every rank.
     pub fn broadcast(&self, tensor: &Tensor, from: u32) -> Result<Tensor, AccelError> {
         let mut t = tensor.detach().copy();
