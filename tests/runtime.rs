@@ -248,8 +248,8 @@ fn collectives_give_what_accelerate_gives_on_1_2_and_3_ranks() {
             }
         }
         // Every rank stops at the same check, the one after the raise.
-        for r in 0..n as usize {
-            assert_eq!(a[r]["trigger"], serde_json::json!([false, true, false]));
+        for rank in &a {
+            assert_eq!(rank["trigger"], serde_json::json!([false, true, false]));
         }
         // gather_for_metrics saw every sample exactly once.
         let metrics: Vec<f64> = serde_json::from_value(a[0]["metrics"].clone()).unwrap();
