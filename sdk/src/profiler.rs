@@ -26,7 +26,9 @@ use crate::shim::{check, ShimError};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::marker::PhantomData;
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 extern "C" {
     fn accel_profiler_start(
@@ -66,9 +68,20 @@ pub struct Profiler {
     _same_thread: PhantomData<*const ()>,
 }
 
-/// Starts recording on this thread. libtorch runs one profiler per thread:
-/// starting a second one fails.
+/// Whether a [`Profiler`] of this library runs (Kineto, under libtorch's
+/// profiler, keeps one session per process).
+static RUNNING: AtomicBool = AtomicBool::new(false);
+
+/// Starts recording on this thread. libtorch's profiler runs once per
+/// process: starting a second one, here or on another thread, fails.
 pub fn start(options: &ProfileOptions) -> Result<Profiler, ShimError> {
+    if RUNNING.swap(true, Ordering::AcqRel) {
+        return Err(ShimError(
+            "a profiler is already running in this process (libtorch profiles one session at \
+             a time)"
+                .into(),
+        ));
+    }
     // SAFETY: plain values; the shim catches every C++ exception.
     check(unsafe {
         accel_profiler_start(
@@ -77,7 +90,8 @@ pub fn start(options: &ProfileOptions) -> Result<Profiler, ShimError> {
             options.profile_memory,
             options.with_flops,
         )
-    })?;
+    })
+    .inspect_err(|_| RUNNING.store(false, Ordering::Release))?;
     Ok(Profiler {
         stopped: false,
         _same_thread: PhantomData,
@@ -157,7 +171,6 @@ impl Profiler {
     /// them as a Chrome trace there (to a temporary name beside it first,
     /// then renamed, so a trace file is never half written).
     pub fn stop(mut self, trace: Option<&Path>) -> Result<Vec<ProfiledEvent>, ShimError> {
-        self.stopped = true;
         let tmp = trace.map(|p| {
             let mut name = p.file_name().unwrap_or_default().to_os_string();
             name.push(".tmp");
@@ -165,9 +178,10 @@ impl Profiler {
         });
         let c_path = tmp
             .as_ref()
-            .map(|p| CString::new(p.to_string_lossy().as_bytes()))
+            .map(|p| CString::new(p.as_os_str().as_bytes()))
             .transpose()
             .map_err(|_| ShimError("a trace path holds a NUL byte".into()))?;
+        self.stopped = true;
         let events = disable(c_path.as_deref())?;
         if let (Some(tmp), Some(path)) = (tmp, trace) {
             std::fs::rename(&tmp, path).map_err(|e| {
@@ -197,13 +211,15 @@ impl Drop for Profiler {
 fn disable(path: Option<&CStr>) -> Result<Vec<ProfiledEvent>, ShimError> {
     let mut events: Vec<ProfiledEvent> = Vec::new();
     // SAFETY: `events` outlives the call; emit_event only pushes to it.
-    check(unsafe {
+    let stopped = check(unsafe {
         accel_profiler_stop(
             path.map_or(std::ptr::null(), CStr::as_ptr),
             emit_event,
             (&mut events as *mut Vec<ProfiledEvent>).cast(),
         )
-    })?;
+    });
+    RUNNING.store(false, Ordering::Release);
+    stopped?;
     Ok(events)
 }
 
@@ -379,8 +395,12 @@ mod tests {
         assert_eq!(ops[0].name, "mm");
     }
 
+    /// The profiling tests, one at a time (one profiler per process).
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn a_profile_records_operators_and_ranges_and_writes_a_chrome_trace() {
+        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         let dir = std::env::temp_dir().join(format!("accel-profiler-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("trace.json");
@@ -392,7 +412,7 @@ mod tests {
         .unwrap();
         assert!(
             start(&ProfileOptions::default()).is_err(),
-            "a second profiler on one thread"
+            "a second profiler in one process"
         );
         p.add_metadata("distributedInfo", r#"{"rank": 3}"#).unwrap();
         let x = tch::Tensor::ones([32, 16], (tch::Kind::Float, tch::Device::Cpu));
@@ -423,5 +443,40 @@ mod tests {
         // Nothing runs now: a range records nothing and allocates nothing.
         assert!(Range::new("after").handle.is_null());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The Chrome trace of a 32x16 by 16x32 matmul profiled with `options`.
+    fn trace_of(options: &ProfileOptions, name: &str) -> serde_json::Value {
+        let path = std::env::temp_dir().join(format!("accel-{name}-{}.json", std::process::id()));
+        let p = start(options).unwrap();
+        let x = tch::Tensor::ones([32, 16], (tch::Kind::Float, tch::Device::Cpu));
+        let _ = x.matmul(&x.transpose(0, 1));
+        p.stop(Some(&path)).unwrap();
+        let trace = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        trace
+    }
+
+    #[test]
+    fn shapes_and_allocations_are_recorded_only_when_asked() {
+        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        let plain = trace_of(&ProfileOptions::default(), "plain");
+        let full = trace_of(
+            &ProfileOptions {
+                record_shapes: true,
+                profile_memory: true,
+                ..Default::default()
+            },
+            "full",
+        );
+        let events = |t: &serde_json::Value, name: &str| -> Vec<serde_json::Value> {
+            let all = t["traceEvents"].as_array().unwrap();
+            all.iter().filter(|e| e["name"] == name).cloned().collect()
+        };
+        let dims = |t: &serde_json::Value| events(t, "aten::mm")[0]["args"]["Input Dims"].clone();
+        assert_eq!(dims(&full), serde_json::json!([[32, 16], [16, 32]]));
+        assert!(dims(&plain).is_null());
+        assert!(!events(&full, "[memory]").is_empty());
+        assert!(events(&plain, "[memory]").is_empty());
     }
 }
