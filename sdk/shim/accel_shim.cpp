@@ -723,7 +723,7 @@ char* accel_profiler_start(bool cuda, bool record_shapes, bool profile_memory, b
 }
 
 // Stops the profiler started on this thread: hands each recorded event to
-// `emit(ctx, name, device, thread, start_ns, duration_ns, flops)` (device 0
+// `emit(ctx, name, device, thread or stream, start_ns, duration_ns, flops)` (device 0
 // CPU, 1 CUDA, 2 other) and, when `path` is not NULL, writes the Chrome trace
 // there.
 char* accel_profiler_stop(const char* path,
@@ -739,7 +739,9 @@ char* accel_profiler_stop(const char* path,
       auto type = e.deviceType();
       int device = type == c10::DeviceType::CPU ? 0 : type == c10::DeviceType::CUDA ? 1 : 2;
       std::string name = e.name();
-      emit(ctx, name.c_str(), device, e.startThreadId(), e.startNs(), e.durationNs(), e.flops());
+      // A kernel's "thread" is its stream.
+      uint64_t lane = device == 0 ? e.startThreadId() : static_cast<uint64_t>(e.deviceResourceId());
+      emit(ctx, name.c_str(), device, lane, e.startNs(), e.durationNs(), e.flops());
     }
     if (path != nullptr) result->save(path);
   });
