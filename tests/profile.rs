@@ -118,6 +118,8 @@ fn every_rank_of_a_ddp_job_writes_a_chrome_trace_with_accels_sync_in_it() {
         }
         assert_eq!(named(&spans, "aten::addmm").len(), 9);
         assert_inside(&spans, "aten::addmm", &["l1", "l2", "l3"]);
+        // The loss report's average over the ranks (`acc.reduce`).
+        assert!(!named(&spans, "accel::reduce").is_empty());
         // The mlp's one bucket is all-reduced when backward ends, inside
         // the sync the trace shows.
         assert_inside(&spans, "accel::all_reduce", &["accel::post_backward"]);
@@ -181,7 +183,7 @@ fn count_inside(spans: &[Span], outer: &Span, inner: &str) -> usize {
 }
 
 #[test]
-fn a_gpt2_trace_under_fsdp_shows_each_block_with_its_gather_and_its_attention() {
+fn a_gpt2_trace_under_fsdp_shows_each_block_gathered_computed_and_recomputed() {
     let dir = tempfile::tempdir().unwrap();
     let tokens = dir.path().join("tokens.bin");
     write_tokens(&tokens);
@@ -191,7 +193,8 @@ fn a_gpt2_trace_under_fsdp_shows_each_block_with_its_gather_and_its_attention() 
         "FSDP",
         2,
         "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
-         fsdp_transformer_layer_cls_to_wrap: GPT2Block\n",
+         fsdp_transformer_layer_cls_to_wrap: GPT2Block\n  \
+         fsdp_activation_checkpointing: true\n",
     );
     let traces = dir.path().join("traces");
     let mut extra: Vec<&str> = SIZES.to_vec();
@@ -215,6 +218,13 @@ fn a_gpt2_trace_under_fsdp_shows_each_block_with_its_gather_and_its_attention() 
                 assert_eq!(count_inside(&spans, run, "accel::pre_forward"), 1);
                 assert_eq!(count_inside(&spans, run, "aten::softmax"), 1);
             }
+            // Checkpointed: run again in backward, gathered again for it.
+            let again = named(&spans, &format!("accel::recompute {block}"));
+            assert_eq!(again.len(), 2, "{block}: one recomputation a step");
+            for run in again {
+                assert_eq!(count_inside(&spans, run, "accel::pre_backward"), 1);
+                assert_eq!(count_inside(&spans, run, "aten::softmax"), 1);
+            }
         }
         assert_inside(
             &spans,
@@ -224,6 +234,32 @@ fn a_gpt2_trace_under_fsdp_shows_each_block_with_its_gather_and_its_attention() 
         for n in 0..2 {
             let step = named(&spans, &format!("ProfilerStep#{n}"));
             assert_eq!(count_inside(&spans, step[0], "accel::optimizer_step"), 1);
+        }
+    }
+}
+
+#[test]
+fn one_process_with_gradient_checkpointing_shows_each_recomputation() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.bin");
+    write_tokens(&tokens);
+    let traces = dir.path().join("traces");
+    let mut extra: Vec<&str> = SIZES.to_vec();
+    extra.extend([
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--gradient-checkpointing",
+    ]);
+    extra.extend(["--profile-dir", traces.to_str().unwrap()]);
+    run_ok(Command::new(gpt2()).args(on_tokens(None, tokens.to_str().unwrap(), &extra)));
+    let (_, spans) = read_trace(&traces.join("profile_0.json"));
+    for block in ["transformer.h.0", "transformer.h.1"] {
+        let again = named(&spans, &format!("accel::recompute {block}"));
+        assert_eq!(again.len(), 2, "{block}: one recomputation a step");
+        for run in again {
+            assert_eq!(count_inside(&spans, run, "aten::softmax"), 1);
         }
     }
 }

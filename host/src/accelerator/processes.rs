@@ -2,7 +2,7 @@
 //! main-process-only work, and the collectives on tensors.
 
 use super::{AccelError, Accelerator};
-use accel_sdk::ReduceOp;
+use accel_sdk::{profiler::Range, ReduceOp};
 use tch::{Device, Tensor};
 
 /// How `reduce` combines ranks.
@@ -24,6 +24,7 @@ impl Accelerator {
 
     /// Waits until every process gets here.
     pub fn wait_for_everyone(&self) -> Result<(), AccelError> {
+        let _range = Range::new("accel::wait_for_everyone");
         Ok(self.comm.barrier()?)
     }
 
@@ -72,6 +73,7 @@ impl Accelerator {
             [t.numel() as i64 * i64::from(self.world)],
             (t.kind(), t.device()),
         );
+        let _range = Range::new("accel::gather");
         self.comm.all_gather(&t, &mut out)?;
         size[0] *= i64::from(self.world);
         Ok(out.reshape(size))
@@ -95,6 +97,7 @@ impl Accelerator {
             Reduction::Sum => ReduceOp::Sum,
             Reduction::Mean => ReduceOp::Avg,
         };
+        let _range = Range::new("accel::reduce");
         self.comm.all_reduce(&mut t, op)?;
         Ok(t)
     }
@@ -128,6 +131,7 @@ impl Accelerator {
     /// ```
     pub fn check_trigger(&mut self) -> Result<bool, AccelError> {
         let mut flag = Tensor::from_slice(&[f32::from(u8::from(self.trigger))]).to(self.device);
+        let _range = Range::new("accel::check_trigger");
         self.comm.all_reduce(&mut flag, ReduceOp::Sum)?;
         let raised = flag.double_value(&[0]) >= 1.0;
         if raised {
@@ -139,6 +143,7 @@ impl Accelerator {
     /// Rank `from`'s `tensor` on every rank.
     pub fn broadcast(&self, tensor: &Tensor, from: u32) -> Result<Tensor, AccelError> {
         let mut t = tensor.detach().copy();
+        let _range = Range::new("accel::broadcast");
         self.comm.broadcast(&mut t, from)?;
         Ok(t)
     }
@@ -164,6 +169,7 @@ impl Accelerator {
             [size.len() as i64 * i64::from(self.world)],
             (tch::Kind::Int64, Device::Cpu),
         );
+        let _range = Range::new("accel::pad_across_processes");
         self.comm.all_gather(&mine, &mut all)?;
         let sizes = Vec::<i64>::try_from(
             &all.reshape([i64::from(self.world), size.len() as i64])

@@ -86,9 +86,11 @@ impl Accelerator {
     /// forward), `accel::post_backward` (the
     /// gradient sync a strategy waits for after backward),
     /// `accel::pre_forward` / `accel::pre_backward` (FSDP and ZeRO-3
-    /// gathering a unit), `accel::optimizer_step` — and each
-    /// [`ForwardScope::unit`](super::ForwardScope::unit) as a range named
-    /// by its path.
+    /// gathering a unit), `accel::optimizer_step`, the collectives of the
+    /// plugins and of this API (`accel::all_reduce`, `accel::reduce`, ...)
+    /// — and each [`ForwardScope::unit`](super::ForwardScope::unit) as a
+    /// range named by its path (`accel::recompute <path>` when a
+    /// checkpointed one runs again in backward).
     ///
     /// Records the calling thread and the threads autograd runs backward
     /// on; profile a few steps, not a whole run (every operator is kept in

@@ -605,8 +605,17 @@ impl ForwardScope<'_> {
         F: Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static,
     {
         let _range = Range::new(path);
+        // The profiler's name for the layer's second run, in backward.
+        let again = format!("accel::recompute {path}");
         let Some(units) = self.units else {
-            return Ok(shim::checkpoint(inputs, Box::new(move |xs| Ok(layer(xs))))?);
+            let mut forward = true;
+            return Ok(shim::checkpoint(
+                inputs,
+                Box::new(move |xs| {
+                    let _range = (!std::mem::take(&mut forward)).then(|| Range::new(&again));
+                    Ok(layer(xs))
+                }),
+            )?);
         };
         let covered = units.covering(path);
         let recompute = Recompute {
@@ -620,6 +629,7 @@ impl ForwardScope<'_> {
                 // The forward, inside the scope opened below.
                 Ok(layer(xs))
             } else {
+                let _range = Range::new(&again);
                 recompute.run(|| layer(xs))
             }
         });
