@@ -8,7 +8,11 @@ use accel_integration_tests::{
     launch_mlp, launch_with_config, output_of, run_ok, write_config,
 };
 use serde_json::Value;
-use std::{collections::HashSet, path::Path, process::Command};
+use std::{
+    collections::HashSet,
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 /// A complete event of a trace: name, thread, start and end (µs).
 #[derive(Debug, Clone)]
@@ -185,8 +189,6 @@ fn count_inside(spans: &[Span], outer: &Span, inner: &str) -> usize {
 #[test]
 fn a_gpt2_trace_under_fsdp_shows_each_block_gathered_computed_and_recomputed() {
     let dir = tempfile::tempdir().unwrap();
-    let tokens = dir.path().join("tokens.bin");
-    write_tokens(&tokens);
     let config = write_config(
         dir.path(),
         "fsdp.yaml",
@@ -196,16 +198,13 @@ fn a_gpt2_trace_under_fsdp_shows_each_block_gathered_computed_and_recomputed() {
          fsdp_transformer_layer_cls_to_wrap: GPT2Block\n  \
          fsdp_activation_checkpointing: true\n",
     );
-    let traces = dir.path().join("traces");
-    let mut extra: Vec<&str> = SIZES.to_vec();
-    extra.extend(["--steps", "2", "--batch-size", "2"]);
-    extra.extend(["--profile-dir", traces.to_str().unwrap()]);
+    let (traces, args) = gpt2_profile_args(dir.path(), &[]);
     let out = run_ok(
         Command::new(accel_bin())
             .args(["launch", "-q", "--config_file"])
             .arg(&config)
             .arg(gpt2())
-            .args(on_tokens(None, tokens.to_str().unwrap(), &extra)),
+            .args(&args),
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("gpt2: profile"));
     for rank in 0..2 {
@@ -219,12 +218,7 @@ fn a_gpt2_trace_under_fsdp_shows_each_block_gathered_computed_and_recomputed() {
                 assert_eq!(count_inside(&spans, run, "aten::softmax"), 1);
             }
             // Checkpointed: run again in backward, gathered again for it.
-            let again = named(&spans, &format!("accel::recompute {block}"));
-            assert_eq!(again.len(), 2, "{block}: one recomputation a step");
-            for run in again {
-                assert_eq!(count_inside(&spans, run, "accel::pre_backward"), 1);
-                assert_eq!(count_inside(&spans, run, "aten::softmax"), 1);
-            }
+            assert_recomputed(&spans, block, &["accel::pre_backward", "aten::softmax"]);
         }
         assert_inside(
             &spans,
@@ -241,25 +235,39 @@ fn a_gpt2_trace_under_fsdp_shows_each_block_gathered_computed_and_recomputed() {
 #[test]
 fn one_process_with_gradient_checkpointing_shows_each_recomputation() {
     let dir = tempfile::tempdir().unwrap();
-    let tokens = dir.path().join("tokens.bin");
-    write_tokens(&tokens);
-    let traces = dir.path().join("traces");
-    let mut extra: Vec<&str> = SIZES.to_vec();
-    extra.extend([
-        "--steps",
-        "2",
-        "--batch-size",
-        "2",
-        "--gradient-checkpointing",
-    ]);
-    extra.extend(["--profile-dir", traces.to_str().unwrap()]);
-    run_ok(Command::new(gpt2()).args(on_tokens(None, tokens.to_str().unwrap(), &extra)));
+    let (traces, args) = gpt2_profile_args(dir.path(), &["--gradient-checkpointing"]);
+    run_ok(Command::new(gpt2()).args(&args));
     let (_, spans) = read_trace(&traces.join("profile_0.json"));
     for block in ["transformer.h.0", "transformer.h.1"] {
-        let again = named(&spans, &format!("accel::recompute {block}"));
-        assert_eq!(again.len(), 2, "{block}: one recomputation a step");
-        for run in again {
-            assert_eq!(count_inside(&spans, run, "aten::softmax"), 1);
+        assert_recomputed(&spans, block, &["aten::softmax"]);
+    }
+}
+
+/// gpt2's arguments for 2 profiled steps of the tiny model on a token file
+/// written in `dir`, then `extra`; and the trace directory.
+fn gpt2_profile_args(dir: &Path, extra: &[&str]) -> (PathBuf, Vec<String>) {
+    let tokens = dir.join("tokens.bin");
+    write_tokens(&tokens);
+    let traces = dir.join("traces");
+    let mut flags: Vec<&str> = SIZES.to_vec();
+    flags.extend(["--steps", "2", "--batch-size", "2"]);
+    flags.extend(["--profile-dir", traces.to_str().unwrap()]);
+    flags.extend(extra);
+    let args = on_tokens(None, tokens.to_str().unwrap(), &flags)
+        .into_iter()
+        .map(String::from)
+        .collect();
+    (traces, args)
+}
+
+/// Asserts `block` was recomputed once a step (2), each time with one of
+/// every `inner` span in it.
+fn assert_recomputed(spans: &[Span], block: &str, inner: &[&str]) {
+    let again = named(spans, &format!("accel::recompute {block}"));
+    assert_eq!(again.len(), 2, "{block}: one recomputation a step");
+    for run in again {
+        for name in inner {
+            assert_eq!(count_inside(spans, run, name), 1, "{block}: {name}");
         }
     }
 }
