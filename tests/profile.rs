@@ -132,17 +132,20 @@ fn every_rank_of_a_ddp_job_writes_a_chrome_trace_with_accels_sync_in_it() {
     assert_eq!(pids.len(), 2, "two processes wrote the traces");
 }
 
+/// A 2-rank FSDP config in `dir` wrapping the layer class `wrap`, plus
+/// `extra` lines of `fsdp_config`.
+fn fsdp_config(dir: &Path, wrap: &str, extra: &str) -> PathBuf {
+    let rest = format!(
+        "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
+         fsdp_transformer_layer_cls_to_wrap: {wrap}\n{extra}"
+    );
+    write_config(dir, "fsdp.yaml", "FSDP", 2, &rest)
+}
+
 #[test]
 fn an_fsdp_trace_shows_each_unit_gathered_for_its_forward_and_backward() {
     let dir = tempfile::tempdir().unwrap();
-    let config = write_config(
-        dir.path(),
-        "fsdp.yaml",
-        "FSDP",
-        2,
-        "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
-         fsdp_transformer_layer_cls_to_wrap: layers\n",
-    );
+    let config = fsdp_config(dir.path(), "layers", "");
     let traces = dir.path().join("traces");
     let traces_arg = traces.to_str().unwrap();
     run_ok(&mut launch_with_config(
@@ -189,14 +192,10 @@ fn count_inside(spans: &[Span], outer: &Span, inner: &str) -> usize {
 #[test]
 fn a_gpt2_trace_under_fsdp_shows_each_block_gathered_computed_and_recomputed() {
     let dir = tempfile::tempdir().unwrap();
-    let config = write_config(
+    let config = fsdp_config(
         dir.path(),
-        "fsdp.yaml",
-        "FSDP",
-        2,
-        "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
-         fsdp_transformer_layer_cls_to_wrap: GPT2Block\n  \
-         fsdp_activation_checkpointing: true\n",
+        "GPT2Block",
+        "  fsdp_activation_checkpointing: true\n",
     );
     let (traces, args) = gpt2_profile_args(dir.path(), &[]);
     let out = run_ok(
