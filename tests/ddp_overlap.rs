@@ -502,3 +502,138 @@ fn buckets_are_rebuilt_in_gradient_ready_order_as_pytorchs_reducer_does() {
         assert_eq!(rebuilt_buckets(&out, 2), peer, "gpt2 {settings:?}");
     }
 }
+
+/// `inputs.safetensors` for `grad-probe` on `ranks` ranks (a 64×40 and a
+/// 24×64 weight: buckets of a few thousand elements).
+fn probe_inputs(dir: &Path, ranks: u32) {
+    tch::manual_seed(11);
+    let opts = (tch::Kind::Float, tch::Device::Cpu);
+    let mut inputs: Vec<(String, tch::Tensor)> = vec![
+        ("w1".into(), tch::Tensor::randn([64, 40], opts)),
+        ("b1".into(), tch::Tensor::randn([64], opts)),
+        ("w2".into(), tch::Tensor::randn([24, 64], opts)),
+        ("b2".into(), tch::Tensor::randn([24], opts)),
+    ];
+    for r in 0..ranks {
+        inputs.push((format!("x{r}"), tch::Tensor::randn([16, 40], opts)));
+        inputs.push((format!("y{r}"), tch::Tensor::randn([16, 24], opts)));
+    }
+    tch::Tensor::write_safetensors(&inputs, dir.join("inputs.safetensors")).unwrap();
+}
+
+/// Every rank's gradients after one synced backward of `grad-probe` under
+/// accel-ddp with `comm_hook: hook`, and under
+/// Accelerate's DDP with `DistributedDataParallelKwargs(comm_hook=hook)`
+/// (`tests/peers/ddp_comm_hook.py`, torchrun, gloo).
+fn hooked_grads(dir: &Path, ranks: u32, hook: &str) -> [Vec<Vec<(String, tch::Tensor)>>; 2] {
+    let (ours, theirs) = (
+        dir.join(format!("accel_{hook}")),
+        dir.join(format!("py_{hook}")),
+    );
+    for d in [&ours, &theirs] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    std::fs::copy(
+        dir.join("inputs.safetensors"),
+        ours.join("inputs.safetensors"),
+    )
+    .unwrap();
+    let hook_line = format!("comm_hook: {hook}");
+    let cfg = config(dir, ranks, true, &[&hook_line]);
+    run_ok(
+        Command::new(accel_bin())
+            .args(["launch", "-q", "--config_file"])
+            .arg(&cfg)
+            .arg(build_bin("accel-integration-tests", "grad-probe"))
+            .arg(&ours),
+    );
+    run_ok(
+        Command::new(venv_bin("torchrun"))
+            .args(["--nproc_per_node", &ranks.to_string()])
+            .args(["--master_port", &free_port().to_string()])
+            .arg(workspace_root().join("tests/peers/ddp_comm_hook.py"))
+            .arg(dir.join("inputs.safetensors"))
+            .arg(&theirs)
+            .arg(hook)
+            .env("OMP_NUM_THREADS", "1"),
+    );
+    let read = |d: &Path| {
+        (0..ranks)
+            .map(|r| read_weights(&d.join(format!("grads{r}.safetensors"))))
+            .collect()
+    };
+    [read(&ours), read(&theirs)]
+}
+
+/// On two ranks accel's gradients under `comm_hook: fp16 | bf16` are
+/// PyTorch's bits (Accelerate registering `fp16_compress_hook` /
+/// `bf16_compress_hook`, gloo): the same cast, the same division by the
+/// world size, a 16-bit sum that adds in f32 and rounds back. On three, the
+/// two sums add the same three values in another order (Open MPI's ring
+/// and gloo's cut the buffer differently): a few 16-bit roundings apart at
+/// the scale of each tensor. Either way they are 16-bit values, unlike
+/// the plain average.
+#[test]
+fn compression_hooks_give_pytorchs_bits() {
+    for ranks in [2, 3] {
+        let dir = tempfile::tempdir().unwrap();
+        probe_inputs(dir.path(), ranks);
+        let [plain, _] = hooked_grads(dir.path(), ranks, "no");
+        // The hooks' kinds and their unit roundoff.
+        for (hook, kind, eps) in [
+            ("fp16", tch::Kind::Half, 2f64.powi(-11)),
+            ("bf16", tch::Kind::BFloat16, 2f64.powi(-8)),
+        ] {
+            let [ours, theirs] = hooked_grads(dir.path(), ranks, hook);
+            for r in 0..ranks as usize {
+                for ((name, a), (_, b)) in ours[r].iter().zip(&theirs[r]) {
+                    let at = format!("{hook}, {ranks} ranks, rank {r}, `{name}`");
+                    if ranks == 2 {
+                        assert!(
+                            a.equal(b),
+                            "{at}: differs from PyTorch's by {}",
+                            max_abs_diff(&ours[r], &theirs[r])
+                        );
+                    } else {
+                        // Each sum rounds its partial sums, which may
+                        // exceed the result: a few roundings at the scale
+                        // of the tensor's largest value.
+                        let bound = a.abs().max().double_value(&[]) * 8.0 * eps;
+                        let over = (a - b).abs().max().double_value(&[]) - bound;
+                        assert!(
+                            over <= 0.0,
+                            "{at}: beyond a few roundings of PyTorch's by {over}"
+                        );
+                    }
+                    assert!(
+                        a.equal(&a.to_kind(kind).to_kind(tch::Kind::Float)),
+                        "{at}: not {hook} values"
+                    );
+                }
+                assert!(
+                    max_abs_diff(&ours[r], &plain[r]) > 0.0,
+                    "{hook}: the same gradients as without a hook"
+                );
+            }
+        }
+    }
+}
+
+/// A compression hook keeps overlap's promise: buckets of one parameter
+/// started during backward and all-reduced after it give the same bits,
+/// on 2 and 3 ranks, with accumulation and clipping; and the hook changes
+/// the training (its gradients are 16-bit).
+#[test]
+fn compression_hooks_give_the_same_bits_with_and_without_overlap() {
+    let args = adamw_args("6", &["--grad-accum", "2", "--max-grad-norm", "0.5"]);
+    for ranks in [2, 3] {
+        let plain = same_bits(ranks, &[ONE_PARAM], &args, true);
+        for hook in ["comm_hook: fp16", "comm_hook: bf16"] {
+            let hooked = same_bits(ranks, &[ONE_PARAM, hook], &args, true);
+            assert_ne!(
+                hooked, plain,
+                "{ranks} ranks, {hook}: the losses of no hook"
+            );
+        }
+    }
+}

@@ -75,6 +75,7 @@
 use super::{pause, seconds, write_back, Collective, CommError, Communicator, Group, SPIN};
 use accel_rendezvous::Client;
 use accel_sdk::ReduceOp;
+use half::slice::HalfFloatSliceExt;
 use mpi::{
     collective::SystemOperation,
     datatype::Equivalence,
@@ -89,7 +90,7 @@ use std::{
     ffi::{c_int, c_void},
     sync::{
         atomic::{AtomicI32, AtomicU64, AtomicUsize, Ordering},
-        Arc, Condvar, Mutex, MutexGuard,
+        Arc, Condvar, Mutex, MutexGuard, OnceLock,
     },
     time::{Duration, Instant},
 };
@@ -709,17 +710,108 @@ fn system_op(op: ReduceOp) -> SystemOperation {
     }
 }
 
-/// A contiguous CPU buffer of an MPI-friendly kind standing in for a tensor.
-fn work_buffer(op: &'static str, t: &Tensor) -> Result<Tensor, CommError> {
+/// A contiguous CPU buffer of an MPI-friendly kind standing in for a
+/// tensor of `collective`: a Half or BFloat16 tensor stays 16-bit for a
+/// sum ([`sum16`]) and is widened to Float for the rest (its average,
+/// maximum, gathers: one rounding, as before any 16-bit path).
+fn work_buffer(collective: Collective, t: &Tensor) -> Result<Tensor, CommError> {
     if t.device() != tch::Device::Cpu {
-        return Err(CommError::new(op, "MPI collectives take CPU tensors"));
+        return Err(CommError::new(
+            collective.name(),
+            "MPI collectives take CPU tensors",
+        ));
     }
     let kind = match t.kind() {
+        k @ (Kind::Half | Kind::BFloat16) if collective == Collective::AllReduce(ReduceOp::Sum) => {
+            k
+        }
         Kind::Half | Kind::BFloat16 => Kind::Float,
         Kind::Bool => Kind::Uint8,
         k => k,
     };
     Ok(t.detach().to_kind(kind).contiguous())
+}
+
+/// An MPI operation made by `MPI_Op_create`, kept for the process.
+struct RawOp(mpi::ffi::MPI_Op);
+
+// SAFETY: an MPI_Op is a handle MPI owns; it is used only under the
+// world's mutex (MPI_THREAD_SERIALIZED), like every other MPI call.
+unsafe impl Send for RawOp {}
+unsafe impl Sync for RawOp {}
+
+/// Adds `inout += in` for 16-bit floats `T`, element by element in f32 and
+/// rounded back to `T` (to nearest, ties to even): what gloo's and NCCL's
+/// 16-bit sums do (`float16 operator+`, `c10::BFloat16 operator+`), so a
+/// DDP compression hook's all-reduce (`comm_hook: fp16 | bf16`) gives
+/// their bits on two ranks, moving half the bytes of a Float all-reduce.
+fn add16<T>(input: &[T], inout: &mut [T])
+where
+    [T]: HalfFloatSliceExt,
+{
+    const CHUNK: usize = 512;
+    let (mut a, mut b) = ([0f32; CHUNK], [0f32; CHUNK]);
+    for (x, y) in input.chunks(CHUNK).zip(inout.chunks_mut(CHUNK)) {
+        let k = x.len();
+        x.convert_to_f32_slice(&mut a[..k]);
+        y.convert_to_f32_slice(&mut b[..k]);
+        for (s, t) in b[..k].iter_mut().zip(&a[..k]) {
+            *s += t;
+        }
+        y.convert_from_f32_slice(&b[..k]);
+    }
+}
+
+/// `MPI_User_function` of a 16-bit float sum ([`add16`]).
+macro_rules! sum16_function {
+    ($name:ident, $t:ty) => {
+        unsafe extern "C" fn $name(
+            input: *mut c_void,
+            inout: *mut c_void,
+            len: *mut c_int,
+            _datatype: *mut mpi::ffi::MPI_Datatype,
+        ) {
+            // SAFETY: MPI passes two buffers of `*len` elements of the
+            // datatype the operation was started with (MPI_UINT16_T, 16-bit
+            // floats stored as such), distinct (in place means `inout` is
+            // the result, `input` another rank's part).
+            let n = usize::try_from(*len).unwrap_or(0);
+            if n == 0 {
+                return;
+            }
+            let input = std::slice::from_raw_parts(input as *const $t, n);
+            let inout = std::slice::from_raw_parts_mut(inout as *mut $t, n);
+            add16(input, inout);
+        }
+    };
+}
+sum16_function!(sum_f16, half::f16);
+sum16_function!(sum_bf16, half::bf16);
+
+/// MPI's datatype and operation for the sum of a Half or BFloat16 buffer
+/// (`MPI_UINT16_T` and a commutative user operation, made once): MPI has
+/// no 16-bit float type.
+fn sum16(kind: Kind) -> (mpi::ffi::MPI_Datatype, mpi::ffi::MPI_Op) {
+    static OPS: OnceLock<[RawOp; 2]> = OnceLock::new();
+    let ops = OPS.get_or_init(|| {
+        let make = |f: unsafe extern "C" fn(
+            *mut c_void,
+            *mut c_void,
+            *mut c_int,
+            *mut mpi::ffi::MPI_Datatype,
+        )| {
+            let mut op = std::mem::MaybeUninit::<mpi::ffi::MPI_Op>::uninit();
+            // SAFETY: MPI is initialised (a communicator exists); `f` is an
+            // MPI_User_function; errors abort (MPI's default handler).
+            unsafe {
+                mpi::ffi::MPI_Op_create(Some(f), 1, op.as_mut_ptr());
+                RawOp(op.assume_init())
+            }
+        };
+        [make(sum_f16), make(sum_bf16)]
+    });
+    let op = if kind == Kind::Half { &ops[0] } else { &ops[1] };
+    (u16::equivalent_datatype().as_raw(), op.0)
 }
 
 /// The output of an all-gather or a reduce-scatter, flat, when MPI can
@@ -827,7 +919,14 @@ fn start_all_reduce_in_place(
     op: ReduceOp,
 ) -> Result<RawRequest, CommError> {
     let name = "all_reduce";
-    let datatype = by_kind!(name, buf.kind(), |T| T::equivalent_datatype().as_raw());
+    let (datatype, op) = match buf.kind() {
+        // Only a sum stays 16-bit (work_buffer).
+        k @ (Kind::Half | Kind::BFloat16) => sum16(k),
+        k => (
+            by_kind!(name, k, |T| T::equivalent_datatype().as_raw()),
+            system_op(op).as_raw(),
+        ),
+    };
     let count = c_int::try_from(buf.numel()).map_err(|_| {
         CommError::new(
             name,
@@ -857,7 +956,7 @@ fn start_all_reduce_in_place(
             data,
             count,
             datatype,
-            system_op(op).as_raw(),
+            op,
             w.as_raw(),
             request.as_mut_ptr(),
         );
@@ -908,7 +1007,7 @@ impl Mpi {
     ) -> Result<u64, CommError> {
         let name = collective.name();
         collective.check(input, output, self.group.size)?;
-        let send = work_buffer(name, input)?;
+        let send = work_buffer(collective, input)?;
         let count = self.number(name)?;
         if let Collective::AllReduce(op) = collective {
             let request = self.with_world(|w| start_all_reduce_in_place(w, &send, op))?;
@@ -1006,6 +1105,82 @@ impl Communicator for Mpi {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The 16-bit sum MPI runs for a Half or BFloat16 all-reduce adds as
+    /// libtorch (and gloo) add two such tensors: in f32, rounded back to
+    /// nearest even, over normal, subnormal, huge (overflowing to inf),
+    /// signed-zero and infinite values, across its 512-element chunks. A
+    /// Half or BFloat16 sum stays 16-bit on the wire; anything else of
+    /// theirs is widened.
+    #[test]
+    fn sixteen_bit_sums_round_as_libtorch_adds() {
+        fn sum_as_mpi<T: Copy>(a: &Tensor, b: &Tensor) -> Tensor
+        where
+            [T]: HalfFloatSliceExt,
+        {
+            let out = b.copy();
+            let n = a.numel();
+            // SAFETY: contiguous CPU tensors of n 16-bit elements.
+            let (x, y) = unsafe {
+                (
+                    std::slice::from_raw_parts(a.data_ptr() as *const T, n),
+                    std::slice::from_raw_parts_mut(out.data_ptr() as *mut T, n),
+                )
+            };
+            add16(x, y);
+            out
+        }
+        tch::manual_seed(3);
+        let opts = (Kind::Float, tch::Device::Cpu);
+        let specials = Tensor::from_slice(&[
+            0.0f32,
+            -0.0,
+            1e-7,
+            -3e-8,
+            6.0e4,
+            3.0e38,
+            f32::INFINITY,
+            1.0,
+            2049.0,
+        ]);
+        let values = |scale: f64| {
+            Tensor::cat(
+                &[
+                    Tensor::randn([3000], opts) * scale,
+                    specials.shallow_clone(),
+                ],
+                0,
+            )
+        };
+        for kind in [Kind::Half, Kind::BFloat16] {
+            for scale in [1e-6, 1.0, 3e4] {
+                let (a, b) = (values(scale).to_kind(kind), values(scale).to_kind(kind));
+                let expected = &a + &b;
+                let got = if kind == Kind::Half {
+                    sum_as_mpi::<half::f16>(&a, &b)
+                } else {
+                    sum_as_mpi::<half::bf16>(&a, &b)
+                };
+                // inf + -inf is NaN both ways; NaN is unequal to itself.
+                let same = got
+                    .eq_tensor(&expected)
+                    .logical_or(&(got.isnan().logical_and(&expected.isnan())));
+                let bad = same.logical_not().nonzero();
+                assert!(
+                    bad.numel() == 0,
+                    "{kind:?} at scale {scale}: elements {} of {} + {} differ",
+                    bad.view([-1]),
+                    a.index_select(0, &bad.view([-1])),
+                    b.index_select(0, &bad.view([-1]))
+                );
+            }
+            let t = Tensor::ones([3], (kind, tch::Device::Cpu));
+            let kept = |c| work_buffer(c, &t).unwrap().kind();
+            assert_eq!(kept(Collective::AllReduce(ReduceOp::Sum)), kind);
+            assert_eq!(kept(Collective::AllReduce(ReduceOp::Avg)), Kind::Float);
+            assert_eq!(kept(Collective::AllGather), Kind::Float);
+        }
+    }
 
     /// An all-gather or a reduce-scatter receives straight into a
     /// contiguous CPU output of the kind it sends; not into an output of

@@ -37,12 +37,22 @@
 //!   ready only when backward ends): it is all-reduced in `post_backward`
 //!   either way, with a blocking collective, which does not wake MPI's
 //!   progress thread (on the small mlp, 18-23 % of its steps/s).
+//! * `comm_hook` (Accelerate's `DistributedDataParallelKwargs(comm_hook=
+//!   DDPCommunicationHookType.FP16 | BF16)`, PyTorch's
+//!   `fp16_compress_hook` / `bf16_compress_hook`): each bucket is cast to
+//!   float16 (bfloat16) and divided by the world size there, all-reduced as
+//!   a 16-bit sum (half the bytes; over MPI an `MPI_UINT16_T` sum adding in
+//!   f32 and rounding back, as gloo and NCCL add 16-bit floats), and copied
+//!   back into the bucket: PyTorch's bits on two ranks. The gradients the
+//!   optimizer sees are rounded to 16 bits. `no` (the default) all-reduces
+//!   the buckets as they are; PowerSGD is not offered.
 //! * `optimizer_step`: a plain step (every rank holds the same gradients).
 //! * `clip_grad_norm`: the local norm (gradients are identical everywhere).
 //! * `state_dict`: the full model on rank 0.
 //!
 //! Settings (`accel.plugins.accel-ddp`, or the builder's `strategy_settings`):
-//! `{"bucket_cap_mb": 25, "find_unused_parameters": false, "overlap_comm": true}`.
+//! `{"bucket_cap_mb": 25, "find_unused_parameters": false, "overlap_comm": true,
+//! "comm_hook": "no"}`.
 //!
 //! At trace level (`ACCEL_LOG=plugin=trace`) each synced step logs how
 //! many buckets started during backward and how long `post_backward`
@@ -51,7 +61,7 @@
 //! the totals once, when the model is dropped (a line a step cost the small
 //! mlp 5-15 % of its speed).
 
-use accel_sdk::tch::Tensor;
+use accel_sdk::tch::{Kind, Tensor};
 use accel_sdk::{
     params::bytes,
     replicated::{Model, Replica, Replicated},
@@ -106,9 +116,11 @@ struct Buckets {
     views: Vec<Vec<Tensor>>,
     /// Gradients still to arrive in this backward, per bucket.
     pending: Vec<usize>,
-    /// The host's handles of the buckets' all-reduces started in this
-    /// backward, in bucket order (0: a blocking one, complete).
-    launched: Vec<u64>,
+    /// The buckets' all-reduces started in this backward, in bucket order.
+    launched: Vec<Launched>,
+    /// `comm_hook`: the 16-bit kind the buckets are all-reduced in (PyTorch's
+    /// `fp16_compress_hook` / `bf16_compress_hook`), or none.
+    compress: Option<Kind>,
     /// Whether this backward pass ends in a sync (asked at its first
     /// gradient; `None` before it).
     armed: Option<bool>,
@@ -123,12 +135,23 @@ struct Buckets {
     exposed: Duration,
 }
 
+/// A bucket's all-reduce started in this backward.
+struct Launched {
+    /// The host's handle (0: a blocking one, complete).
+    handle: u64,
+    /// With a compression hook: the 16-bit copy being all-reduced, copied
+    /// back into the bucket once complete.
+    compressed: Option<Tensor>,
+}
+
 /// The plugin's settings (`accel.plugins.accel-ddp`).
 struct Settings {
     /// `None`: PyTorch's default (25 MiB, the first bucket 1 MiB).
     bucket_cap_mb: Option<f64>,
     find_unused_parameters: bool,
     overlap_comm: bool,
+    /// `comm_hook`'s kind (`None`: `no`).
+    comm_hook: Option<Kind>,
 }
 
 /// The boolean setting `key` (`default` when absent).
@@ -156,7 +179,35 @@ fn settings_of(settings: &str) -> Result<Settings, PluginError> {
             )),
         },
     };
+    let comm_hook = match v.pointer("/settings/comm_hook") {
+        // YAML reads a bare `no` as false.
+        None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+        Some(x) => match x.as_str().map(str::to_ascii_lowercase).as_deref() {
+            Some("no") => None,
+            Some("fp16") => Some(Kind::Half),
+            Some("bf16") => Some(Kind::BFloat16),
+            Some(other @ ("power_sgd" | "batched_power_sgd")) => {
+                return Err(PluginError::config(
+                    PLUGIN,
+                    format!(
+                        "accel.plugins.{PLUGIN}.comm_hook {other}: PowerSGD is not offered by \
+                         accel-ddp; allowed: no, fp16, bf16"
+                    ),
+                ))
+            }
+            _ => {
+                return Err(PluginError::config(
+                    PLUGIN,
+                    format!(
+                        "accel.plugins.{PLUGIN}.comm_hook must be one of no, fp16, bf16 \
+                         (Accelerate's DDPCommunicationHookType), got {x}"
+                    ),
+                ))
+            }
+        },
+    };
     Ok(Settings {
+        comm_hook,
         bucket_cap_mb,
         find_unused_parameters: flag(&v, "find_unused_parameters", false)?,
         overlap_comm: flag(&v, "overlap_comm", true)?,
@@ -189,6 +240,7 @@ fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError>
             views: Vec::new(),
             pending: Vec::new(),
             launched: Vec::new(),
+            compress: s.comm_hook,
             armed: None,
             overlap: false,
             peak: 0,
@@ -314,19 +366,32 @@ impl Buckets {
         for k in 0..self.plan[bucket].len() {
             self.place(self.plan[bucket][k])?;
         }
-        let buffer = &mut self.buffers[bucket];
-        self.peak = self.peak.max(bytes(buffer));
+        let buffer = &self.buffers[bucket];
+        // A compression hook (`comm_hook`), as PyTorch's
+        // `_compress_hook`: the bucket cast to 16 bits and divided there by
+        // the world size, then summed (and copied back by `finish`).
+        let (mut target, op, compressed) = match self.compress {
+            Some(kind) => {
+                let mut c = accel_sdk::tch::no_grad(|| buffer.to_kind(kind));
+                let _ = c.g_div_scalar_(i64::from(self.ctx.world_size()));
+                (c.shallow_clone(), ReduceOp::Sum, Some(c))
+            }
+            None => (buffer.shallow_clone(), ReduceOp::Avg, None),
+        };
+        self.peak = self
+            .peak
+            .max(bytes(buffer) + bytes(&target) * u64::from(compressed.is_some()));
         let handle = if blocking {
             self.ctx
-                .all_reduce(TensorMut::new(buffer), ReduceOp::Avg)
+                .all_reduce(TensorMut::new(&mut target), op)
                 .into_result()?;
             0
         } else {
             self.ctx
-                .all_reduce_start(TensorMut::new(buffer), ReduceOp::Avg)
+                .all_reduce_start(TensorMut::new(&mut target), op)
                 .into_result()?
         };
-        self.launched.push(handle);
+        self.launched.push(Launched { handle, compressed });
         Ok(())
     }
 
@@ -434,11 +499,18 @@ impl Buckets {
             *n = self.plan[b].len();
         }
         let mut first_error = None;
-        for handle in launched {
+        for (b, l) in launched.into_iter().enumerate() {
             // Every one is waited on, even after an error, so none is left
             // behind in flight.
-            if let Err(e) = self.ctx.wait(handle).into_result() {
-                first_error.get_or_insert(e);
+            match self.ctx.wait(l.handle).into_result() {
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+                Ok(()) => {
+                    if let Some(c) = l.compressed {
+                        accel_sdk::tch::no_grad(|| self.buffers[b].copy_(&c));
+                    }
+                }
             }
         }
         first_error.map_or(Ok(()), Err)
@@ -705,6 +777,27 @@ mod tests {
         let overlap = |s: &str| settings_of(s).map(|s| s.overlap_comm);
         assert!(overlap("{}").unwrap());
         assert!(!overlap(r#"{"settings": {"overlap_comm": false}}"#).unwrap());
+        let hook = |s: &str| settings_of(s).map(|s| s.comm_hook);
+        assert_eq!(hook("{}").unwrap(), None);
+        assert_eq!(
+            hook(r#"{"settings": {"comm_hook": "fp16"}}"#).unwrap(),
+            Some(Kind::Half)
+        );
+        assert_eq!(
+            hook(r#"{"settings": {"comm_hook": "BF16"}}"#).unwrap(),
+            Some(Kind::BFloat16)
+        );
+        // `comm_hook: no` in YAML is false.
+        assert_eq!(hook(r#"{"settings": {"comm_hook": false}}"#).unwrap(), None);
+        assert_eq!(hook(r#"{"settings": {"comm_hook": "no"}}"#).unwrap(), None);
+        let err = hook(r#"{"settings": {"comm_hook": "power_sgd"}}"#).unwrap_err();
+        assert!(err.message.contains("PowerSGD is not offered"), "{err}");
+        let err = hook(r#"{"settings": {"comm_hook": "fp8"}}"#).unwrap_err();
+        assert!(
+            err.message
+                .contains("comm_hook must be one of no, fp16, bf16"),
+            "{err}"
+        );
         let err = overlap(r#"{"settings": {"overlap_comm": 1}}"#).unwrap_err();
         assert!(
             err.message.contains("overlap_comm must be true or false"),
