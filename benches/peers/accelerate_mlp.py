@@ -1,7 +1,7 @@
 """accel's `mlp` in Python Accelerate, for side-by-side runs.
 
 torchrun --nproc_per_node 2 accelerate_mlp.py --data D --init I --hidden H \
-    --batch-size B --steps N --lr LR --loss-log FILE [--fsdp]
+    --batch-size B --steps N --lr LR --loss-log FILE [--fsdp] [--comm-hook no|fp16|bf16]
 Same model, data order (Accelerate's batch sharding, no shuffle), plain SGD
 and per-step mean loss across ranks as `mlp --loss-log` (averaged across
 ranks in one all-reduce every 20 steps, as mlp does); prints steps/s.
@@ -12,6 +12,10 @@ column wraps. Accelerate turns FSDP off on a CPU-only machine (it falls
 back to MULTI_CPU, i.e. DDP), and FSDP1 refuses to run without an
 accelerator, so the model is sharded by torch itself and Accelerate
 prepares only the optimizer and the data.
+
+--comm-hook: DDP's communication hook, as Accelerate users set it
+(DistributedDataParallelKwargs(comm_hook=...): PyTorch's fp16_compress_hook /
+bf16_compress_hook), the peer of accel-ddp's `comm_hook`.
 """
 import argparse
 import json
@@ -22,6 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -34,6 +39,7 @@ p.add_argument("--steps", type=int)
 p.add_argument("--lr", type=float)
 p.add_argument("--loss-log")
 p.add_argument("--fsdp", action="store_true")
+p.add_argument("--comm-hook", default="no", choices=["no", "fp16", "bf16"])
 a = p.parse_args()
 
 
@@ -46,7 +52,7 @@ class Mlp(torch.nn.Module):
         return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
 
 
-acc = Accelerator()
+acc = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(a.comm_hook))])
 data = load_file(a.data)
 model = Mlp(data["x"].shape[1], a.hidden, data["y"].shape[1])
 model.load_state_dict(load_file(a.init))

@@ -8,12 +8,14 @@ Subcommands:
     train --model DIR --data FILE [--token-dtype u16|u32] --block-size B --batch-size N --steps K
           [--epochs E] [--lr 6e-4] [--weight-decay 0.01] [--scheduler constant|linear|cosine] [--warmup W]
           [--data-seed S] [--grad-accum G] [--max-grad-norm M] [--freeze REGEX ...]
-          [--loss-log FILE] [--save DIR] [--fsdp]
+          [--loss-log FILE] [--save DIR] [--fsdp] [--comm-hook no|fp16|bf16]
         The same loop as examples/gpt2.rs. Run with plain python (one process) or
         `torchrun --nproc_per_node 2` (CPU, gloo; `accelerate launch --cpu` starts only one process).
         --fsdp: PyTorch's FSDP2 (`fully_shard`, FULL_SHARD) on every GPT2Block and the root instead
         of DDP, for the benchmarks (Accelerate falls back to DDP on a CPU-only machine and FSDP1
         needs an accelerator, so torch shards the model and Accelerate prepares the rest).
+        --comm-hook: DDP's communication hook, DistributedDataParallelKwargs(comm_hook=...) (PyTorch's
+        fp16_compress_hook / bf16_compress_hook), the peer of accel-ddp's `comm_hook`.
 
     logits --ids 1,2,3 --model DIR FILE [--model DIR2 FILE2 ...]
         GPT2LMHeadModel.from_pretrained(DIR) (default attention) in eval mode; writes the logits for
@@ -103,6 +105,7 @@ def cmd_logits(a):
 
 def cmd_train(a):
     from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
     from transformers import (
         GPT2LMHeadModel,
         get_constant_schedule_with_warmup,
@@ -115,6 +118,7 @@ def cmd_train(a):
         mixed_precision=a.mixed_precision,
         gradient_accumulation_steps=a.grad_accum,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=a.data_seed),
+        kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(a.comm_hook))],
     )
     model = GPT2LMHeadModel.from_pretrained(a.model, attn_implementation="eager")
     model.train()
@@ -220,6 +224,7 @@ def main(argv):
     t.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
     t.add_argument("--save")
     t.add_argument("--fsdp", action="store_true")
+    t.add_argument("--comm-hook", default="no", choices=["no", "fp16", "bf16"])
     lg = sub.add_parser("logits")
     lg.add_argument("--ids", required=True)
     lg.add_argument("--model", nargs=2, action="append", required=True, metavar=("DIR", "FILE"))
