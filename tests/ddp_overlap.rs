@@ -455,16 +455,7 @@ fn buckets_are_rebuilt_in_gradient_ready_order_as_pytorchs_reducer_does() {
     }
     // gpt2 from a transformers checkpoint: in buckets of 0.1 MB, and in
     // one bucket by default (the model is 0.55 MB).
-    let init = dir.path().join("init");
-    run_ok(
-        gpt2::peer()
-            .arg("init")
-            .arg(&init)
-            .args(gpt2::SIZES)
-            .args(["--seed", "0"]),
-    );
-    let tokens = dir.path().join("tokens.bin");
-    gpt2::write_tokens(&tokens);
+    let (init, tokens) = gpt2::peer_model_and_tokens(dir.path());
     for (settings, cap) in [
         (&["bucket_cap_mb: 0.1"][..], &["--bucket-cap-mb", "0.1"][..]),
         (&[], &[]),
@@ -645,16 +636,7 @@ fn compression_hooks_give_the_same_bits_with_and_without_overlap() {
 #[test]
 fn gpt2_with_the_fp16_hook_trains_as_accelerate_with_it() {
     let dir = tempfile::tempdir().unwrap();
-    let init = dir.path().join("init");
-    run_ok(
-        gpt2::peer()
-            .arg("init")
-            .arg(&init)
-            .args(gpt2::SIZES)
-            .args(["--seed", "0"]),
-    );
-    let tokens = dir.path().join("tokens.bin");
-    gpt2::write_tokens(&tokens);
+    let (init, tokens) = gpt2::peer_model_and_tokens(dir.path());
     let args = gpt2::on_tokens(
         init.to_str(),
         tokens.to_str().unwrap(),

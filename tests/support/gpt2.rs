@@ -121,3 +121,19 @@ pub fn save_tiny_model(dir: &Path, seed: u64) {
             .arg(dir),
     );
 }
+
+/// transformers' tiny model ([`SIZES`], seed 0), made by the peer in
+/// `dir/init`, and the token file `dir/tokens.bin`: their paths.
+pub fn peer_model_and_tokens(dir: &Path) -> (PathBuf, PathBuf) {
+    let init = dir.join("init");
+    run_ok(
+        peer()
+            .arg("init")
+            .arg(&init)
+            .args(SIZES)
+            .args(["--seed", "0"]),
+    );
+    let tokens = dir.join("tokens.bin");
+    write_tokens(&tokens);
+    (init, tokens)
+}
