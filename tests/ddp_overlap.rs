@@ -444,14 +444,21 @@ fn buckets_are_rebuilt_in_gradient_ready_order_as_pytorchs_reducer_does() {
         ),
     ];
     for (args, settings, peer_args) in mlp_cases {
-        let cfg = config(dir.path(), 2, true, settings);
-        let out = run_ok(
-            launch_with_config(&cfg, &[args, &["--steps", "3"]].concat())
-                .env("ACCEL_LOG", "plugin=debug"),
-        );
         let peer = pytorch_buckets(&[&["mlp", "--batch-size", "8"], peer_args].concat());
         assert!(peer.len() > 1, "{peer:?}");
-        assert_eq!(rebuilt_buckets(&out, 2), peer, "mlp {args:?} {settings:?}");
+        // Rebuilt with overlap and without (PyTorch always rebuilds).
+        for overlap in [true, false] {
+            let cfg = config(dir.path(), 2, overlap, settings);
+            let out = run_ok(
+                launch_with_config(&cfg, &[args, &["--steps", "3"]].concat())
+                    .env("ACCEL_LOG", "plugin=debug"),
+            );
+            assert_eq!(
+                rebuilt_buckets(&out, 2),
+                peer,
+                "mlp {args:?} {settings:?}, overlap {overlap}"
+            );
+        }
     }
     // gpt2 from a transformers checkpoint: in buckets of 0.1 MB, and in
     // one bucket by default (the model is 0.55 MB).
@@ -512,31 +519,38 @@ fn probe_inputs(dir: &Path, ranks: u32) {
     tch::Tensor::write_safetensors(&inputs, dir.join("inputs.safetensors")).unwrap();
 }
 
-/// Every rank's gradients after one synced backward of `grad-probe` under
-/// accel-ddp with `comm_hook: hook`, and under
-/// Accelerate's DDP with `DistributedDataParallelKwargs(comm_hook=hook)`
+/// Every rank's gradients after `steps` synced backwards of `grad-probe`
+/// under accel-ddp with `comm_hook: hook` (and `comm_state_option:
+/// state`, JSON), and under Accelerate's DDP with
+/// `DistributedDataParallelKwargs(comm_hook=hook, comm_state_option=state)`
 /// (`tests/peers/ddp_comm_hook.py`, torchrun, gloo).
-fn hooked_grads(dir: &Path, ranks: u32, hook: &str) -> [Vec<Vec<(String, tch::Tensor)>>; 2] {
+fn hooked_grads(
+    dir: &Path,
+    ranks: u32,
+    hook: &str,
+    steps: u32,
+    state: Option<&str>,
+) -> [Vec<Vec<(String, tch::Tensor)>>; 2] {
     let (ours, theirs) = (
-        dir.join(format!("accel_{hook}")),
-        dir.join(format!("py_{hook}")),
+        tempfile::tempdir_in(dir).unwrap(),
+        tempfile::tempdir_in(dir).unwrap(),
     );
-    for d in [&ours, &theirs] {
-        std::fs::create_dir_all(d).unwrap();
-    }
     std::fs::copy(
         dir.join("inputs.safetensors"),
-        ours.join("inputs.safetensors"),
+        ours.path().join("inputs.safetensors"),
     )
     .unwrap();
-    let hook_line = format!("comm_hook: {hook}");
-    let cfg = config(dir, ranks, true, &[&hook_line]);
+    let mut lines = vec![format!("comm_hook: {hook}")];
+    lines.extend(state.map(|s| format!("comm_state_option: {s}")));
+    let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let cfg = config(dir, ranks, true, &lines);
     run_ok(
         Command::new(accel_bin())
             .args(["launch", "-q", "--config_file"])
             .arg(&cfg)
             .arg(build_bin("accel-integration-tests", "grad-probe"))
-            .arg(&ours),
+            .arg(ours.path())
+            .arg(steps.to_string()),
     );
     run_ok(
         Command::new(venv_bin("torchrun"))
@@ -544,8 +558,8 @@ fn hooked_grads(dir: &Path, ranks: u32, hook: &str) -> [Vec<Vec<(String, tch::Te
             .args(["--master_port", &free_port().to_string()])
             .arg(workspace_root().join("tests/peers/ddp_comm_hook.py"))
             .arg(dir.join("inputs.safetensors"))
-            .arg(&theirs)
-            .arg(hook)
+            .arg(theirs.path())
+            .args([hook, &steps.to_string(), state.unwrap_or("{}")])
             .env("OMP_NUM_THREADS", "1"),
     );
     let read = |d: &Path| {
@@ -553,7 +567,7 @@ fn hooked_grads(dir: &Path, ranks: u32, hook: &str) -> [Vec<Vec<(String, tch::Te
             .map(|r| read_weights(&d.join(format!("grads{r}.safetensors"))))
             .collect()
     };
-    [read(&ours), read(&theirs)]
+    [read(ours.path()), read(theirs.path())]
 }
 
 /// On two ranks accel's gradients under `comm_hook: fp16 | bf16` are
@@ -569,13 +583,13 @@ fn compression_hooks_give_pytorchs_bits() {
     for ranks in [2, 3] {
         let dir = tempfile::tempdir().unwrap();
         probe_inputs(dir.path(), ranks);
-        let [plain, _] = hooked_grads(dir.path(), ranks, "no");
+        let [plain, _] = hooked_grads(dir.path(), ranks, "no", 1, None);
         // The hooks' kinds and their unit roundoff.
         for (hook, kind, eps) in [
             ("fp16", tch::Kind::Half, 2f64.powi(-11)),
             ("bf16", tch::Kind::BFloat16, 2f64.powi(-8)),
         ] {
-            let [ours, theirs] = hooked_grads(dir.path(), ranks, hook);
+            let [ours, theirs] = hooked_grads(dir.path(), ranks, hook, 1, None);
             for r in 0..ranks as usize {
                 for ((name, a), (_, b)) in ours[r].iter().zip(&theirs[r]) {
                     let at = format!("{hook}, {ranks} ranks, rank {r}, `{name}`");
@@ -612,18 +626,23 @@ fn compression_hooks_give_pytorchs_bits() {
 
 /// A compression hook keeps overlap's promise: buckets of one parameter
 /// started during backward and all-reduced after it give the same bits,
-/// on 2 and 3 ranks, with accumulation and clipping; and the hook changes
-/// the training (its gradients are 16-bit).
+/// on 2 and 3 ranks, with accumulation and clipping (PowerSGD compressing
+/// from the second synced step); and the hook changes the training.
 #[test]
 fn compression_hooks_give_the_same_bits_with_and_without_overlap() {
     let args = adamw_args("6", &["--grad-accum", "2", "--max-grad-norm", "0.5"]);
     for ranks in [2, 3] {
         let plain = same_bits(ranks, &[ONE_PARAM], &args, true);
-        for hook in ["comm_hook: fp16", "comm_hook: bf16"] {
-            let hooked = same_bits(ranks, &[ONE_PARAM, hook], &args, true);
+        let power_sgd = "comm_state_option: {start_powerSGD_iter: 2}";
+        for hook in [
+            &["comm_hook: fp16"][..],
+            &["comm_hook: bf16"],
+            &["comm_hook: power_sgd", power_sgd],
+        ] {
+            let hooked = same_bits(ranks, &[&[ONE_PARAM], hook].concat(), &args, true);
             assert_ne!(
                 hooked, plain,
-                "{ranks} ranks, {hook}: the losses of no hook"
+                "{ranks} ranks, {hook:?}: the losses of no hook"
             );
         }
     }
@@ -695,4 +714,48 @@ fn gpt2_with_the_fp16_hook_trains_as_accelerate_with_it() {
     println!("gpt2 fp16 hook: |Δloss| vs Accelerate {same_hook:e}, without the hook {one_side:e}");
     assert!(same_hook <= 1e-4, "losses differ by {same_hook}");
     assert!(same_hook * 10.0 < one_side, "{same_hook} vs {one_side}");
+}
+
+/// PowerSGD (`comm_hook: power_sgd`, PyTorch's `powerSGD_hook` as
+/// Accelerate registers it): on two ranks, five steps give PyTorch's
+/// gradient bits whatever the options — rank 1 (Gram-Schmidt) and rank 3
+/// (QR), warm start and error feedback on and off, another seed, a lower
+/// compression rate that compresses every matrix; before
+/// `start_powerSGD_iter` steps the plain averages, after them not.
+#[test]
+fn power_sgd_gives_pytorchs_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    probe_inputs(dir.path(), 2);
+    let [plain, _] = hooked_grads(dir.path(), 2, "no", 5, None);
+    let states = [
+        r#"{"start_powerSGD_iter": 2}"#,
+        r#"{"start_powerSGD_iter": 3, "matrix_approximation_rank": 3, "random_seed": 5}"#,
+        r#"{"start_powerSGD_iter": 2, "use_error_feedback": false, "warm_start": false, "min_compression_rate": 1}"#,
+    ];
+    for state in states {
+        let [ours, theirs] = hooked_grads(dir.path(), 2, "power_sgd", 5, Some(state));
+        for r in 0..2 {
+            for ((name, a), (_, b)) in ours[r].iter().zip(&theirs[r]) {
+                assert!(
+                    a.equal(b),
+                    "{state}, rank {r}, `{name}`: differs from PyTorch's by {}",
+                    max_abs_diff(&ours[r], &theirs[r])
+                );
+            }
+            assert!(
+                max_abs_diff(&ours[r], &plain[r]) > 0.0,
+                "{state}: the gradients of no hook"
+            );
+        }
+    }
+    // Compression starts at step 6: five steps are plain all-reduces
+    // (divided first, then summed: the plain average's bits on 2 ranks).
+    let [late, _] = hooked_grads(
+        dir.path(),
+        2,
+        "power_sgd",
+        5,
+        Some(r#"{"start_powerSGD_iter": 6}"#),
+    );
+    assert_eq!(max_abs_diff(&late[0], &plain[0]), 0.0);
 }

@@ -75,6 +75,10 @@ use std::{
     time::{Duration, Instant},
 };
 
+mod power_sgd;
+
+use power_sgd::PowerSgd;
+
 const PLUGIN: &str = "accel-ddp";
 
 /// DDP's own part: the gradient buckets, shared with the gradient-ready
@@ -118,9 +122,8 @@ struct Buckets {
     pending: Vec<usize>,
     /// The buckets' all-reduces started in this backward, in bucket order.
     launched: Vec<Launched>,
-    /// `comm_hook`: the 16-bit kind the buckets are all-reduced in (PyTorch's
-    /// `fp16_compress_hook` / `bf16_compress_hook`), or none.
-    compress: Option<Kind>,
+    /// `comm_hook`: how the buckets are all-reduced.
+    hook: Hook,
     /// Whether this backward pass ends in a sync (asked at its first
     /// gradient; `None` before it).
     armed: Option<bool>,
@@ -144,14 +147,25 @@ struct Launched {
     compressed: Option<Tensor>,
 }
 
+/// `comm_hook`: what a bucket's all-reduce is (Accelerate's
+/// `DDPCommunicationHookType`).
+enum Hook {
+    /// `no`: averaged as it is.
+    Plain,
+    /// `fp16` / `bf16`: cast to this kind (PyTorch's `fp16_compress_hook`
+    /// / `bf16_compress_hook`).
+    Compress(Kind),
+    /// `power_sgd`: PyTorch's `powerSGD_hook` (see [`power_sgd`]).
+    PowerSgd(Box<PowerSgd>),
+}
+
 /// The plugin's settings (`accel.plugins.accel-ddp`).
 struct Settings {
     /// `None`: PyTorch's default (25 MiB, the first bucket 1 MiB).
     bucket_cap_mb: Option<f64>,
     find_unused_parameters: bool,
     overlap_comm: bool,
-    /// `comm_hook`'s kind (`None`: `no`).
-    comm_hook: Option<Kind>,
+    comm_hook: Hook,
 }
 
 /// The boolean setting `key` (`default` when absent).
@@ -179,19 +193,23 @@ fn settings_of(settings: &str) -> Result<Settings, PluginError> {
             )),
         },
     };
+    let state_option = v.pointer("/settings/comm_state_option");
     let comm_hook = match v.pointer("/settings/comm_hook") {
         // YAML reads a bare `no` as false.
-        None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+        None | Some(Value::Null) | Some(Value::Bool(false)) => Hook::Plain,
         Some(x) => match x.as_str().map(str::to_ascii_lowercase).as_deref() {
-            Some("no") => None,
-            Some("fp16") => Some(Kind::Half),
-            Some("bf16") => Some(Kind::BFloat16),
-            Some(other @ ("power_sgd" | "batched_power_sgd")) => {
+            Some("no") => Hook::Plain,
+            Some("fp16") => Hook::Compress(Kind::Half),
+            Some("bf16") => Hook::Compress(Kind::BFloat16),
+            Some("power_sgd") => Hook::PowerSgd(Box::new(PowerSgd::new(
+                power_sgd::Options::from_settings(state_option)?,
+            ))),
+            Some("batched_power_sgd") => {
                 return Err(PluginError::config(
                     PLUGIN,
                     format!(
-                        "accel.plugins.{PLUGIN}.comm_hook {other}: PowerSGD is not offered by \
-                         accel-ddp; allowed: no, fp16, bf16"
+                        "accel.plugins.{PLUGIN}.comm_hook batched_power_sgd is not offered by \
+                         accel-ddp; allowed: no, fp16, bf16, power_sgd"
                     ),
                 ))
             }
@@ -199,13 +217,22 @@ fn settings_of(settings: &str) -> Result<Settings, PluginError> {
                 return Err(PluginError::config(
                     PLUGIN,
                     format!(
-                        "accel.plugins.{PLUGIN}.comm_hook must be one of no, fp16, bf16 \
-                         (Accelerate's DDPCommunicationHookType), got {x}"
+                        "accel.plugins.{PLUGIN}.comm_hook must be one of no, fp16, bf16, \
+                         power_sgd (Accelerate's DDPCommunicationHookType), got {x}"
                     ),
                 ))
             }
         },
     };
+    if state_option.is_some_and(|o| !o.is_null()) && !matches!(comm_hook, Hook::PowerSgd(_)) {
+        return Err(PluginError::config(
+            PLUGIN,
+            format!(
+                "accel.plugins.{PLUGIN}.comm_state_option configures PowerSGD: it needs \
+                 comm_hook: power_sgd"
+            ),
+        ));
+    }
     Ok(Settings {
         comm_hook,
         bucket_cap_mb,
@@ -240,7 +267,7 @@ fn make(ctx: HostContextBox, settings: &str) -> Result<StrategyBox, PluginError>
             views: Vec::new(),
             pending: Vec::new(),
             launched: Vec::new(),
-            compress: s.comm_hook,
+            hook: s.comm_hook,
             armed: None,
             overlap: false,
             peak: 0,
@@ -367,16 +394,33 @@ impl Buckets {
             self.place(self.plan[bucket][k])?;
         }
         let buffer = &self.buffers[bucket];
-        // A compression hook (`comm_hook`), as PyTorch's
-        // `_compress_hook`: the bucket cast to 16 bits and divided there by
-        // the world size, then summed (and copied back by `finish`).
-        let (mut target, op, compressed) = match self.compress {
-            Some(kind) => {
-                let mut c = accel_sdk::tch::no_grad(|| buffer.to_kind(kind));
-                let _ = c.g_div_scalar_(i64::from(self.ctx.world_size()));
+        let world = i64::from(self.ctx.world_size());
+        let (mut target, op, compressed) = match &mut self.hook {
+            // A compression hook, as PyTorch's `_compress_hook`: the bucket
+            // cast to 16 bits and divided there by the world size, then
+            // summed (and copied back by `finish`).
+            Hook::Compress(kind) => {
+                let mut c = accel_sdk::tch::no_grad(|| buffer.to_kind(*kind));
+                let _ = c.g_div_scalar_(world);
                 (c.shallow_clone(), ReduceOp::Sum, Some(c))
             }
-            None => (buffer.shallow_clone(), ReduceOp::Avg, None),
+            // PowerSGD, once compressing: its three all-reduces, blocking.
+            Hook::PowerSgd(p) if p.compressing() => {
+                p.all_reduce(&self.ctx, bucket, buffer, &self.views[bucket])?;
+                self.launched.push(Launched {
+                    handle: 0,
+                    compressed: None,
+                });
+                return Ok(());
+            }
+            // Before it: divided by the world size, then summed (PyTorch's
+            // `_allreduce_fut`).
+            Hook::PowerSgd(_) => {
+                let mut b = buffer.shallow_clone();
+                let _ = accel_sdk::tch::no_grad(|| b.g_div_scalar_(world));
+                (b, ReduceOp::Sum, None)
+            }
+            Hook::Plain => (buffer.shallow_clone(), ReduceOp::Avg, None),
         };
         self.peak = self
             .peak
@@ -625,6 +669,9 @@ impl Buckets {
         let finished = self.finish();
         outcome?;
         finished?;
+        if let Hook::PowerSgd(p) = &mut self.hook {
+            p.step_done(&self.ctx);
+        }
         let waited = start.elapsed();
         self.syncs += 1;
         self.exposed += waited;
@@ -722,7 +769,10 @@ impl Replica for Ddp {
         if sync {
             b.sync()?;
             if b.ready.is_some() {
-                b.overlap = self.overlap && b.rebuild()? > 1;
+                // Rebuilt with overlap or without (a `&&` here once skipped
+                // the rebuild without overlap).
+                let buckets = b.rebuild()?;
+                b.overlap = self.overlap && buckets > 1;
             }
             Ok(())
         } else {
@@ -777,27 +827,38 @@ mod tests {
         let overlap = |s: &str| settings_of(s).map(|s| s.overlap_comm);
         assert!(overlap("{}").unwrap());
         assert!(!overlap(r#"{"settings": {"overlap_comm": false}}"#).unwrap());
-        let hook = |s: &str| settings_of(s).map(|s| s.comm_hook);
-        assert_eq!(hook("{}").unwrap(), None);
+        let hook = |s: &str| {
+            settings_of(s).map(|s| match s.comm_hook {
+                Hook::Plain => "no",
+                Hook::Compress(Kind::Half) => "fp16",
+                Hook::Compress(_) => "bf16",
+                Hook::PowerSgd(_) => "power_sgd",
+            })
+        };
+        assert_eq!(hook("{}").unwrap(), "no");
         assert_eq!(
             hook(r#"{"settings": {"comm_hook": "fp16"}}"#).unwrap(),
-            Some(Kind::Half)
+            "fp16"
         );
         assert_eq!(
             hook(r#"{"settings": {"comm_hook": "BF16"}}"#).unwrap(),
-            Some(Kind::BFloat16)
+            "bf16"
         );
         // `comm_hook: no` in YAML is false.
-        assert_eq!(hook(r#"{"settings": {"comm_hook": false}}"#).unwrap(), None);
-        assert_eq!(hook(r#"{"settings": {"comm_hook": "no"}}"#).unwrap(), None);
-        let err = hook(r#"{"settings": {"comm_hook": "power_sgd"}}"#).unwrap_err();
-        assert!(err.message.contains("PowerSGD is not offered"), "{err}");
-        let err = hook(r#"{"settings": {"comm_hook": "fp8"}}"#).unwrap_err();
+        assert_eq!(hook(r#"{"settings": {"comm_hook": false}}"#).unwrap(), "no");
+        assert_eq!(hook(r#"{"settings": {"comm_hook": "no"}}"#).unwrap(), "no");
+        let sgd = r#"{"settings": {"comm_hook": "power_sgd", "comm_state_option": {"start_powerSGD_iter": 2}}}"#;
+        assert_eq!(hook(sgd).unwrap(), "power_sgd");
+        let err = |s: &str| hook(s).unwrap_err().message.to_string();
+        assert!(err(r#"{"settings": {"comm_hook": "batched_power_sgd"}}"#)
+            .contains("batched_power_sgd is not offered"));
+        assert!(err(r#"{"settings": {"comm_hook": "fp8"}}"#)
+            .contains("comm_hook must be one of no, fp16, bf16, power_sgd"));
         assert!(
-            err.message
-                .contains("comm_hook must be one of no, fp16, bf16"),
-            "{err}"
+            err(r#"{"settings": {"comm_hook": "fp16", "comm_state_option": {}}}"#)
+                .contains("needs comm_hook: power_sgd")
         );
+        assert!(err(r#"{"settings": {"comm_hook": "power_sgd", "comm_state_option": {"start_powerSGD_iter": 1}}}"#).contains("must be > 1"));
         let err = overlap(r#"{"settings": {"overlap_comm": 1}}"#).unwrap_err();
         assert!(
             err.message.contains("overlap_comm must be true or false"),
