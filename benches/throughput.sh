@@ -36,7 +36,11 @@
 #        each on a rank's batch, no communication: for the small mlp the
 #        real ceiling, which "single"'s two intra-op threads are not;
 #        ddp_fp16 / peer_fp16: accel DDP with `comm_hook: fp16` / Python
-#        Accelerate with DistributedDataParallelKwargs(comm_hook=FP16))
+#        Accelerate with DistributedDataParallelKwargs(comm_hook=FP16);
+#        ddp_powersgd / peer_powersgd: the same with PowerSGD, rank 1,
+#        compressing from the second step, the model in one bucket (with
+#        several, PyTorch's chained PowerSGD futures issue gloo collectives
+#        in a different order on each rank: "collective mismatch"))
 # Writes OUT_DIR/throughput.jsonl (one object per run), OUT_DIR/throughput.md
 # (the table, also printed) and, with UPDATE_BENCHMARKS=1, the block between
 # the throughput markers of BENCHMARKS.md (`throughput` or `throughput-load`).
@@ -72,6 +76,10 @@ config ddp_fp16 "distributed_type: MULTI_CPU
 accel:
   plugins:
     accel-ddp: {comm_hook: fp16}"
+config ddp_powersgd "distributed_type: MULTI_CPU
+accel:
+  plugins:
+    accel-ddp: {comm_hook: power_sgd, comm_state_option: {start_powerSGD_iter: 2}, bucket_cap_mb: 1000}"
 config ddp_no_overlap "distributed_type: MULTI_CPU
 accel:
   plugins:
@@ -130,11 +138,12 @@ run_one() {
     [ "$w" = gpt2 ] || extra=(--optimizer sgd)
     # shellcheck disable=SC2046
     case $c in
-        peer | peer_fsdp | peer_fp16)
+        peer | peer_fsdp | peer_fp16 | peer_powersgd)
             local script=$mlp_peer flags=()
             [ "$w" = gpt2 ] && script="$gpt2_peer train"
             [ "$c" = peer_fsdp ] && flags=(--fsdp)
             [ "$c" = peer_fp16 ] && flags=(--comm-hook fp16)
+            [ "$c" = peer_powersgd ] && flags=(--comm-hook power_sgd --comm-state '{"start_powerSGD_iter": 2}' --bucket-cap-mb 1000)
             torchrun --nproc_per_node 2 --master_port $port $script $(args "$w" "$b") "${flags[@]}" ;;
         single)
             "$prog" $(args "$w" $((2 * b))) "${extra[@]}" ;;
@@ -153,7 +162,7 @@ run_one() {
         *)
             local flags=()
             [ "$c" = fsdp ] && flags=(--fsdp_transformer_layer_cls_to_wrap "$(units "$w")")
-            case $c in ddp | ddp_no_overlap | ddp_fp16) log_env=(ACCEL_LOG=plugin=debug) ;; esac
+            case $c in ddp | ddp_no_overlap | ddp_fp16 | ddp_powersgd) log_env=(ACCEL_LOG=plugin=debug) ;; esac
             env "${log_env[@]}" "$rel/accel" launch -q --config_file "$out/$c.yaml" "${flags[@]}" \
                 "$prog" $(args "$w" "$b") "${extra[@]}" ;;
     esac >"$log" 2>&1 || { cat "$log" >&2; echo "throughput.sh: $w under $c failed" >&2; exit 1; }
@@ -201,14 +210,15 @@ import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 load = sys.argv[2] == "1"
 names = {"ddp": "accel DDP", "ddp_no_overlap": "accel DDP, no overlap",
-         "ddp_fp16": "accel DDP, comm_hook fp16",
+         "ddp_fp16": "accel DDP, comm_hook fp16", "ddp_powersgd": "accel DDP, PowerSGD rank 1",
          "fsdp": "accel FSDP FULL_SHARD", "zero3": "accel ZeRO-3",
          "zero3_bucket": "accel ZeRO-3, reduce_bucket_size 5e8",
          "zero3_reuse": "accel ZeRO-3, stage3_max_reuse_distance 1e9", "zero1": "accel ZeRO-1",
          "zero1_no_overlap": "accel ZeRO-1, no overlap",
          "zero1_modules": "accel ZeRO-1, a bucket per module", "peer": "Python Accelerate DDP",
          "peer_fsdp": "PyTorch FSDP2 FULL_SHARD",
-         "peer_fp16": "Python Accelerate DDP, comm_hook fp16", "single": "one process, global batch",
+         "peer_fp16": "Python Accelerate DDP, comm_hook fp16",
+         "peer_powersgd": "Python Accelerate DDP, PowerSGD rank 1", "single": "one process, global batch",
          "pair": "two one-thread processes at once, a rank's batch each"}
 # Only the columns this run measured.
 names = {c: n for c, n in names.items() if any(r["column"] == c for r in rows)}
@@ -225,7 +235,7 @@ for w in work:
     if not any(r["workload"] == w for r in rows):
         continue
     peer, ddp, single, pair = med(w, "peer"), med(w, "ddp"), med(w, "single"), med(w, "pair")
-    peer_fsdp, peer_fp16 = med(w, "peer_fsdp"), med(w, "peer_fp16")
+    peer_fsdp, peer_fp16, peer_powersgd = med(w, "peer_fsdp"), med(w, "peer_fp16"), med(w, "peer_powersgd")
     def cell(c):
         v = med(w, c)
         if v is None:
@@ -237,9 +247,10 @@ for w in work:
             ratios.append(f"{v / peer_fsdp:.2f}× FSDP2")
         if c == "peer_fsdp" and peer:
             ratios = [f"{v / peer:.2f}× DDP"]
-        if c == "ddp_fp16" and peer_fp16:
-            ratios.append(f"{v / peer_fp16:.2f}× its peer")
-        if c == "ddp_fp16" and ddp:
+        hooked = {"ddp_fp16": peer_fp16, "ddp_powersgd": peer_powersgd}
+        if hooked.get(c):
+            ratios.append(f"{v / hooked[c]:.2f}× its peer")
+        if c in hooked and ddp:
             ratios.append(f"{v / ddp:.2f}× DDP")
         if c == "ddp" and single:
             ratios.append(f"{v / single:.0%} of one process")

@@ -1,7 +1,7 @@
 """accel's `mlp` in Python Accelerate, for side-by-side runs.
 
 torchrun --nproc_per_node 2 accelerate_mlp.py --data D --init I --hidden H \
-    --batch-size B --steps N --lr LR --loss-log FILE [--fsdp] [--comm-hook no|fp16|bf16]
+    --batch-size B --steps N --lr LR --loss-log FILE [--fsdp] [--comm-hook no|fp16|bf16|power_sgd] [--comm-state JSON] [--bucket-cap-mb X]
 Same model, data order (Accelerate's batch sharding, no shuffle), plain SGD
 and per-step mean loss across ranks as `mlp --loss-log` (averaged across
 ranks in one all-reduce every 20 steps, as mlp does); prints steps/s.
@@ -15,7 +15,9 @@ prepares only the optimizer and the data.
 
 --comm-hook: DDP's communication hook, as Accelerate users set it
 (DistributedDataParallelKwargs(comm_hook=...): PyTorch's fp16_compress_hook /
-bf16_compress_hook), the peer of accel-ddp's `comm_hook`.
+bf16_compress_hook / powerSGD_hook), the peer of accel-ddp's `comm_hook`;
+--comm-state: its comm_state_option (PowerSGDState's options), JSON.
+--bucket-cap-mb: DDP's.
 """
 import argparse
 import json
@@ -39,7 +41,9 @@ p.add_argument("--steps", type=int)
 p.add_argument("--lr", type=float)
 p.add_argument("--loss-log")
 p.add_argument("--fsdp", action="store_true")
-p.add_argument("--comm-hook", default="no", choices=["no", "fp16", "bf16"])
+p.add_argument("--comm-hook", default="no", choices=["no", "fp16", "bf16", "power_sgd"])
+p.add_argument("--comm-state", default="{}")
+p.add_argument("--bucket-cap-mb", type=float)
 a = p.parse_args()
 
 
@@ -52,7 +56,15 @@ class Mlp(torch.nn.Module):
         return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
 
 
-acc = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(a.comm_hook))])
+acc = Accelerator(
+    kwargs_handlers=[
+        DistributedDataParallelKwargs(
+            comm_hook=DDPCommunicationHookType(a.comm_hook),
+            comm_state_option=json.loads(a.comm_state),
+            **({} if a.bucket_cap_mb is None else {"bucket_cap_mb": a.bucket_cap_mb}),
+        )
+    ]
+)
 data = load_file(a.data)
 model = Mlp(data["x"].shape[1], a.hidden, data["y"].shape[1])
 model.load_state_dict(load_file(a.init))

@@ -8,14 +8,16 @@ Subcommands:
     train --model DIR --data FILE [--token-dtype u16|u32] --block-size B --batch-size N --steps K
           [--epochs E] [--lr 6e-4] [--weight-decay 0.01] [--scheduler constant|linear|cosine] [--warmup W]
           [--data-seed S] [--grad-accum G] [--max-grad-norm M] [--freeze REGEX ...]
-          [--loss-log FILE] [--save DIR] [--fsdp] [--comm-hook no|fp16|bf16]
+          [--loss-log FILE] [--save DIR] [--fsdp] [--comm-hook no|fp16|bf16|power_sgd] [--comm-state JSON]
+          [--bucket-cap-mb X]
         The same loop as examples/gpt2.rs. Run with plain python (one process) or
         `torchrun --nproc_per_node 2` (CPU, gloo; `accelerate launch --cpu` starts only one process).
         --fsdp: PyTorch's FSDP2 (`fully_shard`, FULL_SHARD) on every GPT2Block and the root instead
         of DDP, for the benchmarks (Accelerate falls back to DDP on a CPU-only machine and FSDP1
         needs an accelerator, so torch shards the model and Accelerate prepares the rest).
         --comm-hook: DDP's communication hook, DistributedDataParallelKwargs(comm_hook=...) (PyTorch's
-        fp16_compress_hook / bf16_compress_hook), the peer of accel-ddp's `comm_hook`.
+        fp16_compress_hook / bf16_compress_hook / powerSGD_hook), the peer of accel-ddp's `comm_hook`;
+        --comm-state: its comm_state_option (PowerSGDState's options), JSON. --bucket-cap-mb: DDP's.
 
     logits --ids 1,2,3 --model DIR FILE [--model DIR2 FILE2 ...]
         GPT2LMHeadModel.from_pretrained(DIR) (default attention) in eval mode; writes the logits for
@@ -118,7 +120,13 @@ def cmd_train(a):
         mixed_precision=a.mixed_precision,
         gradient_accumulation_steps=a.grad_accum,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=a.data_seed),
-        kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(a.comm_hook))],
+        kwargs_handlers=[
+            DistributedDataParallelKwargs(
+                comm_hook=DDPCommunicationHookType(a.comm_hook),
+                comm_state_option=json.loads(a.comm_state),
+                **({} if a.bucket_cap_mb is None else {"bucket_cap_mb": a.bucket_cap_mb}),
+            )
+        ],
     )
     model = GPT2LMHeadModel.from_pretrained(a.model, attn_implementation="eager")
     model.train()
@@ -224,7 +232,9 @@ def main(argv):
     t.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
     t.add_argument("--save")
     t.add_argument("--fsdp", action="store_true")
-    t.add_argument("--comm-hook", default="no", choices=["no", "fp16", "bf16"])
+    t.add_argument("--comm-hook", default="no", choices=["no", "fp16", "bf16", "power_sgd"])
+    t.add_argument("--comm-state", default="{}")
+    t.add_argument("--bucket-cap-mb", type=float)
     lg = sub.add_parser("logits")
     lg.add_argument("--ids", required=True)
     lg.add_argument("--model", nargs=2, action="append", required=True, metavar=("DIR", "FILE"))

@@ -45,14 +45,15 @@
 //!   f32 and rounding back, as gloo and NCCL add 16-bit floats), and copied
 //!   back into the bucket: PyTorch's bits on two ranks. The gradients the
 //!   optimizer sees are rounded to 16 bits. `no` (the default) all-reduces
-//!   the buckets as they are; PowerSGD is not offered.
+//!   the buckets as they are; `power_sgd` is PyTorch's `powerSGD_hook`
+//!   with Accelerate's `comm_state_option` (module [`power_sgd`]).
 //! * `optimizer_step`: a plain step (every rank holds the same gradients).
 //! * `clip_grad_norm`: the local norm (gradients are identical everywhere).
 //! * `state_dict`: the full model on rank 0.
 //!
 //! Settings (`accel.plugins.accel-ddp`, or the builder's `strategy_settings`):
 //! `{"bucket_cap_mb": 25, "find_unused_parameters": false, "overlap_comm": true,
-//! "comm_hook": "no"}`.
+//! "comm_hook": "no", "comm_state_option": {...}}` (the last for `power_sgd`).
 //!
 //! At trace level (`ACCEL_LOG=plugin=trace`) each synced step logs how
 //! many buckets started during backward and how long `post_backward`
