@@ -649,11 +649,13 @@ fn compression_hooks_give_the_same_bits_with_and_without_overlap() {
 }
 
 /// gpt2 from a transformers checkpoint on 2 ranks under `comm_hook: fp16`
-/// trains as transformers' GPT2LMHeadModel under Accelerate with
-/// `DistributedDataParallelKwargs(comm_hook=FP16)` (torchrun, gloo): the
-/// losses agree far more closely than with the hook on one side only.
+/// and under PowerSGD (compressing from the third step) trains as
+/// transformers' GPT2LMHeadModel under Accelerate with the same
+/// `DistributedDataParallelKwargs(comm_hook=..., comm_state_option=...)`
+/// (torchrun, gloo): the losses agree far more closely than with the hook
+/// on one side only.
 #[test]
-fn gpt2_with_the_fp16_hook_trains_as_accelerate_with_it() {
+fn gpt2_with_a_communication_hook_trains_as_accelerate_with_it() {
     let dir = tempfile::tempdir().unwrap();
     let (init, tokens) = gpt2::peer_model_and_tokens(dir.path());
     let args = gpt2::on_tokens(
@@ -670,11 +672,10 @@ fn gpt2_with_the_fp16_hook_trains_as_accelerate_with_it() {
             "7",
         ],
     );
-    let losses = |log: &Path| log_values(log, "loss");
-    let mut ours = Vec::new();
-    for hook in ["no", "fp16"] {
-        let cfg = config(dir.path(), 2, true, &[&format!("comm_hook: {hook}")]);
-        let log = dir.path().join(format!("accel_{hook}.jsonl"));
+    // accel's gpt2 on 2 ranks with these plugin settings: its losses.
+    let accel = |name: &str, settings: &[&str]| {
+        let cfg = config(dir.path(), 2, true, settings);
+        let log = dir.path().join(format!("accel_{name}.jsonl"));
         run_ok(
             Command::new(accel_bin())
                 .args(["launch", "-q", "--config_file"])
@@ -684,25 +685,9 @@ fn gpt2_with_the_fp16_hook_trains_as_accelerate_with_it() {
                 .arg("--loss-log")
                 .arg(&log),
         );
-        ours.push(losses(&log));
-    }
-    let log = dir.path().join("py_fp16.jsonl");
-    run_ok(
-        Command::new(venv_bin("torchrun"))
-            .args([
-                "--nproc_per_node",
-                "2",
-                "--master_port",
-                &free_port().to_string(),
-            ])
-            .arg(workspace_root().join("tests/peers/gpt2_reference.py"))
-            .arg("train")
-            .args(&args)
-            .args(["--comm-hook", "fp16", "--loss-log"])
-            .arg(&log)
-            .env("OMP_NUM_THREADS", "1"),
-    );
-    let theirs = losses(&log);
+        log_values(&log, "loss")
+    };
+    let plain = accel("no", &[]);
     let worst = |a: &[f64], b: &[f64]| {
         assert_eq!(a.len(), b.len());
         a.iter()
@@ -710,10 +695,42 @@ fn gpt2_with_the_fp16_hook_trains_as_accelerate_with_it() {
             .map(|(x, y)| (x - y).abs())
             .fold(0.0, f64::max)
     };
-    let (same_hook, one_side) = (worst(&ours[1], &theirs), worst(&ours[0], &theirs));
-    println!("gpt2 fp16 hook: |Δloss| vs Accelerate {same_hook:e}, without the hook {one_side:e}");
-    assert!(same_hook <= 1e-4, "losses differ by {same_hook}");
-    assert!(same_hook * 10.0 < one_side, "{same_hook} vs {one_side}");
+    let state = r#"{"start_powerSGD_iter": 3}"#;
+    for (hook, state) in [("fp16", "{}"), ("power_sgd", state)] {
+        let (hook_line, state_line) = (
+            format!("comm_hook: {hook}"),
+            format!("comm_state_option: {state}"),
+        );
+        let ours = if hook == "power_sgd" {
+            accel(hook, &[&hook_line, &state_line])
+        } else {
+            accel(hook, &[&hook_line])
+        };
+        let log = dir.path().join(format!("py_{hook}.jsonl"));
+        run_ok(
+            Command::new(venv_bin("torchrun"))
+                .args([
+                    "--nproc_per_node",
+                    "2",
+                    "--master_port",
+                    &free_port().to_string(),
+                ])
+                .arg(workspace_root().join("tests/peers/gpt2_reference.py"))
+                .arg("train")
+                .args(&args)
+                .args(["--comm-hook", hook, "--comm-state", state, "--loss-log"])
+                .arg(&log)
+                .env("OMP_NUM_THREADS", "1"),
+        );
+        let theirs = log_values(&log, "loss");
+        let (same_hook, one_side) = (worst(&ours, &theirs), worst(&plain, &theirs));
+        println!("gpt2 {hook}: |Δloss| vs Accelerate {same_hook:e}, without the hook {one_side:e}");
+        assert!(same_hook <= 1e-4, "{hook}: losses differ by {same_hook}");
+        assert!(
+            same_hook * 10.0 < one_side,
+            "{hook}: {same_hook} vs {one_side}"
+        );
+    }
 }
 
 /// PowerSGD (`comm_hook: power_sgd`, PyTorch's `powerSGD_hook` as
