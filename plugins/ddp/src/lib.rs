@@ -46,7 +46,7 @@
 //!   back into the bucket: PyTorch's bits on two ranks. The gradients the
 //!   optimizer sees are rounded to 16 bits. `no` (the default) all-reduces
 //!   the buckets as they are; `power_sgd` is PyTorch's `powerSGD_hook`
-//!   with Accelerate's `comm_state_option` (module [`power_sgd`]).
+//!   with Accelerate's `comm_state_option` (its module `power_sgd`).
 //! * `optimizer_step`: a plain step (every rank holds the same gradients).
 //! * `clip_grad_norm`: the local norm (gradients are identical everywhere).
 //! * `state_dict`: the full model on rank 0.

@@ -192,16 +192,7 @@ impl PowerSgd {
         buffer: &Tensor,
         views: &[Tensor],
     ) -> Result<(), PluginError> {
-        tch::no_grad(|| self.compress(ctx, bucket, buffer, views))
-    }
-
-    fn compress(
-        &mut self,
-        ctx: &HostContextBox,
-        bucket: usize,
-        buffer: &Tensor,
-        views: &[Tensor],
-    ) -> Result<(), PluginError> {
+        let _no_grad = tch::no_grad_guard();
         let world = i64::from(ctx.world_size());
         let opts = (buffer.kind(), buffer.device());
         let o = self.options.clone();
