@@ -519,6 +519,14 @@ fn probe_inputs(dir: &Path, ranks: u32) {
     tch::Tensor::write_safetensors(&inputs, dir.join("inputs.safetensors")).unwrap();
 }
 
+/// The accel-ddp lines of `comm_hook: hook` and, given, `comm_state_option:
+/// state`.
+fn hook_settings(hook: &str, state: Option<&str>) -> Vec<String> {
+    let mut lines = vec![format!("comm_hook: {hook}")];
+    lines.extend(state.map(|s| format!("comm_state_option: {s}")));
+    lines
+}
+
 /// Every rank's gradients after `steps` synced backwards of `grad-probe`
 /// under accel-ddp with `comm_hook: hook` (and `comm_state_option:
 /// state`, JSON), and under Accelerate's DDP with
@@ -540,10 +548,13 @@ fn hooked_grads(
         ours.path().join("inputs.safetensors"),
     )
     .unwrap();
-    let mut lines = vec![format!("comm_hook: {hook}")];
-    lines.extend(state.map(|s| format!("comm_state_option: {s}")));
-    let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
-    let cfg = config(dir, ranks, true, &lines);
+    let lines = hook_settings(hook, state);
+    let cfg = config(
+        dir,
+        ranks,
+        true,
+        &lines.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
     run_ok(
         Command::new(accel_bin())
             .args(["launch", "-q", "--config_file"])
@@ -695,17 +706,10 @@ fn gpt2_with_a_communication_hook_trains_as_accelerate_with_it() {
             .map(|(x, y)| (x - y).abs())
             .fold(0.0, f64::max)
     };
-    let state = r#"{"start_powerSGD_iter": 3}"#;
-    for (hook, state) in [("fp16", "{}"), ("power_sgd", state)] {
-        let (hook_line, state_line) = (
-            format!("comm_hook: {hook}"),
-            format!("comm_state_option: {state}"),
-        );
-        let ours = if hook == "power_sgd" {
-            accel(hook, &[&hook_line, &state_line])
-        } else {
-            accel(hook, &[&hook_line])
-        };
+    let power_sgd = r#"{"start_powerSGD_iter": 3}"#;
+    for (hook, state) in [("fp16", None), ("power_sgd", Some(power_sgd))] {
+        let lines = hook_settings(hook, state);
+        let ours = accel(hook, &lines.iter().map(String::as_str).collect::<Vec<_>>());
         let log = dir.path().join(format!("py_{hook}.jsonl"));
         run_ok(
             Command::new(venv_bin("torchrun"))
@@ -718,7 +722,8 @@ fn gpt2_with_a_communication_hook_trains_as_accelerate_with_it() {
                 .arg(workspace_root().join("tests/peers/gpt2_reference.py"))
                 .arg("train")
                 .args(&args)
-                .args(["--comm-hook", hook, "--comm-state", state, "--loss-log"])
+                .args(["--comm-hook", hook, "--comm-state", state.unwrap_or("{}")])
+                .arg("--loss-log")
                 .arg(&log)
                 .env("OMP_NUM_THREADS", "1"),
         );
