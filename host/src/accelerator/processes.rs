@@ -93,12 +93,19 @@ impl Accelerator {
     /// `tensor` summed or averaged over every rank.
     pub fn reduce(&self, tensor: &Tensor, how: Reduction) -> Result<Tensor, AccelError> {
         let mut t = tensor.detach().copy();
-        let op = match how {
-            Reduction::Sum => ReduceOp::Sum,
-            Reduction::Mean => ReduceOp::Avg,
-        };
         let _range = Range::new("accel::reduce");
-        self.comm.all_reduce(&mut t, op)?;
+        match how {
+            Reduction::Sum => self.comm.all_reduce(&mut t, ReduceOp::Sum)?,
+            // Accelerate's mean: the sum, then divided by the number of
+            // processes in the tensor's own kind (so a 16-bit mean rounds
+            // as Accelerate's); an integer mean is floored.
+            Reduction::Mean if t.is_floating_point() => {
+                self.comm.all_reduce(&mut t, ReduceOp::Sum)?;
+                let n = f64::from(self.world);
+                let _ = tch::no_grad(|| t.g_div_scalar_(n));
+            }
+            Reduction::Mean => self.comm.all_reduce(&mut t, ReduceOp::Avg)?,
+        }
         Ok(t)
     }
 

@@ -8,7 +8,11 @@
 //!
 //! All collectives work in place on tch tensors, are called by every rank in
 //! the same order. MPI takes CPU tensors of f32, f64, i64, i32, u8/bool or
-//! f16/bf16 (reduced in f32); NCCL takes CUDA tensors of those kinds and i8.
+//! f16/bf16 (moved as 16-bit values for gathers, broadcasts, sums and
+//! averages, an average divided by the world size before its sum, as
+//! PyTorch's and DeepSpeed's gradient reductions; widened to f32 for a
+//! maximum, minimum or product); NCCL takes CUDA tensors of those kinds
+//! and i8.
 
 pub mod mpi;
 pub mod nccl;

@@ -605,6 +605,7 @@ impl Mpi {
                 // The sum is in `send` (reduced in place).
                 let mut sum = send.view([-1]);
                 tch::no_grad(|| match op {
+                    _ if predivides(collective, sum.kind()) => {}
                     ReduceOp::Avg if sum.is_floating_point() => {
                         let _ = sum.g_div_(&self.divisor(sum.kind()));
                     }
@@ -620,14 +621,14 @@ impl Mpi {
             }
             Collective::ReduceScatter(op) => {
                 let mut block = recv.narrow(0, 0, send.numel() as i64 / size);
-                if op == ReduceOp::Avg && block.is_floating_point() {
+                if predivides(collective, block.kind()) || op != ReduceOp::Avg {
+                    write_back(&mut output, &block);
+                } else if block.is_floating_point() {
                     // In the receive buffer, which is ours to change.
                     let _ = tch::no_grad(|| block.g_div_(&self.divisor(block.kind())));
                     write_back(&mut output, &block);
-                } else if op == ReduceOp::Avg {
-                    write_back(&mut output, &(block / size as f64));
                 } else {
-                    write_back(&mut output, &block);
+                    write_back(&mut output, &(block / size as f64));
                 }
             }
             Collective::Broadcast(_) => {
@@ -710,26 +711,65 @@ fn system_op(op: ReduceOp) -> SystemOperation {
     }
 }
 
-/// A contiguous CPU buffer of an MPI-friendly kind standing in for a
-/// tensor of `collective`: a Half or BFloat16 tensor stays 16-bit for a
-/// sum ([`sum16`]) and is widened to Float for the rest (its average,
-/// maximum, gathers: one rounding, as before any 16-bit path).
-fn work_buffer(collective: Collective, t: &Tensor) -> Result<Tensor, CommError> {
-    if t.device() != tch::Device::Cpu {
-        return Err(CommError::new(
-            collective.name(),
-            "MPI collectives take CPU tensors",
-        ));
-    }
-    let kind = match t.kind() {
-        k @ (Kind::Half | Kind::BFloat16) if collective == Collective::AllReduce(ReduceOp::Sum) => {
-            k
+/// Whether `collective` moves a Half or BFloat16 tensor as 16-bit values:
+/// gathers and broadcasts (copies, moved as `MPI_UINT16_T`), sums and
+/// averages (added by [`sum16`]). A maximum, minimum or product of one is
+/// widened to Float (one rounding back).
+fn stays_16_bit(collective: Collective) -> bool {
+    match collective {
+        Collective::AllGather | Collective::Broadcast(_) => true,
+        Collective::AllReduce(op) | Collective::ReduceScatter(op) => {
+            matches!(op, ReduceOp::Sum | ReduceOp::Avg)
         }
-        Kind::Half | Kind::BFloat16 => Kind::Float,
-        Kind::Bool => Kind::Uint8,
-        k => k,
-    };
-    Ok(t.detach().to_kind(kind).contiguous())
+    }
+}
+
+/// Whether `collective` on a buffer of `kind` averages by dividing every
+/// rank's part by the world size before the sum (a 16-bit average, as
+/// PyTorch's DDP Reducer, FSDP's pre-divide and DeepSpeed's ZeRO reduce
+/// 16-bit gradients: a sum of 16-bit values could overflow where their
+/// average does not). Every other average sums, then divides.
+fn predivides(collective: Collective, kind: Kind) -> bool {
+    matches!(
+        collective,
+        Collective::AllReduce(ReduceOp::Avg) | Collective::ReduceScatter(ReduceOp::Avg)
+    ) && matches!(kind, Kind::Half | Kind::BFloat16)
+}
+
+impl Mpi {
+    /// A contiguous CPU buffer of an MPI-friendly kind standing in for
+    /// `t` in `collective`: a Half or BFloat16 tensor stays 16-bit where
+    /// [`stays_16_bit`] (half the bytes of a widened one) and is widened to
+    /// Float for the rest; a 16-bit average's parts are divided by the world
+    /// size here ([`predivides`]): an all-reduce's in its own buffer (the
+    /// result lands there), a reduce-scatter's into a new one (its input is
+    /// the caller's).
+    fn work_buffer(&self, collective: Collective, t: &Tensor) -> Result<Tensor, CommError> {
+        if t.device() != tch::Device::Cpu {
+            return Err(CommError::new(
+                collective.name(),
+                "MPI collectives take CPU tensors",
+            ));
+        }
+        let kind = match t.kind() {
+            k @ (Kind::Half | Kind::BFloat16) if stays_16_bit(collective) => k,
+            Kind::Half | Kind::BFloat16 => Kind::Float,
+            Kind::Bool => Kind::Uint8,
+            k => k,
+        };
+        if !predivides(collective, kind) {
+            return Ok(t.detach().to_kind(kind).contiguous());
+        }
+        let world = self.divisor(kind);
+        Ok(tch::no_grad(|| match collective {
+            Collective::AllReduce(_) => {
+                let mut buf = t.detach().contiguous();
+                let _ = buf.g_div_(&world);
+                buf
+            }
+            _ => t.detach().g_div(&world).contiguous(),
+        }))
+    }
 }
 
 /// An MPI operation made by `MPI_Op_create`, kept for the process.
@@ -841,7 +881,8 @@ fn receives_into(collective: Collective, send: &Tensor, output: &Tensor) -> Opti
 }
 
 /// Runs `$body` with `$t` the Rust element type of tensor kind `$kind`,
-/// for the kinds MPI moves (f32, f64, i64, i32, u8); returns collective
+/// for the kinds MPI moves (f32, f64, i64, i32, u8, and Half or BFloat16
+/// as u16: their bits, for a copy or [`sum16`]); returns collective
 /// `$op`'s error naming any other kind.
 macro_rules! by_kind {
     ($op:expr, $kind:expr, |$t:ident| $body:expr) => {{
@@ -857,6 +898,7 @@ macro_rules! by_kind {
             Kind::Int64 => as_type!(i64),
             Kind::Int => as_type!(i32),
             Kind::Uint8 => as_type!(u8),
+            Kind::Half | Kind::BFloat16 => as_type!(u16),
             other => {
                 return Err(CommError::new(
                     $op,
@@ -905,8 +947,81 @@ extern "C" {
     static accel_mpi_in_place: *mut c_void;
 }
 
+/// MPI's datatype and reduction of `op` over a buffer of `kind` (from
+/// [`Mpi::work_buffer`]): a 16-bit buffer reaches a reduction only for a
+/// sum or an average ([`stays_16_bit`]), added by [`sum16`].
+fn datatype_and_op(
+    name: &'static str,
+    kind: Kind,
+    op: ReduceOp,
+) -> Result<(mpi::ffi::MPI_Datatype, mpi::ffi::MPI_Op), CommError> {
+    Ok(match kind {
+        k @ (Kind::Half | Kind::BFloat16) => sum16(k),
+        k => (
+            by_kind!(name, k, |T| T::equivalent_datatype().as_raw()),
+            system_op(op).as_raw(),
+        ),
+    })
+}
+
+/// `n` elements as MPI's count, or collective `name`'s error.
+fn mpi_count(name: &'static str, n: usize) -> Result<c_int, CommError> {
+    c_int::try_from(n).map_err(|_| {
+        CommError::new(
+            name,
+            format!(
+                "{n} elements in one tensor: MPI counts at most {}",
+                c_int::MAX
+            ),
+        )
+    })
+}
+
+/// The data pointer of `t` for MPI: a dangling one for an empty tensor
+/// (which may have none; MPI moves nothing from it).
+fn data_of(t: &Tensor) -> *mut c_void {
+    if t.numel() == 0 {
+        std::ptr::NonNull::<u64>::dangling().as_ptr().cast()
+    } else {
+        t.data_ptr()
+    }
+}
+
+/// Starts the reduce-scatter of `send` (a contiguous CPU tensor from
+/// [`Mpi::work_buffer`]) into `recv` (its rank's block, same kind, apart
+/// from `send`): `MPI_Ireduce_scatter_block`, with [`sum16`] for a 16-bit
+/// sum or average.
+fn start_reduce_scatter(
+    w: &SimpleCommunicator,
+    send: &Tensor,
+    recv: &Tensor,
+    op: ReduceOp,
+) -> Result<RawRequest, CommError> {
+    let name = "reduce_scatter";
+    let (datatype, op) = datatype_and_op(name, send.kind(), op)?;
+    let count = mpi_count(name, recv.numel())?;
+    let mut request = std::mem::MaybeUninit::<mpi::ffi::MPI_Request>::uninit();
+    // SAFETY: `send` holds the world size times `count` elements of
+    // `datatype` and `recv` `count`, distinct; the caller keeps both in the
+    // table of collectives in flight until the request completes (for good
+    // after a timeout); the request is written by MPI_Ireduce_scatter_block
+    // (errors abort, MPI's default handler).
+    unsafe {
+        mpi::ffi::MPI_Ireduce_scatter_block(
+            data_of(send),
+            data_of(recv),
+            count,
+            datatype,
+            op,
+            w.as_raw(),
+            request.as_mut_ptr(),
+        );
+        Ok(RawRequest(request.assume_init()))
+    }
+}
+
 /// Starts the all-reduce of `buf` (a contiguous CPU tensor of an MPI kind,
-/// from [`work_buffer`]) in place: `MPI_Iallreduce` with `MPI_IN_PLACE`,
+/// from [`Mpi::work_buffer`]) in place: `MPI_Iallreduce` with `MPI_IN_PLACE`,
 /// the sum landing in `buf` itself. No receive buffer (a DDP bucket's
 /// all-reduce would need one of the bucket's size, every bucket in flight
 /// at once one each), as gloo and NCCL reduce in place; and Open MPI's
@@ -919,31 +1034,9 @@ fn start_all_reduce_in_place(
     op: ReduceOp,
 ) -> Result<RawRequest, CommError> {
     let name = "all_reduce";
-    let (datatype, op) = match buf.kind() {
-        // Only a sum stays 16-bit (work_buffer).
-        k @ (Kind::Half | Kind::BFloat16) => sum16(k),
-        k => (
-            by_kind!(name, k, |T| T::equivalent_datatype().as_raw()),
-            system_op(op).as_raw(),
-        ),
-    };
-    let count = c_int::try_from(buf.numel()).map_err(|_| {
-        CommError::new(
-            name,
-            format!(
-                "{} elements in one tensor: MPI counts at most {}",
-                buf.numel(),
-                c_int::MAX
-            ),
-        )
-    })?;
-    // An empty tensor may have no data pointer: MPI moves nothing from a
-    // dangling one.
-    let data: *mut c_void = if buf.numel() == 0 {
-        std::ptr::NonNull::<u64>::dangling().as_ptr().cast()
-    } else {
-        buf.data_ptr()
-    };
+    let (datatype, op) = datatype_and_op(name, buf.kind(), op)?;
+    let count = mpi_count(name, buf.numel())?;
+    let data = data_of(buf);
     let mut request = std::mem::MaybeUninit::<mpi::ffi::MPI_Request>::uninit();
     // SAFETY: `data` holds `count` elements of `datatype`; the caller keeps
     // `buf` in the table of collectives in flight until the request
@@ -1007,7 +1100,7 @@ impl Mpi {
     ) -> Result<u64, CommError> {
         let name = collective.name();
         collective.check(input, output, self.group.size)?;
-        let send = work_buffer(collective, input)?;
+        let send = self.work_buffer(collective, input)?;
         let count = self.number(name)?;
         if let Collective::AllReduce(op) = collective {
             let request = self.with_world(|w| start_all_reduce_in_place(w, &send, op))?;
@@ -1027,20 +1120,20 @@ impl Mpi {
         if let Collective::Broadcast(_) = collective {
             tch::no_grad(|| recv.narrow(0, 0, n).copy_(&send.view([-1])));
         }
-        let request = with_slices!(name, &send, &recv.narrow(0, 0, n), |s, r| self.with_world(
-            |w| raw(match collective {
-                // Started in place above, before any receive buffer.
-                Collective::AllReduce(_) => unreachable!("all-reduces run in place"),
-                Collective::AllGather => w.immediate_all_gather_into(StaticScope, s, r),
-                Collective::ReduceScatter(op) => {
-                    w.immediate_reduce_scatter_block_into(StaticScope, s, r, system_op(op))
-                }
-                Collective::Broadcast(root) => {
-                    w.process_at_rank(root as i32)
-                        .immediate_broadcast_into(StaticScope, r)
-                }
-            })
-        ));
+        let into = recv.narrow(0, 0, n);
+        let request = match collective {
+            // Started in place above, before any receive buffer.
+            Collective::AllReduce(_) => unreachable!("all-reduces run in place"),
+            Collective::ReduceScatter(op) => {
+                self.with_world(|w| start_reduce_scatter(w, &send, &into, op))?
+            }
+            Collective::AllGather => with_slices!(name, &send, &into, |s, r| self
+                .with_world(|w| raw(w.immediate_all_gather_into(StaticScope, s, r)))),
+            Collective::Broadcast(root) => with_slices!(name, &send, &into, |_s, r| self
+                .with_world(|w| raw(w
+                    .process_at_rank(root as i32)
+                    .immediate_broadcast_into(StaticScope, r)))),
+        };
         let landing = Landing {
             collective,
             output: output.shallow_clone(),
@@ -1110,8 +1203,9 @@ mod tests {
     /// libtorch (and gloo) add two such tensors: in f32, rounded back to
     /// nearest even, over normal, subnormal, huge (overflowing to inf),
     /// signed-zero and infinite values, across its 512-element chunks. A
-    /// Half or BFloat16 sum stays 16-bit on the wire; anything else of
-    /// theirs is widened.
+    /// Half or BFloat16 sum, average, gather or broadcast stays 16-bit on
+    /// the wire (an average divided first); a maximum, minimum or product
+    /// of theirs is widened.
     #[test]
     fn sixteen_bit_sums_round_as_libtorch_adds() {
         fn sum_as_mpi<T: Copy>(a: &Tensor, b: &Tensor) -> Tensor
@@ -1174,11 +1268,25 @@ mod tests {
                     b.index_select(0, &bad.view([-1]))
                 );
             }
-            let t = Tensor::ones([3], (kind, tch::Device::Cpu));
-            let kept = |c| work_buffer(c, &t).unwrap().kind();
-            assert_eq!(kept(Collective::AllReduce(ReduceOp::Sum)), kind);
-            assert_eq!(kept(Collective::AllReduce(ReduceOp::Avg)), Kind::Float);
-            assert_eq!(kept(Collective::AllGather), Kind::Float);
+            // An average of 16-bit values divides before the sum.
+            assert!(predivides(Collective::ReduceScatter(ReduceOp::Avg), kind));
+            assert!(predivides(Collective::AllReduce(ReduceOp::Avg), kind));
+            assert!(!predivides(Collective::AllReduce(ReduceOp::Sum), kind));
+        }
+        assert!(!predivides(
+            Collective::AllReduce(ReduceOp::Avg),
+            Kind::Float
+        ));
+        for (c, sixteen) in [
+            (Collective::AllReduce(ReduceOp::Sum), true),
+            (Collective::AllReduce(ReduceOp::Avg), true),
+            (Collective::ReduceScatter(ReduceOp::Avg), true),
+            (Collective::AllGather, true),
+            (Collective::Broadcast(0), true),
+            (Collective::AllReduce(ReduceOp::Max), false),
+            (Collective::ReduceScatter(ReduceOp::Min), false),
+        ] {
+            assert_eq!(stays_16_bit(c), sixteen, "{c:?}");
         }
     }
 
