@@ -28,6 +28,8 @@
 #        WORKLOADS="mlp_small mlp_big gpt2" UPDATE_BENCHMARKS=0|1
 #        BENCH_COLUMNS="ddp ddp_no_overlap fsdp zero3 peer peer_fsdp single" (also: zero1,
 #        zero1_no_overlap: ZeRO-1 with DeepSpeed's default bucket, overlap on/off;
+#        fsdp_bf16 / zero3_bf16: FSDP FULL_SHARD / ZeRO-3 with `mixed_precision:
+#        bf16`, parameters gathered and gradients reduce-scattered in bf16;
 #        zero1_modules: a bucket per module, each all-reduced during backward;
 #        zero3_bucket: ZeRO-3 with reduce_bucket_size 5e8, the modules'
 #        gradients reduce-scattered together; zero3_reuse: ZeRO-3 with
@@ -91,6 +93,17 @@ fsdp_config:
   fsdp_forward_prefetch: true
   fsdp_backward_prefetch: BACKWARD_PRE"
 config zero3 "distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 3"
+config fsdp_bf16 "distributed_type: FSDP
+mixed_precision: bf16
+fsdp_config:
+  fsdp_sharding_strategy: FULL_SHARD
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_forward_prefetch: true
+  fsdp_backward_prefetch: BACKWARD_PRE"
+config zero3_bf16 "distributed_type: DEEPSPEED
+mixed_precision: bf16
 deepspeed_config:
   zero_stage: 3"
 config zero1 "distributed_type: DEEPSPEED
@@ -161,7 +174,7 @@ run_one() {
             python -c 'import sys; print(f"pair: {sum(map(float, sys.argv[1:])) / 2:.2f} steps/s")' "${rates[@]}" ;;
         *)
             local flags=()
-            [ "$c" = fsdp ] && flags=(--fsdp_transformer_layer_cls_to_wrap "$(units "$w")")
+            case $c in fsdp | fsdp_bf16) flags=(--fsdp_transformer_layer_cls_to_wrap "$(units "$w")") ;; esac
             case $c in ddp | ddp_no_overlap | ddp_fp16 | ddp_powersgd) log_env=(ACCEL_LOG=plugin=debug) ;; esac
             env "${log_env[@]}" "$rel/accel" launch -q --config_file "$out/$c.yaml" "${flags[@]}" \
                 "$prog" $(args "$w" "$b") "${extra[@]}" ;;
@@ -212,6 +225,7 @@ load = sys.argv[2] == "1"
 names = {"ddp": "accel DDP", "ddp_no_overlap": "accel DDP, no overlap",
          "ddp_fp16": "accel DDP, comm_hook fp16", "ddp_powersgd": "accel DDP, PowerSGD rank 1",
          "fsdp": "accel FSDP FULL_SHARD", "zero3": "accel ZeRO-3",
+         "fsdp_bf16": "accel FSDP FULL_SHARD, bf16", "zero3_bf16": "accel ZeRO-3, bf16",
          "zero3_bucket": "accel ZeRO-3, reduce_bucket_size 5e8",
          "zero3_reuse": "accel ZeRO-3, stage3_max_reuse_distance 1e9", "zero1": "accel ZeRO-1",
          "zero1_no_overlap": "accel ZeRO-1, no overlap",
