@@ -1,7 +1,8 @@
 //! The training runtime end to end: DDP equals one process on the whole
 //! batch, accumulation equals a big batch, sharding and collectives give
-//! what Python Accelerate gives, `mlp` runs alone, and the out-of-tree Local
-//! SGD strategy behaves as its rule says.
+//! what Python Accelerate gives, `mlp` runs alone, the out-of-tree Local
+//! SGD strategy behaves as its rule says, and `find_executable_batch_size`
+//! tries the batch sizes Accelerate's tries.
 
 use accel::accelerator::{shard_indices, Sharding};
 use accel_integration_tests::{
@@ -389,4 +390,68 @@ fn out_of_tree_local_sgd_trains_mlp_and_follows_its_rule() {
         diff > 1e-4,
         "ranks should have drifted apart, differ by {diff}"
     );
+}
+
+/// `find_executable_batch_size` tries the batch sizes Accelerate's tries,
+/// on real out-of-memory failures of libtorch's CPU allocator (returned as
+/// errors by tch's `f_` calls, or raised as panics by the others), gives
+/// up at zero, and returns any other failure at once.
+#[test]
+fn find_executable_batch_size_tries_what_accelerate_tries() {
+    use accel::memory::{find_executable_batch_size, BatchSizeError};
+    use tch::{Device, Kind, Tensor};
+    let out = run(Command::new(venv_bin("python"))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("peers/batch_size.py")));
+    let peer: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let per_sample = |batch_size: usize, limit: usize| {
+        if batch_size > limit {
+            1i64 << 45
+        } else {
+            16
+        }
+    };
+    let cpu = (Kind::Float, Device::Cpu);
+    // Out of memory as an error, and as a panic.
+    for panics in [false, true] {
+        let mut tried = Vec::new();
+        let fitted = find_executable_batch_size(128, |b| {
+            tried.push(b);
+            let shape = [b as i64, per_sample(b, 40)];
+            let x = if panics {
+                Tensor::zeros(shape, cpu)
+            } else {
+                Tensor::f_zeros(shape, cpu)?
+            };
+            Ok::<_, tch::TchError>(x.size()[0])
+        })
+        .unwrap();
+        assert_eq!(
+            serde_json::json!({"tried": tried, "ok": fitted}),
+            peer["fits_below_40"],
+            "panics: {panics}"
+        );
+    }
+    let mut tried = Vec::new();
+    let err = find_executable_batch_size(5, |b| {
+        tried.push(b);
+        Tensor::f_zeros([b as i64, per_sample(b, 0)], cpu).map(|_| ())
+    })
+    .unwrap_err();
+    assert_eq!(serde_json::json!(tried), peer["never_fits"]["tried"]);
+    assert!(
+        matches!(&err, BatchSizeError::ReachedZero { starting: 5, last } if last.contains("can't allocate memory")),
+        "{err}"
+    );
+    assert!(err
+        .to_string()
+        .contains("no executable batch size found, reached zero"));
+    let mut tried = Vec::new();
+    let message = peer["not_memory"]["error"].as_str().unwrap();
+    let err = find_executable_batch_size(128, |b| {
+        tried.push(b);
+        Err::<(), _>(message)
+    })
+    .unwrap_err();
+    assert_eq!(serde_json::json!(tried), peer["not_memory"]["tried"]);
+    assert_eq!(err.to_string(), message);
 }

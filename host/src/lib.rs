@@ -31,6 +31,7 @@ pub mod comm;
 pub mod context;
 pub mod hf;
 pub mod launch;
+pub mod memory;
 pub mod merge;
 pub mod plugins;
 pub mod progress;

@@ -5,6 +5,7 @@
 // (freed with `accel_shim_free`).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/DeviceAccelerator.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
@@ -349,6 +350,22 @@ bool accel_autocast_enabled(int device) {
   } catch (...) {
     return false;
   }
+}
+
+// Releases the unused memory the accelerator's caching allocator (CUDA's)
+// holds, as `torch.accelerator.empty_cache()`: nothing without an
+// accelerator or before its allocator is initialised. Writes whether a
+// cache was emptied.
+char* accel_empty_device_cache(bool* emptied) {
+  return guarded([&] {
+    *emptied = false;
+    auto device = at::accelerator::getAccelerator(false);
+    if (!device) return;
+    auto* allocator = at::getDeviceAllocator(*device);
+    if (allocator == nullptr || !allocator->initialized()) return;
+    allocator->emptyCache();
+    *emptied = true;
+  });
 }
 
 // Makes `grad` the gradient of `param` (undefined `grad` clears it), so a

@@ -21,6 +21,7 @@ extern "C" {
     fn accel_autocast_exit(device: c_int, prev_enabled: bool, prev_dtype: c_int) -> *mut c_char;
     fn accel_autocast_enabled(device: c_int) -> bool;
     fn accel_set_grad(param: *mut C_tensor, grad: *const C_tensor) -> *mut c_char;
+    fn accel_empty_device_cache(emptied: *mut bool) -> *mut c_char;
     fn accel_rng_get_state(device: c_int, index: c_int, out: *mut C_tensor) -> *mut c_char;
     fn accel_rng_set_state(device: c_int, index: c_int, state: *const C_tensor) -> *mut c_char;
     fn accel_randperm(n: i64, seed: u64, out: *mut C_tensor) -> *mut c_char;
@@ -603,6 +604,24 @@ impl Drop for AutocastGuard {
 pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<(), ShimError> {
     // SAFETY: live tensors; the shim assigns the parameter's grad slot.
     check(unsafe { accel_set_grad(ptr(param), ptr(grad)) })
+}
+
+/// Releases the unused memory held by the caching allocator of the
+/// accelerator (CUDA's), as `torch.accelerator.empty_cache()`: whether a
+/// cache was emptied (`false` without an accelerator, or before its
+/// allocator is first used; the CPU allocator caches nothing).
+///
+/// ```
+/// let emptied = accel_sdk::shim::empty_device_cache().unwrap();
+/// if !tch::Cuda::is_available() {
+///     assert!(!emptied);
+/// }
+/// ```
+pub fn empty_device_cache() -> Result<bool, ShimError> {
+    let mut emptied = false;
+    // SAFETY: the shim writes the flag.
+    check(unsafe { accel_empty_device_cache(&mut emptied) })?;
+    Ok(emptied)
 }
 
 /// The state of libtorch's default random generator of `device` (the CPU

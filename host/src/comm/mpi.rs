@@ -987,72 +987,59 @@ fn data_of(t: &Tensor) -> *mut c_void {
     }
 }
 
-/// Starts the reduce-scatter of `send` (a contiguous CPU tensor from
-/// [`Mpi::work_buffer`]) into `recv` (its rank's block, same kind, apart
-/// from `send`): `MPI_Ireduce_scatter_block`, with [`sum16`] for a 16-bit
-/// sum or average.
-fn start_reduce_scatter(
+/// Starts a reduction of `send` (a contiguous CPU tensor of an MPI kind,
+/// from [`Mpi::work_buffer`]), with [`sum16`] for a 16-bit sum or average:
+///
+/// * `into: None`, an all-reduce in place: `MPI_Iallreduce` with
+///   `MPI_IN_PLACE`, the result landing in `send` itself. No receive buffer
+///   (a DDP bucket's all-reduce would need one of the bucket's size, every
+///   bucket in flight at once one each), as gloo and NCCL reduce in place;
+///   and Open MPI's ring skips its first copy of the send buffer into the
+///   receive buffer. A sum of the same values in the same order: the same
+///   bits as into a separate buffer.
+/// * `into: Some(block)`, a reduce-scatter: `MPI_Ireduce_scatter_block`
+///   into this rank's block (same kind, apart from `send`).
+fn start_reduction(
     w: &SimpleCommunicator,
+    op: ReduceOp,
     send: &Tensor,
-    recv: &Tensor,
-    op: ReduceOp,
+    into: Option<&Tensor>,
 ) -> Result<RawRequest, CommError> {
-    let name = "reduce_scatter";
+    let name = if into.is_some() {
+        "reduce_scatter"
+    } else {
+        "all_reduce"
+    };
     let (datatype, op) = datatype_and_op(name, send.kind(), op)?;
-    let count = mpi_count(name, recv.numel())?;
+    let count = mpi_count(name, into.unwrap_or(send).numel())?;
     let mut request = std::mem::MaybeUninit::<mpi::ffi::MPI_Request>::uninit();
-    // SAFETY: `send` holds the world size times `count` elements of
-    // `datatype` and `recv` `count`, distinct; the caller keeps both in the
-    // table of collectives in flight until the request completes (for good
-    // after a timeout); the request is written by MPI_Ireduce_scatter_block
-    // (errors abort, MPI's default handler).
+    // SAFETY: `send` holds `count` elements of `datatype` (the world size
+    // times that for a reduce-scatter, whose block holds `count`, apart);
+    // the caller keeps both tensors in the table of collectives in flight
+    // until the request completes (for good after a timeout); MPI_IN_PLACE
+    // is the library's own constant; the request is written by MPI (errors
+    // abort, MPI's default handler).
     unsafe {
-        mpi::ffi::MPI_Ireduce_scatter_block(
-            data_of(send),
-            data_of(recv),
-            count,
-            datatype,
-            op,
-            w.as_raw(),
-            request.as_mut_ptr(),
-        );
-        Ok(RawRequest(request.assume_init()))
-    }
-}
-
-/// Starts the all-reduce of `buf` (a contiguous CPU tensor of an MPI kind,
-/// from [`Mpi::work_buffer`]) in place: `MPI_Iallreduce` with `MPI_IN_PLACE`,
-/// the sum landing in `buf` itself. No receive buffer (a DDP bucket's
-/// all-reduce would need one of the bucket's size, every bucket in flight
-/// at once one each), as gloo and NCCL reduce in place; and Open MPI's
-/// ring skips its first copy of the send buffer into the receive buffer.
-/// A sum of the same values in the same order: the same bits as into a
-/// separate buffer.
-fn start_all_reduce_in_place(
-    w: &SimpleCommunicator,
-    buf: &Tensor,
-    op: ReduceOp,
-) -> Result<RawRequest, CommError> {
-    let name = "all_reduce";
-    let (datatype, op) = datatype_and_op(name, buf.kind(), op)?;
-    let count = mpi_count(name, buf.numel())?;
-    let data = data_of(buf);
-    let mut request = std::mem::MaybeUninit::<mpi::ffi::MPI_Request>::uninit();
-    // SAFETY: `data` holds `count` elements of `datatype`; the caller keeps
-    // `buf` in the table of collectives in flight until the request
-    // completes (for good after a timeout); MPI_IN_PLACE is the library's
-    // own constant; the request is written by MPI_Iallreduce (errors abort,
-    // MPI's default handler).
-    unsafe {
-        mpi::ffi::MPI_Iallreduce(
-            accel_mpi_in_place,
-            data,
-            count,
-            datatype,
-            op,
-            w.as_raw(),
-            request.as_mut_ptr(),
-        );
+        match into {
+            None => mpi::ffi::MPI_Iallreduce(
+                accel_mpi_in_place,
+                data_of(send),
+                count,
+                datatype,
+                op,
+                w.as_raw(),
+                request.as_mut_ptr(),
+            ),
+            Some(block) => mpi::ffi::MPI_Ireduce_scatter_block(
+                data_of(send),
+                data_of(block),
+                count,
+                datatype,
+                op,
+                w.as_raw(),
+                request.as_mut_ptr(),
+            ),
+        };
         Ok(RawRequest(request.assume_init()))
     }
 }
@@ -1103,7 +1090,7 @@ impl Mpi {
         let send = self.work_buffer(collective, input)?;
         let count = self.number(name)?;
         if let Collective::AllReduce(op) = collective {
-            let request = self.with_world(|w| start_all_reduce_in_place(w, &send, op))?;
+            let request = self.with_world(|w| start_reduction(w, op, &send, None))?;
             let landing = Landing {
                 collective,
                 output: output.shallow_clone(),
@@ -1125,7 +1112,7 @@ impl Mpi {
             // Started in place above, before any receive buffer.
             Collective::AllReduce(_) => unreachable!("all-reduces run in place"),
             Collective::ReduceScatter(op) => {
-                self.with_world(|w| start_reduce_scatter(w, &send, &into, op))?
+                self.with_world(|w| start_reduction(w, op, &send, Some(&into)))?
             }
             Collective::AllGather => with_slices!(name, &send, &into, |s, r| self
                 .with_world(|w| raw(w.immediate_all_gather_into(StaticScope, s, r)))),
