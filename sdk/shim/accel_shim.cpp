@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/DeviceAccelerator.h>
+#include <torch/version.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
@@ -359,12 +360,16 @@ bool accel_autocast_enabled(int device) {
 char* accel_empty_device_cache(bool* emptied) {
   return guarded([&] {
     *emptied = false;
+    // The device-generic allocator API (torch.accelerator.empty_cache)
+    // is libtorch 2.9's; before it, nothing is emptied.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 9)
     auto device = at::accelerator::getAccelerator(false);
     if (!device) return;
     auto* allocator = at::getDeviceAllocator(*device);
     if (allocator == nullptr || !allocator->initialized()) return;
     allocator->emptyCache();
     *emptied = true;
+#endif
   });
 }
 
