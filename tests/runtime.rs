@@ -1,15 +1,17 @@
 //! The training runtime end to end: DDP equals one process on the whole
 //! batch, accumulation equals a big batch, sharding and collectives give
 //! what Python Accelerate gives, `mlp` runs alone, the out-of-tree Local
-//! SGD strategy behaves as its rule says, and `find_executable_batch_size`
-//! tries the batch sizes Accelerate's tries.
+//! SGD strategy behaves as its rule says, `find_executable_batch_size`
+//! tries the batch sizes Accelerate's tries, and `join_uneven_inputs` ends
+//! where PyTorch's `Join` ends.
 
 use accel::accelerator::{shard_indices, Sharding};
 use accel_integration_tests::{
-    accel_bin, assert_weights_close, build_bin, describe, free_port, launch_mlp, loss_log,
-    max_abs_diff, mlp, plugin_dir, read_weights, run_ok as run, venv_bin,
+    accel_bin, assert_weights_close, build_bin, describe, free_port, launch_mlp, launch_probe,
+    loss_log, max_abs_diff, mlp, output_of, plugin_dir, read_weights, run_ok as run, venv_bin,
+    write_config,
 };
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::{path::Path, process::Command};
 
 fn ddp_matches_one_process(optimizer: &str) {
@@ -454,4 +456,66 @@ fn find_executable_batch_size_tries_what_accelerate_tries() {
     .unwrap_err();
     assert_eq!(serde_json::json!(tried), peer["not_memory"]["tried"]);
     assert_eq!(err.to_string(), message);
+}
+
+/// `join_uneven_inputs` on 2 ranks whose loaders hold 3 and 2 batches
+/// (`even_batches: false`): both ranks end with the weights (bits) PyTorch's
+/// `Join` over DDP gives (what Accelerate's `join_uneven_inputs` runs on
+/// GPUs) under torchrun; without the join the rank with more batches waits
+/// in vain and the run fails at the collective timeout; a strategy other
+/// than DDP is refused by name.
+#[test]
+fn join_uneven_inputs_ends_where_pytorchs_join_ends() {
+    let ours = tempfile::tempdir().unwrap();
+    let theirs = tempfile::tempdir().unwrap();
+    let config = write_config(ours.path(), "ddp.yaml", "MULTI_CPU", 2, "");
+    // A join that fails to shadow fails in a minute, not in the default 30.
+    run(launch_probe(&config, "join-probe")
+        .arg(ours.path())
+        .env("ACCEL_COLLECTIVE_TIMEOUT", "60"));
+    run(Command::new(venv_bin("torchrun"))
+        .args(["--nproc_per_node", "2", "--master_port"])
+        .arg(free_port().to_string())
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("peers/join.py"))
+        .arg(theirs.path())
+        .env("OMP_NUM_THREADS", "1"));
+    let (a, b) = (rank_files(ours.path(), 2), rank_files(theirs.path(), 2));
+    assert_eq!((&a[0]["batches"], &a[1]["batches"]), (&json!(3), &json!(2)));
+    for r in 0..2 {
+        assert_eq!(a[r]["batches"], b[r]["batches"], "rank {r}");
+        // Bit for bit: the same sums of the same gradients.
+        for key in ["weight", "bias"] {
+            assert_eq!(
+                a[r][key], b[r][key],
+                "rank {r} {key}: accel {} vs PyTorch {}",
+                a[r][key], b[r][key]
+            );
+        }
+    }
+    // Every rank ends with the same model (the last joiner's).
+    assert_eq!(a[0]["weight"], a[1]["weight"]);
+
+    // Without the join, rank 0's third step waits for a rank that is done.
+    let lone = tempfile::tempdir().unwrap();
+    let out = output_of(
+        launch_probe(&config, "join-probe")
+            .arg(lone.path())
+            .arg("--no-join")
+            .env("ACCEL_COLLECTIVE_TIMEOUT", "5"),
+    );
+    assert!(!out.status.success(), "{}", describe(&out));
+    assert!(
+        !lone.path().join("rank0.json").exists(),
+        "{}",
+        describe(&out)
+    );
+
+    let fsdp = write_config(ours.path(), "fsdp.yaml", "FSDP", 2, "");
+    let out = output_of(launch_probe(&fsdp, "join-probe").arg(lone.path()));
+    assert!(!out.status.success(), "{}", describe(&out));
+    let text = describe(&out);
+    assert!(
+        text.contains("join_uneven_inputs joins DDP only") && !text.contains("panicked"),
+        "{text}"
+    );
 }

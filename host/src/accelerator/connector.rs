@@ -56,6 +56,11 @@ impl StrategyMaker {
             .new_strategy(self.ctx.clone().into_box(), &settings.to_string())?)
     }
 
+    /// The strategy component's name (`ddp`, `fsdp`, ...).
+    pub(super) fn component_name(&self) -> &str {
+        self.component.name.as_str()
+    }
+
     fn choice(&self) -> Choice<'_> {
         Choice {
             plugin: &self.plugin,
@@ -146,6 +151,7 @@ impl Accelerator {
             dataloader: b.dataloader,
             step_was_skipped: false,
             trigger: false,
+            joining: false,
             health: TrainingHealth::default(),
             tracking,
             optimizer_steps: 0,

@@ -38,6 +38,7 @@ mod checkpoint_safety;
 mod config_optim;
 pub(crate) mod connector;
 mod data;
+mod join;
 mod loading;
 mod media;
 mod precision;
@@ -201,6 +202,9 @@ pub struct Accelerator {
     step_was_skipped: bool,
     /// This rank's flag for `check_trigger` (`set_trigger`).
     trigger: bool,
+    /// Inside `join_uneven_inputs`: every synced backward first says this
+    /// rank still trains.
+    joining: bool,
     /// Skipped steps and non-finite losses so far.
     health: TrainingHealth,
     /// Experiment trackers (`log_with`, `init_trackers`, `log`).

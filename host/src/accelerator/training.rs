@@ -656,6 +656,7 @@ impl Accelerator {
                 );
             }
         }
+        self.notify_join()?;
         for m in &self.models {
             m.units.begin_backward();
         }
