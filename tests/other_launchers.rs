@@ -163,10 +163,13 @@ fn accel_env_shows_what_mpirun_started() {
             .arg(accel_bin())
             .arg("env")
             .env_remove("OMP_NUM_THREADS"),
-        &[&format!(
-            "intra-op threads:      {} per CPU rank ({cores} cores / ranks on this machine)",
-            (cores / 2).max(1)
-        )],
+        &[
+            &format!(
+                "intra-op threads:      {} per CPU rank ({cores} cores / ranks on this machine)",
+                (cores / 2).max(1)
+            ),
+            "CPU ranks' malloc:     freed memory kept for the next step",
+        ],
     );
     env_shows(
         mpirun(2)
@@ -174,6 +177,13 @@ fn accel_env_shows_what_mpirun_started() {
             .arg("env")
             .env("OMP_NUM_THREADS", "3"),
         &["intra-op threads:      OMP_NUM_THREADS=3 (set by you)"],
+    );
+    env_shows(
+        mpirun(2)
+            .arg(accel_bin())
+            .arg("env")
+            .env("MALLOC_TRIM_THRESHOLD_", "131072"),
+        &["CPU ranks' malloc:     glibc's, as MALLOC_TRIM_THRESHOLD_=131072 (set by you)"],
     );
     env_shows(
         Command::new(accel_bin()).arg("env").envs([

@@ -519,3 +519,44 @@ fn join_uneven_inputs_ends_where_pytorchs_join_ends() {
         "{text}"
     );
 }
+
+/// CPU ranks that join over MPI keep freed memory for the next step
+/// (`host/src/accelerator/cpu_malloc.rs`): a 24 MiB block comes from the
+/// heap and stays there once freed, where glibc's defaults map it on its own
+/// and give it back; what the user sets wins, and a bad value is refused.
+#[test]
+fn cpu_ranks_keep_freed_memory_unless_told_otherwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), "ddp.yaml", "MULTI_CPU", 2, "");
+    let probe = |vars: &[(&str, &str)]| -> Vec<Value> {
+        let out = run(launch_probe(&config, "malloc-probe")
+            .env_remove("ACCEL_CPU_MALLOC")
+            .env_remove("GLIBC_TUNABLES")
+            .envs(vars.iter().copied()));
+        let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        assert_eq!(lines.len(), 2, "{}", describe(&out));
+        lines
+    };
+    for rank in probe(&[]) {
+        assert_eq!(rank["mapped"], false, "{rank}");
+        assert!(rank["free_after"].as_u64().unwrap() >= 24 << 20, "{rank}");
+    }
+    for set in [
+        ("ACCEL_CPU_MALLOC", "system"),
+        ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072"),
+    ] {
+        for rank in probe(&[set]) {
+            assert_eq!(rank["mapped"], true, "{set:?}: {rank}");
+        }
+    }
+    let out = output_of(launch_probe(&config, "malloc-probe").env("ACCEL_CPU_MALLOC", "off"));
+    assert!(!out.status.success(), "{}", describe(&out));
+    assert!(
+        describe(&out).contains("ACCEL_CPU_MALLOC is `off`: allowed values are `kept`"),
+        "{}",
+        describe(&out)
+    );
+}

@@ -331,6 +331,10 @@ fn join(config: &ResolvedConfig) -> Result<Process, AccelError> {
         Ok(match join {
             Join::Single => Arc::new(SingleProcess),
             Join::Mpi => {
+                // CPU ranks keep their freed memory (see `cpu_malloc`).
+                let malloc = super::cpu_malloc::CpuMalloc::here().map_err(AccelError::Usage)?;
+                malloc.apply();
+                tracing::debug!("CPU malloc: {malloc}");
                 let mpi = crate::comm::mpi::Mpi::shared(timeout)?;
                 if mpi.world_size() != world || mpi.rank() != rank {
                     return Err(AccelError::Usage(format!(

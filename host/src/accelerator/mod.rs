@@ -37,6 +37,7 @@ mod checkpoint;
 mod checkpoint_safety;
 mod config_optim;
 pub(crate) mod connector;
+pub(crate) mod cpu_malloc;
 mod data;
 mod join;
 mod loading;

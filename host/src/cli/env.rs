@@ -114,6 +114,12 @@ fn launcher_rows(out: &mut dyn Write, cuda: bool) -> anyhow::Result<()> {
                 &crate::accelerator::connector::CpuThreads::for_ranks(d.local_world_size)
                     .to_string(),
             )?;
+            row(
+                out,
+                "CPU ranks' malloc:",
+                &crate::accelerator::cpu_malloc::CpuMalloc::here()
+                    .map_or_else(|e| format!("refused: {e}"), |m| m.to_string()),
+            )?;
         }
         Err(e) => row(out, "launcher:", &format!("invalid environment: {e}"))?,
     }
