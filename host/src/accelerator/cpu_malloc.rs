@@ -34,7 +34,7 @@
 use std::fmt;
 
 /// The variable that decides: `kept` or `system`.
-pub(crate) const OPT_OUT: &str = "ACCEL_CPU_MALLOC";
+const CHOICE: &str = "ACCEL_CPU_MALLOC";
 
 /// glibc's own malloc variables: any of them set means the user chose.
 const GLIBC_VARS: [&str; 4] = [
@@ -54,7 +54,7 @@ const GLIBC_TUNABLES: [&str; 4] = [
 
 /// Blocks below this come from the heap: glibc's largest heap threshold on
 /// 64-bit machines (`DEFAULT_MMAP_THRESHOLD_MAX`).
-pub(crate) const MMAP_THRESHOLD: usize = 32 << 20;
+const MMAP_THRESHOLD: usize = 32 << 20;
 
 /// How a CPU rank's malloc is set.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,13 +73,13 @@ impl CpuMalloc {
     /// `ACCEL_CPU_MALLOC` other than `kept` or `system` is an error naming
     /// it.
     pub(crate) fn choose(env: &dyn Fn(&str) -> Option<String>) -> Result<CpuMalloc, String> {
-        match env(OPT_OUT).as_deref() {
+        match env(CHOICE).as_deref() {
             None => {}
             Some("kept") => return Ok(Self::kept()),
-            Some("system") => return Ok(CpuMalloc::User(format!("{OPT_OUT}=system"))),
+            Some("system") => return Ok(CpuMalloc::User(format!("{CHOICE}=system"))),
             Some(other) => {
                 return Err(format!(
-                    "{OPT_OUT} is `{other}`: allowed values are `kept` (accel keeps freed memory for the next step) and `system` (glibc's defaults)"
+                    "{CHOICE} is `{other}`: allowed values are `kept` (accel keeps freed memory for the next step) and `system` (glibc's defaults)"
                 ))
             }
         }
@@ -139,7 +139,7 @@ impl fmt::Display for CpuMalloc {
         match self {
             CpuMalloc::Kept => write!(
                 f,
-                "freed memory kept for the next step (blocks under {} MiB from the heap, never trimmed; {OPT_OUT}=system keeps glibc's defaults)",
+                "freed memory kept for the next step (blocks under {} MiB from the heap, never trimmed; {CHOICE}=system keeps glibc's defaults)",
                 MMAP_THRESHOLD >> 20
             ),
             CpuMalloc::User(var) => write!(f, "glibc's, as {var} (set by you)"),
@@ -188,14 +188,14 @@ mod tests {
             CpuMalloc::Kept
         );
         assert_eq!(
-            choose(&[(OPT_OUT, "system"), ("MALLOC_TOP_PAD_", "0")]),
+            choose(&[(CHOICE, "system"), ("MALLOC_TOP_PAD_", "0")]),
             CpuMalloc::User("ACCEL_CPU_MALLOC=system".into())
         );
         assert_eq!(
-            choose(&[(OPT_OUT, "kept"), ("MALLOC_TOP_PAD_", "0")]),
+            choose(&[(CHOICE, "kept"), ("MALLOC_TOP_PAD_", "0")]),
             CpuMalloc::Kept
         );
-        let err = try_choose(&[(OPT_OUT, "off")]).unwrap_err();
+        let err = try_choose(&[(CHOICE, "off")]).unwrap_err();
         assert!(
             err.contains("ACCEL_CPU_MALLOC is `off`")
                 && err.contains("`kept`")
