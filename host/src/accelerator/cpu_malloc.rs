@@ -83,11 +83,11 @@ impl CpuMalloc {
                 ))
             }
         }
-        if let Some(var) = GLIBC_VARS.iter().find(|k| env(k).is_some()) {
-            return Ok(CpuMalloc::User(format!(
-                "{var}={}",
-                env(var).unwrap_or_default()
-            )));
+        if let Some(set) = GLIBC_VARS
+            .iter()
+            .find_map(|k| env(k).map(|v| format!("{k}={v}")))
+        {
+            return Ok(CpuMalloc::User(set));
         }
         if let Some(t) = env("GLIBC_TUNABLES").filter(|t| {
             t.split(':').any(|kv| {
