@@ -54,9 +54,9 @@ struct Strategy {
     config: Option<(&'static str, String)>,
 }
 
-/// gpt2 under `strategy` with `args`, writing `<tag>.jsonl` and `<tag>/`
-/// in `dir`; returns its output and peak memory.
-fn train(dir: &Path, strategy: &Strategy, tag: &str, args: &[&str]) -> (Output, u64) {
+/// The command that runs gpt2 under `strategy` with `args`, writing
+/// `<tag>.jsonl` and `<tag>/` in `dir`.
+fn command(dir: &Path, strategy: &Strategy, tag: &str, args: &[&str]) -> Command {
     let mut cmd = match &strategy.config {
         None => Command::new(gpt2()),
         Some((distributed_type, rest)) => {
@@ -73,7 +73,13 @@ fn train(dir: &Path, strategy: &Strategy, tag: &str, args: &[&str]) -> (Output, 
         .arg(dir.join(format!("{tag}.jsonl")))
         .arg("--save")
         .arg(dir.join(tag));
-    let (out, peak) = run_measured(&mut cmd);
+    cmd
+}
+
+/// gpt2 under `strategy` with `args`, writing `<tag>.jsonl` and `<tag>/`
+/// in `dir`; returns its output and peak memory.
+fn train(dir: &Path, strategy: &Strategy, tag: &str, args: &[&str]) -> (Output, u64) {
+    let (out, peak) = run_measured(&mut command(dir, strategy, tag, args));
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     if let Some((_, rest)) = &strategy.config {
         let want = if rest.contains("fsdp") {
@@ -243,16 +249,17 @@ fn checkpointing_lowers_the_peak_memory_of_a_gpt2_step() {
     // One intra-op thread, one malloc arena and every block above 128 KiB
     // mapped on its own (glibc's threshold fixed, not raised as it goes):
     // the peak is then the step's live memory, equal to 0.5 MiB from run to
-    // run (406 against 239 MiB here). With glibc's defaults where freed
+    // run (406 against 239 MiB here). With glibc's defaults, where freed
     // blocks land varies it by 30 MiB and more under load.
+    let single = Strategy {
+        name: "single",
+        config: None,
+    };
     let peak = |tag: &str, args: &[&str]| {
-        let mut cmd = Command::new(gpt2());
+        let mut cmd = command(dir, &single, tag, args);
         cmd.env("OMP_NUM_THREADS", "1")
             .env("MALLOC_ARENA_MAX", "1")
             .env("MALLOC_MMAP_THRESHOLD_", "131072");
-        cmd.args(args)
-            .arg("--loss-log")
-            .arg(dir.join(format!("{tag}.jsonl")));
         run_measured(&mut cmd).1
     };
     let plain = peak("plain", &args);
