@@ -9,21 +9,25 @@
 # reads it says it skipped, and so does this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each phase's header says how long the run has taken so far, so a CI log
+# shows where its minutes went.
+phase() { echo "== [$((SECONDS / 60))m$((SECONDS % 60))s] $*"; }
+phase "bootstrap"
 bash scripts/bootstrap.sh
 
-echo "== cargo fmt --check"
+phase "cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy -D warnings"
+phase "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
-echo "== cargo doc -D warnings (broken doc links)"
+phase "cargo doc -D warnings (broken doc links)"
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace --quiet
-echo "== cargo test"
+phase "cargo test"
 cargo test --workspace
 
 corpus="${ACCEL_CONFORMANCE_DIR:-../shared/conformance}"
 if [ -d "$corpus" ]; then
   ACCEL_CONFORMANCE_DIR="$(cd "$corpus" && pwd)"
-  echo "== conformance: $ACCEL_CONFORMANCE_DIR"
+  phase "conformance: $ACCEL_CONFORMANCE_DIR"
   export ACCEL_CONFORMANCE_DIR ACCEL_REQUIRE_CONFORMANCE=1
   # The test binaries `cargo test --workspace` just built, run again (not
   # rebuilt: `-p` selects features differently and would relink them).
@@ -56,5 +60,6 @@ for line in sys.stdin:
       { echo "conformance: $exe $filter checked nothing"; exit 1; }
   done <<< "$exes"
 else
-  echo "== conformance: skipped (no corpus at $corpus; CI has it beside the repository)"
+  phase "conformance: skipped (no corpus at $corpus; CI has it beside the repository)"
 fi
+phase "all passed"

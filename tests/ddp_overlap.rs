@@ -529,20 +529,15 @@ fn hook_settings(hook: &str, state: Option<&str>) -> Vec<String> {
 
 /// Every rank's gradients after `steps` synced backwards of `grad-probe`
 /// under accel-ddp with `comm_hook: hook` (and `comm_state_option:
-/// state`, JSON), and under Accelerate's DDP with
-/// `DistributedDataParallelKwargs(comm_hook=hook, comm_state_option=state)`
-/// (`tests/peers/ddp_comm_hook.py`, torchrun, gloo).
-fn hooked_grads(
+/// state`, JSON).
+fn accel_hooked_grads(
     dir: &Path,
     ranks: u32,
     hook: &str,
     steps: u32,
     state: Option<&str>,
-) -> [Vec<Vec<(String, tch::Tensor)>>; 2] {
-    let (ours, theirs) = (
-        tempfile::tempdir_in(dir).unwrap(),
-        tempfile::tempdir_in(dir).unwrap(),
-    );
+) -> Vec<Vec<(String, tch::Tensor)>> {
+    let ours = tempfile::tempdir_in(dir).unwrap();
     std::fs::copy(
         dir.join("inputs.safetensors"),
         ours.path().join("inputs.safetensors"),
@@ -563,6 +558,22 @@ fn hooked_grads(
             .arg(ours.path())
             .arg(steps.to_string()),
     );
+    rank_grads(ours.path(), ranks)
+}
+
+/// The gradients of [`accel_hooked_grads`], and the same under
+/// Accelerate's DDP with `DistributedDataParallelKwargs(comm_hook=hook,
+/// comm_state_option=state)` (`tests/peers/ddp_comm_hook.py`, torchrun,
+/// gloo).
+fn hooked_grads(
+    dir: &Path,
+    ranks: u32,
+    hook: &str,
+    steps: u32,
+    state: Option<&str>,
+) -> [Vec<Vec<(String, tch::Tensor)>>; 2] {
+    let ours = accel_hooked_grads(dir, ranks, hook, steps, state);
+    let theirs = tempfile::tempdir_in(dir).unwrap();
     run_ok(
         Command::new(venv_bin("torchrun"))
             .args(["--nproc_per_node", &ranks.to_string()])
@@ -573,12 +584,14 @@ fn hooked_grads(
             .args([hook, &steps.to_string(), state.unwrap_or("{}")])
             .env("OMP_NUM_THREADS", "1"),
     );
-    let read = |d: &Path| {
-        (0..ranks)
-            .map(|r| read_weights(&d.join(format!("grads{r}.safetensors"))))
-            .collect()
-    };
-    [read(ours.path()), read(theirs.path())]
+    [ours, rank_grads(theirs.path(), ranks)]
+}
+
+/// The `grads{rank}.safetensors` of every rank in `dir`.
+fn rank_grads(dir: &Path, ranks: u32) -> Vec<Vec<(String, tch::Tensor)>> {
+    (0..ranks)
+        .map(|r| read_weights(&dir.join(format!("grads{r}.safetensors"))))
+        .collect()
 }
 
 /// On two ranks accel's gradients under `comm_hook: fp16 | bf16` are
@@ -594,7 +607,7 @@ fn compression_hooks_give_pytorchs_bits() {
     for ranks in [2, 3] {
         let dir = tempfile::tempdir().unwrap();
         probe_inputs(dir.path(), ranks);
-        let [plain, _] = hooked_grads(dir.path(), ranks, "no", 1, None);
+        let plain = accel_hooked_grads(dir.path(), ranks, "no", 1, None);
         // The hooks' kinds and their unit roundoff.
         for (hook, kind, eps) in [
             ("fp16", tch::Kind::Half, 2f64.powi(-11)),
@@ -748,7 +761,7 @@ fn gpt2_with_a_communication_hook_trains_as_accelerate_with_it() {
 fn power_sgd_gives_pytorchs_bits() {
     let dir = tempfile::tempdir().unwrap();
     probe_inputs(dir.path(), 2);
-    let [plain, _] = hooked_grads(dir.path(), 2, "no", 5, None);
+    let plain = accel_hooked_grads(dir.path(), 2, "no", 5, None);
     let states = [
         r#"{"start_powerSGD_iter": 2}"#,
         r#"{"start_powerSGD_iter": 3, "matrix_approximation_rank": 3, "random_seed": 5}"#,
@@ -772,7 +785,7 @@ fn power_sgd_gives_pytorchs_bits() {
     }
     // Compression starts at step 6: five steps are plain all-reduces
     // (divided first, then summed: the plain average's bits on 2 ranks).
-    let [late, _] = hooked_grads(
+    let late = accel_hooked_grads(
         dir.path(),
         2,
         "power_sgd",
