@@ -231,8 +231,8 @@ fn checkpointing_lowers_the_peak_memory_of_a_gpt2_step() {
     let dir = tmp.path();
     write_tokens(&dir.join("tokens.bin"));
     let tokens: PathBuf = dir.join("tokens.bin");
-    // Activations dominate: 4 blocks of width 128 over 48 windows of 64
-    // tokens (about 30 MiB of saved activations per block).
+    // Activations dominate: 4 blocks of width 128 over 64 windows of 64
+    // tokens (about 38 MiB of saved activations per block).
     let wider = ["--n-layer", "4", "--n-embd", "128"];
     let window = [
         "--data",
@@ -240,7 +240,7 @@ fn checkpointing_lowers_the_peak_memory_of_a_gpt2_step() {
         "--block-size",
         "64",
         "--batch-size",
-        "48",
+        "64",
         "--steps",
         "1",
     ];
@@ -249,7 +249,7 @@ fn checkpointing_lowers_the_peak_memory_of_a_gpt2_step() {
     // One intra-op thread, one malloc arena and every block above 128 KiB
     // mapped on its own (glibc's threshold fixed, not raised as it goes):
     // the peak is then the step's live memory, equal to 0.5 MiB from run to
-    // run (406 against 239 MiB here). With glibc's defaults, where freed
+    // run (382 against 230 MiB here). With glibc's defaults, where freed
     // blocks land varies it by 30 MiB and more under load.
     let single = Strategy {
         name: "single",

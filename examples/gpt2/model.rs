@@ -17,9 +17,13 @@ pub const IGNORED_SUFFIXES: &[&str] = &[".attn.bias", ".attn.masked_bias"];
 /// The activations of `activation_function` this model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
-    /// `gelu_new`: the tanh approximation, spelled as transformers' NewGELUActivation.
-    GeluNew,
-    /// `gelu_pytorch_tanh`: torch's gelu(approximate="tanh").
+    /// The tanh approximation of gelu, 0.5·x·(1 + tanh(√(2/π)·(x +
+    /// 0.044715·x³))): `gelu_new` (transformers' NewGELUActivation, which
+    /// spells it out in seven operators) and `gelu_pytorch_tanh`, both
+    /// computed by torch's fused `gelu(approximate="tanh")`. The same
+    /// function in one pass over the activations instead of seven, 1-2
+    /// roundings from the spelled-out formula; the losses still agree with
+    /// transformers' to within 1e-6 over 60 steps (README, `tests/gpt2.rs`).
     GeluTanh,
     /// `gelu`: the exact (erf) gelu.
     Gelu,
@@ -34,8 +38,7 @@ pub enum Activation {
 impl Activation {
     fn parse(name: &str) -> Option<Self> {
         Some(match name {
-            "gelu_new" => Self::GeluNew,
-            "gelu_pytorch_tanh" => Self::GeluTanh,
+            "gelu_new" | "gelu_pytorch_tanh" => Self::GeluTanh,
             "gelu" => Self::Gelu,
             "relu" => Self::Relu,
             "silu" | "swish" => Self::Silu,
@@ -46,12 +49,6 @@ impl Activation {
 
     fn apply(self, x: &Tensor) -> Tensor {
         match self {
-            Self::GeluNew => {
-                // 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))
-                let inner =
-                    (x + x.pow_tensor_scalar(3.0) * 0.044715) * (2.0 / std::f64::consts::PI).sqrt();
-                (x * 0.5) * (inner.tanh() + 1.0)
-            }
             Self::GeluTanh => x.gelu("tanh"),
             Self::Gelu => x.gelu("none"),
             Self::Relu => x.relu(),
@@ -115,7 +112,7 @@ impl Default for Gpt2Config {
             n_head: 12,
             n_inner: None,
             activation_function: "gelu_new".into(),
-            activation: Activation::GeluNew,
+            activation: Activation::GeluTanh,
             resid_pdrop: 0.1,
             embd_pdrop: 0.1,
             attn_pdrop: 0.1,
