@@ -643,6 +643,16 @@ char* accel_storage_fill(at::Tensor* t, const at::Tensor* src) {
   });
 }
 
+// Gives `t` memory again when it has none (sized for `t`, which must be
+// contiguous) and puts a flat tensor on that memory into `out`, left unwritten:
+// what a collective then fills, straight into `t`. Writing through `out` does
+// not bump `t`'s version counter.
+char* accel_storage_refill(at::Tensor* t, at::Tensor* out) {
+  return guarded([&] {
+    *out = refilled_alias(*t, "accel_storage_refill").view({t->numel()});
+  });
+}
+
 // As accel_storage_fill, from `rows`, a 2-D block of any strides whose first
 // `t.numel()` elements in row-major order are the value: a parameter's chunks
 // as an all-gather left them (a column block of the receive buffer). One copy,

@@ -88,6 +88,7 @@ extern "C" {
     fn accel_storage_free(t: *mut C_tensor) -> *mut c_char;
     fn accel_storage_fill(t: *mut C_tensor, src: *const C_tensor) -> *mut c_char;
     fn accel_storage_fill_rows(t: *mut C_tensor, rows: *const C_tensor) -> *mut c_char;
+    fn accel_storage_refill(t: *mut C_tensor, out: *mut C_tensor) -> *mut c_char;
     fn accel_storage_nbytes(t: *const C_tensor) -> usize;
     fn accel_storage_adopt(
         t: *mut C_tensor,
@@ -434,6 +435,29 @@ pub fn fill_storage(t: &Tensor, src: &Tensor) -> Result<(), ShimError> {
 pub fn fill_storage_rows(t: &Tensor, rows: &Tensor) -> Result<(), ShimError> {
     // SAFETY: both are live tensor handles.
     check(unsafe { accel_storage_fill_rows(ptr(t), rows.as_ptr()) })
+}
+
+/// Gives a contiguous `t` its memory back if it has none, unwritten, and
+/// returns a flat tensor on that memory (`t.numel()` elements) for a
+/// collective to receive into: an all-gather whose output is the parameter
+/// itself, with no buffer to copy out of. Writing into it does not bump
+/// `t`'s version counter.
+///
+/// ```
+/// use tch::{Kind, Tensor};
+/// let t = Tensor::zeros([2, 2], (Kind::Float, tch::Device::Cpu));
+/// accel_sdk::shim::free_storage(&t).unwrap();
+/// let mut flat = accel_sdk::shim::refill_storage(&t).unwrap();
+/// assert_eq!(accel_sdk::shim::storage_bytes(&t), 16);
+/// let _ = flat.copy_(&Tensor::from_slice(&[1f32, 2., 3., 4.]));
+/// assert_eq!(Vec::<f32>::try_from(&t.reshape([-1])).unwrap(), [1., 2., 3., 4.]);
+/// ```
+pub fn refill_storage(t: &Tensor) -> Result<Tensor, ShimError> {
+    let out = Tensor::new();
+    // SAFETY: t is a live tensor handle; `out` is a tch tensor slot the shim
+    // assigns.
+    check(unsafe { accel_storage_refill(ptr(t), ptr(&out)) })?;
+    Ok(out)
 }
 
 /// Bytes of memory behind `t` now: 0 when undefined or freed by

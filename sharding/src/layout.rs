@@ -19,6 +19,30 @@ pub(crate) fn chunk_span(numel: i64, chunk: i64, index: i64) -> (i64, i64) {
     (start, (start + chunk).min(numel) - start)
 }
 
+/// Elements from which a parameter is all-gathered in a collective of its
+/// own, straight into its storage, and reduce-scattered from its gradient
+/// (see [`gathered_in_place`]): 64 Ki, 256 KiB in f32.
+pub const IN_PLACE_NUMEL: i64 = 1 << 16;
+
+/// Whether a parameter of `numel` elements, sharded `group` ways beside
+/// other parameters of its unit, gets collectives of its own: all-gathered
+/// straight into its storage (no receive buffer to copy out of, its chunk
+/// sent as it is) and reduce-scattered from its gradient (no buffer to lay
+/// it out in). It must have at least [`IN_PLACE_NUMEL`] elements, whose
+/// copies cost more than a collective's fixed latency, and chunks that tile
+/// it (no padding). The others of a unit share one collective through a
+/// buffer.
+///
+/// ```
+/// use accel_sharding::gathered_in_place;
+/// assert!(gathered_in_place(768 * 768, 2));
+/// assert!(!gathered_in_place(768, 2)); // small: with the rest
+/// assert!(!gathered_in_place(768 * 768 + 1, 2)); // padded
+/// ```
+pub fn gathered_in_place(numel: i64, group: i64) -> bool {
+    numel >= IN_PLACE_NUMEL && numel % group == 0
+}
+
 /// Checks that the `units` (name, parameter indices) a wrap policy chose
 /// put each of `names` in exactly one unit; the message names the
 /// parameter and the unit(s).

@@ -19,7 +19,12 @@
 //!   chunks are all-gathered into the parameters' own storage (freed in
 //!   between with [`shim::free_storage`](accel_sdk::shim::free_storage), so the model's tensors stay the
 //!   same objects). `post_forward` frees them again when resharding after
-//!   forward (not for the root unit, kept until its backward).
+//!   forward (not for the root unit, kept until its backward). A unit's
+//!   parameters share one all-gather through a receive buffer they are
+//!   copied out of, except those [`gathered_in_place`] (large, chunks that
+//!   tile them) and a unit's only parameter: each of those is all-gathered
+//!   on its own straight into its storage, its chunk sent as it is, and its
+//!   gradient reduce-scattered as it is, with no copy either way.
 //! * backward: a hook on the unit's output gradient calls `pre_backward`,
 //!   which gathers the unit again; once every parameter of the unit has its
 //!   gradient, `post_unit_backward` reduce-scatters (averages) the unit's
@@ -79,6 +84,7 @@ mod plan;
 
 pub use config_keys::{check_keys, report_warnings, validate_parsed};
 pub use engine::Sharded;
+pub use layout::{gathered_in_place, IN_PLACE_NUMEL};
 pub use plan::{
     dtype_name, machine_memory, memory_may_be_the_limit, precision_dtype, refuse_unsupported,
     BackwardPrefetch, Dtypes, EngineSettings, Overlap, Persistence, Plan, WrapPolicy,

@@ -18,8 +18,8 @@
 //! | strategy | parameters | gradients | optimizer | peak |
 //! | --- | --- | --- | --- | --- |
 //! | DDP | P | P | 2P | 4P + one bucket (min(P, bucket_cap_mb)) |
-//! | ZeRO-1 | P + P/N (the partition's copy) | P + P/N | 2P/N | 2P + 4P/N + L + L/N (a module all-gathered back into the parameters after a step) |
-//! | ZeRO-2 | P + P/N | P/N | 2P/N | P + 4P/N + L + L/N (the same; in backward, one module's whole gradients at a time: each is reduce-scattered as its backward ends) |
+//! | ZeRO-1 | P + P/N (the partition's copy) | P + P/N | 2P/N | 2P + 4P/N + B + B/N (a module all-gathered back into the parameters after a step) |
+//! | ZeRO-2 | P + P/N | P/N | 2P/N | P + 4P/N + B + B/N (the same; in backward, one module's whole gradients at a time: each is reduce-scattered as its backward ends) |
 //! | ZeRO-3 | P/N + K | P/N | 2P/N | 4P/N + K + max(3L, K + K/N) (a unit gathered with its gradients, the next prefetched, the gradients of the unit whose reduce-scatter is in flight; or the persistent parameters' all-gather after a step) |
 //! | FSDP (FULL_SHARD) | P/N | P/N | 2P/N | 4P/N + 3L (the same) |
 //!
@@ -29,6 +29,11 @@
 //! largest on the first synced step (every gradient in one bucket, as
 //! PyTorch's first step buckets them, then copied into the rebuilt
 //! buckets): a run resumed with optimizer state holds 5P there.
+//!
+//! B is the part of the largest layer L in tensors an all-gather passes
+//! through a receive buffer: those not [`gathered_in_place`] (smaller than
+//! 64 Ki elements, or not divisible by N); the others are gathered straight
+//! into their parameters.
 //!
 //! K is the persistent parameters ZeRO-3 keeps whole on every rank: the
 //! tensors of at most 1e5 elements (DeepSpeed's default
@@ -41,6 +46,7 @@
 use crate::hf::Checkpoint;
 use crate::plugins::{config_check::claimed_distributed_types, default_search_path, PluginSet};
 use accel_config::{default_config_file_from_env, load_file, LoadOptions};
+use accel_sharding::{gathered_in_place, IN_PLACE_NUMEL};
 use clap::{Args, ValueEnum};
 use safetensors::tensor::Dtype;
 use serde_json::{json, Value};
@@ -159,6 +165,8 @@ pub struct ModelSize {
     pub dtypes: BTreeMap<String, usize>,
     /// The largest layer and its elements.
     pub largest_layer: (String, u64),
+    /// The elements of each tensor of the largest layer.
+    pub largest_layer_tensors: Vec<u64>,
     /// Elements of the tensors ZeRO-3 keeps whole on every rank (those of
     /// at most [`PERSISTENCE_THRESHOLD`] elements).
     pub persistent: u64,
@@ -178,9 +186,10 @@ impl ModelSize {
             stored_bytes: 0,
             dtypes: BTreeMap::new(),
             largest_layer: (String::new(), 0),
+            largest_layer_tensors: Vec::new(),
             persistent: 0,
         };
-        let mut layers: BTreeMap<&str, u64> = BTreeMap::new();
+        let mut layers: BTreeMap<&str, (u64, Vec<u64>)> = BTreeMap::new();
         for (name, info) in ckpt.tensors() {
             let numel = crate::hf::byte_len(&info.shape, 1).ok_or_else(|| {
                 anyhow::anyhow!(
@@ -207,10 +216,14 @@ impl ModelSize {
                 .saturating_add(numel.saturating_mul(dtype.size() as u64));
             *size.dtypes.entry(info.dtype.clone()).or_default() += 1;
             let layer = layers.entry(layer_of(name)).or_default();
-            *layer = layer.saturating_add(numel);
+            layer.0 = layer.0.saturating_add(numel);
+            layer.1.push(numel);
         }
-        if let Some((name, n)) = layers.into_iter().max_by_key(|(name, n)| (*n, *name)) {
+        if let Some((name, (n, tensors))) =
+            layers.into_iter().max_by_key(|(name, (n, _))| (*n, *name))
+        {
             size.largest_layer = (name.to_owned(), n);
+            size.largest_layer_tensors = tensors;
         }
         Ok(size)
     }
@@ -218,6 +231,18 @@ impl ModelSize {
     /// The parameters at 4 bytes each.
     pub fn fp32_bytes(&self) -> u64 {
         self.parameters * 4
+    }
+
+    /// The fp32 bytes of the largest layer's tensors that an all-gather on
+    /// `n` processes passes through a receive buffer: those not
+    /// [`gathered_in_place`] (straight into their storage).
+    pub fn buffered_bytes(&self, n: u64) -> u64 {
+        let n = n.max(1) as i64;
+        self.largest_layer_tensors
+            .iter()
+            .filter(|&&t| !gathered_in_place(t as i64, n))
+            .sum::<u64>()
+            * 4
     }
 }
 
@@ -237,14 +262,17 @@ pub struct RankMemory {
 }
 
 /// Per-rank memory of each strategy on `n` processes for a model of `p`
-/// fp32 bytes whose largest layer has `l` fp32 bytes and whose persistent
-/// tensors (ZeRO-3 keeps them whole) `k` (see the module docs).
-pub fn per_rank(p: u64, l: u64, k: u64, n: u64, bucket_bytes: u64) -> Vec<RankMemory> {
+/// fp32 bytes whose largest layer has `l` fp32 bytes, `b` of them in
+/// tensors gathered through a buffer ([`ModelSize::buffered_bytes`]), and
+/// whose persistent tensors (ZeRO-3 keeps them whole) `k` (see the module
+/// docs).
+pub fn per_rank(p: u64, l: u64, b: u64, k: u64, n: u64, bucket_bytes: u64) -> Vec<RankMemory> {
     let n = n.max(1);
     let shard = p.div_ceil(n);
-    // After a step ZeRO-1/2 all-gather each module back (its part sent,
-    // the whole received).
-    let regather = l + l.div_ceil(n);
+    // After a step ZeRO-1/2 all-gather each module back: its buffered
+    // tensors' parts sent and the whole received (the others go straight
+    // into their parameters).
+    let regather = b + b.div_ceil(n);
     let row = |strategy, param_bytes, grad_bytes, optimizer_bytes, peak_bytes| RankMemory {
         strategy,
         param_bytes,
@@ -387,7 +415,14 @@ pub fn run(
     let p = size.fp32_bytes();
     let l = size.largest_layer.1 * 4;
     let bucket = (args.bucket_cap_mb * 1024.0 * 1024.0) as u64;
-    let ranks = per_rank(p, l, size.persistent * 4, u64::from(n), bucket);
+    let ranks = per_rank(
+        p,
+        l,
+        size.buffered_bytes(u64::from(n)),
+        size.persistent * 4,
+        u64::from(n),
+        bucket,
+    );
     let location = args.model.display().to_string();
     if args.json {
         let dtypes: Vec<Value> = args
@@ -495,8 +530,9 @@ pub fn run(
     )?;
     writeln!(
         out,
-        "fp32 parameters and Adam moments, activations not included; the ZeRO-3 and FSDP peaks add 3 times the largest layer ({}) for the units being gathered and reduced, ZeRO-1's and ZeRO-2's once and a part for its all-gather after each step; ZeRO-3 keeps the {} of tensors of at most {PERSISTENCE_THRESHOLD} elements whole on every rank (DeepSpeed's stage3_param_persistence_threshold)",
+        "fp32 parameters and Adam moments, activations not included; the ZeRO-3 and FSDP peaks add 3 times the largest layer ({}) for the units being gathered and reduced, ZeRO-1's and ZeRO-2's the receive buffer (and the part sent) of its tensors of fewer than {IN_PLACE_NUMEL} elements or not a multiple of {n} ({}), all-gathered after each step (the others go straight into the parameters); ZeRO-3 keeps the {} of tensors of at most {PERSISTENCE_THRESHOLD} elements whole on every rank (DeepSpeed's stage3_param_persistence_threshold)",
         human(l as f64),
+        human(size.buffered_bytes(u64::from(n)) as f64),
         human((size.persistent * 4) as f64),
     )?;
     Ok(0)
@@ -526,7 +562,7 @@ mod tests {
 
     #[test]
     fn sharding_divides_what_each_stage_shards() {
-        let r = per_rank(1000, 100, 0, 4, 1 << 20);
+        let r = per_rank(1000, 100, 100, 0, 4, 1 << 20);
         assert_eq!(r[0].peak_bytes, 5000);
         assert_eq!(r[1].optimizer_bytes, 500);
         assert_eq!((r[1].param_bytes, r[1].peak_bytes), (1250, 3125));
@@ -534,12 +570,16 @@ mod tests {
         assert_eq!((r[3].param_bytes, r[3].peak_bytes), (250, 1300));
         assert_eq!(r[4].peak_bytes, 1300);
         // 40 persistent bytes: held whole by ZeRO-3 only.
-        let r = per_rank(1000, 100, 40, 4, 1 << 20);
+        let r = per_rank(1000, 100, 100, 40, 4, 1 << 20);
         assert_eq!((r[3].param_bytes, r[3].peak_bytes), (290, 1340));
         assert_eq!((r[4].param_bytes, r[4].peak_bytes), (250, 1300));
         // Persistent tensors larger than 3 layers: their gather is the peak.
-        let r = per_rank(1000, 10, 400, 4, 1 << 20);
+        let r = per_rank(1000, 10, 10, 400, 4, 1 << 20);
         assert_eq!(r[3].peak_bytes, 1000 + 400 + 400 + 100);
+        // A layer of large tensors goes straight into the parameters: no
+        // buffer after ZeRO-1/2's step.
+        let r = per_rank(1000, 100, 0, 0, 4, 1 << 20);
+        assert_eq!((r[1].peak_bytes, r[2].peak_bytes), (3000, 2000));
     }
 
     #[test]

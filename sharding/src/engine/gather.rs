@@ -1,9 +1,12 @@
 //! Gather and reshard: a parameter's chunk cut from its whole value, whole
 //! values all-gathered from every rank's chunks, and a unit's parameters
 //! filled from (gather) or emptied back to (reshard) its chunks.
+//!
+//! Which parameters are gathered straight into their storage, in a
+//! collective of their own, is [`Sharded::split_direct`]'s call.
 
 use super::Sharded;
-use crate::layout::chunk_span;
+use crate::layout::{chunk_span, gathered_in_place};
 use accel_sdk::tch::{self, Tensor};
 use accel_sdk::{
     params::bytes,
@@ -63,6 +66,10 @@ impl Sharded {
     /// parameter): them, flat, on the compute device.
     pub(super) fn gather_send(&self, parts: &[Tensor]) -> Tensor {
         let device = self.compute_device();
+        if let [one] = parts {
+            // Itself where it already is flat on the compute device.
+            return one.detach().to_device(device).reshape([-1]);
+        }
         Tensor::cat(
             &parts
                 .iter()
@@ -155,21 +162,67 @@ impl Sharded {
         Ok(())
     }
 
-    /// Writes the gathered chunks `rows` of unit `u`'s sharded parameters
-    /// into their storage: the unit is gathered.
-    pub(super) fn fill_from(&mut self, u: usize, rows: Vec<Tensor>) -> Result<(), PluginError> {
-        self.fill_params(&self.units[u].shard, rows)?;
+    /// Writes the gathered chunks `rows` of the parameters `rest` (unit
+    /// `u`'s that were not gathered straight into their storage) into their
+    /// storage: the unit is gathered.
+    pub(super) fn fill_from(
+        &mut self,
+        u: usize,
+        rest: &[usize],
+        rows: Vec<Tensor>,
+    ) -> Result<(), PluginError> {
+        self.fill_params(rest, rows)?;
         self.units[u].gathered = true;
         self.note_peak(0);
         Ok(())
     }
 
+    /// Splits the parameters `idx` (in order) into those all-gathered and
+    /// reduce-scattered each in a collective of its own, straight into its
+    /// storage and from its gradient, and the rest, which share one
+    /// collective through a laid-out buffer. A contiguous parameter goes
+    /// alone, with one shard group (not hybrid), when it is the only one
+    /// and its chunks tile it, or when [`gathered_in_place`] says so. What
+    /// decides is the same on every rank, so every rank issues the same
+    /// collectives.
+    pub(super) fn split_direct(&self, idx: &[usize]) -> (Vec<usize>, Vec<usize>) {
+        let alone = |i: usize, threshold: bool| {
+            self.world() == self.group
+                && self.params.items[i].1.is_contiguous()
+                && if threshold {
+                    gathered_in_place(self.numels[i], self.group)
+                } else {
+                    self.numels[i] > 0 && self.numels[i] == self.group * self.chunk_len[i]
+                }
+        };
+        match idx {
+            [one] if alone(*one, false) => (vec![*one], Vec::new()),
+            _ => idx.iter().partition(|&&i| alone(i, true)),
+        }
+    }
+
+    /// What all-gathering parameter `i` straight into its storage sends
+    /// (its chunk, in the compute dtype) and receives into (its storage,
+    /// given back, flat).
+    pub(super) fn direct_gather(&self, i: usize) -> Result<(Tensor, Tensor), PluginError> {
+        let send = self.gather_send(&self.compute_parts(&[i]));
+        let recv =
+            shim::refill_storage(&self.params.items[i].1).map_err(|e| self.err(e.to_string()))?;
+        Ok((send, recv))
+    }
+
     /// Writes the chunks of unit `u`'s sharded parameters back into their
     /// storage, all-gathered in the compute dtype.
     pub(super) fn fill_unit(&mut self, u: usize) -> Result<(), PluginError> {
-        let idx = self.units[u].shard.clone();
-        let rows = self.gather_rows(&idx, &self.compute_parts(&idx))?;
-        self.fill_from(u, rows)
+        let (direct, rest) = self.split_direct(&self.units[u].shard);
+        for i in direct {
+            let (send, mut recv) = self.direct_gather(i)?;
+            self.ctx
+                .all_gather(TensorRef::new(&send), TensorMut::new(&mut recv))
+                .into_result()?;
+        }
+        let rows = self.gather_rows(&rest, &self.compute_parts(&rest))?;
+        self.fill_from(u, &rest, rows)
     }
 
     /// Writes the persistent parameters (all, or `only_trained`: those that

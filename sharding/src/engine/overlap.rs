@@ -9,6 +9,7 @@ use crate::plan::BackwardPrefetch;
 use accel_sdk::tch::Tensor;
 use accel_sdk::{
     params::bytes,
+    shim,
     tensor::{TensorMut, TensorRef},
     PluginError,
 };
@@ -58,11 +59,14 @@ pub(super) struct Counts {
     pub(super) reduces: u64,
 }
 
-/// A gather started ahead of its unit's use: the buffer every rank's
-/// chunks land in.
+/// A gather started ahead of its unit's use: its collectives, one per
+/// parameter gathered straight into its storage (`direct`, whose storage is
+/// given back for it) and one for the `rest`, whose chunks land in `recv`.
 pub(super) struct Prefetch {
-    handle: u64,
-    recv: Tensor,
+    handles: Vec<u64>,
+    direct: Vec<usize>,
+    rest: Vec<usize>,
+    recv: Option<Tensor>,
 }
 
 /// A unit's gradients being reduce-scattered: the parameters they belong
@@ -92,31 +96,71 @@ impl Sharded {
         if !self.plan.shard_params || self.units[u].gathered || self.prefetched.contains_key(&u) {
             return Ok(());
         }
-        let send = self.gather_send(&self.compute_parts(&self.units[u].shard));
-        let mut recv = self.gather_recv(&send);
-        let handle = self
-            .ctx
-            .all_gather_start(TensorRef::new(&send), TensorMut::new(&mut recv))
-            .into_result()?;
-        self.prefetched.insert(u, Prefetch { handle, recv });
-        self.note_peak(bytes(&send));
+        let (direct, rest) = self.split_direct(&self.units[u].shard);
+        let mut handles = Vec::with_capacity(direct.len() + 1);
+        let mut sent = 0;
+        for &i in &direct {
+            let (send, mut recv) = self.direct_gather(i)?;
+            handles.push(
+                self.ctx
+                    .all_gather_start(TensorRef::new(&send), TensorMut::new(&mut recv))
+                    .into_result()?,
+            );
+            // The chunk itself, unless cast or moved for the wire.
+            if send.data_ptr() != self.chunks[i].data_ptr() {
+                sent += bytes(&send);
+            }
+        }
+        let mut recv = None;
+        if !rest.is_empty() {
+            let send = self.gather_send(&self.compute_parts(&rest));
+            let mut buffer = self.gather_recv(&send);
+            handles.push(
+                self.ctx
+                    .all_gather_start(TensorRef::new(&send), TensorMut::new(&mut buffer))
+                    .into_result()?,
+            );
+            sent += bytes(&send);
+            recv = Some(buffer);
+        }
+        self.prefetched.insert(
+            u,
+            Prefetch {
+                handles,
+                direct,
+                rest,
+                recv,
+            },
+        );
+        self.note_peak(sent);
         Ok(())
     }
 
     /// Waits for the prefetch of unit `u` and fills its parameters.
     pub(super) fn land_prefetch(&mut self, u: usize, flight: Prefetch) -> Result<(), PluginError> {
-        self.ctx.wait(flight.handle).into_result()?;
+        for &h in &flight.handles {
+            self.ctx.wait(h).into_result()?;
+        }
         self.counts.prefetched += 1;
-        let rows = self.split_rows(&self.units[u].shard, &flight.recv);
-        drop(flight);
-        self.fill_from(u, rows)
+        let rows = match &flight.recv {
+            Some(recv) => self.split_rows(&flight.rest, recv),
+            None => Vec::new(),
+        };
+        self.fill_from(u, &flight.rest, rows)
     }
 
     /// Waits for every prefetch in flight and drops what it gathered (its
-    /// unit did not run after all, or the chunks are about to change).
+    /// unit did not run after all, or the chunks are about to change): the
+    /// storage given back to its parameters gathered straight into it is
+    /// freed again.
     pub(super) fn drop_prefetches(&mut self) -> Result<(), PluginError> {
         for (_, flight) in std::mem::take(&mut self.prefetched) {
-            self.ctx.wait(flight.handle).into_result()?;
+            for &h in &flight.handles {
+                self.ctx.wait(h).into_result()?;
+            }
+            for &i in &flight.direct {
+                shim::free_storage(&self.params.items[i].1).map_err(|e| self.err(e.to_string()))?;
+            }
             self.counts.unused += 1;
         }
         Ok(())
@@ -228,7 +272,14 @@ impl Sharded {
 
     /// Bytes held by collectives in flight (their buffers).
     pub(super) fn in_flight_bytes(&self) -> u64 {
-        let gathers: u64 = self.prefetched.values().map(|p| bytes(&p.recv)).sum();
+        // A parameter gathered straight into its storage counts with the
+        // parameters.
+        let gathers: u64 = self
+            .prefetched
+            .values()
+            .filter_map(|p| p.recv.as_ref())
+            .map(bytes)
+            .sum();
         let reduces: u64 = self
             .reducing
             .iter()

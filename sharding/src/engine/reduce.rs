@@ -60,6 +60,27 @@ impl Sharded {
         Ok(input.reshape([-1]))
     }
 
+    /// What reduce-scattering parameter `i`'s gradient on its own sends
+    /// (its chunks tile it: [`Sharded::split_direct`]): the gradient itself,
+    /// flat, in the reduce dtype (zeros without one); the parameter lets go
+    /// of it.
+    fn direct_input(&mut self, i: usize) -> Result<Tensor, PluginError> {
+        let p = &self.params.items[i].1;
+        let (kind, device) = (self.reduce_kind(), self.compute_device());
+        let g = p.grad();
+        let input = if g.defined() {
+            g.detach()
+                .contiguous()
+                .to_device(device)
+                .to_kind(kind)
+                .reshape([-1])
+        } else {
+            Tensor::zeros([self.numels[i]], (kind, device))
+        };
+        shim::set_grad(p, &Tensor::new()).map_err(|e| self.err(e.to_string()))?;
+        Ok(input)
+    }
+
     /// The buffer this rank's block of the parameters `idx` lands in.
     pub(super) fn reduce_output(&self, idx: &[usize]) -> Tensor {
         let s: i64 = idx.iter().map(|&i| self.chunk_len[i]).sum();
@@ -87,7 +108,9 @@ impl Sharded {
 
     /// Reduce-scatters (averages, in the reduce dtype) the gradients of
     /// `units` (one bucket's, or those of it backward reached) into their
-    /// chunks' gradients, in one collective, and frees the whole gradients:
+    /// chunks' gradients, in one collective (and one more for each
+    /// parameter [`Sharded::split_direct`] puts alone, straight from its
+    /// gradient), and frees the whole gradients:
     /// started and left in flight under [`Overlap::reduce`](crate::Overlap),
     /// waited for here otherwise.
     fn reduce_scatter_units(&mut self, units: &[usize], overlap: bool) -> Result<(), PluginError> {
@@ -97,25 +120,33 @@ impl Sharded {
             // whole gradients wait to be reduced at a time.
             self.land_reduces()?;
         }
-        let idx = self.trainable_of(units);
-        if idx.is_empty() {
-            return Ok(());
+        let (direct, rest) = self.split_direct(&self.trainable_of(units));
+        let mut parts = Vec::with_capacity(direct.len() + 1);
+        for i in direct {
+            parts.push((vec![i], self.direct_input(i)?));
         }
-        let input = self.reduce_input(&idx)?;
-        if overlap {
-            return self.start_reduce(idx, input);
+        if !rest.is_empty() {
+            let input = self.reduce_input(&rest)?;
+            parts.push((rest, input));
         }
-        let mut out = self.reduce_output(&idx);
-        self.ctx
-            .reduce_scatter(
-                TensorRef::new(&input),
-                TensorMut::new(&mut out),
-                ReduceOp::Avg,
-            )
-            .into_result()?;
-        self.note_peak(bytes(&input) + bytes(&out));
-        drop(input);
-        self.add_reduced(&idx, &out)
+        for (idx, input) in parts {
+            if overlap {
+                self.start_reduce(idx, input)?;
+                continue;
+            }
+            let mut out = self.reduce_output(&idx);
+            self.ctx
+                .reduce_scatter(
+                    TensorRef::new(&input),
+                    TensorMut::new(&mut out),
+                    ReduceOp::Avg,
+                )
+                .into_result()?;
+            self.note_peak(bytes(&input) + bytes(&out));
+            drop(input);
+            self.add_reduced(&idx, &out)?;
+        }
+        Ok(())
     }
 
     /// All-reduce mode, at the end of a synced backward: every trainable

@@ -528,3 +528,46 @@ fn a_unit_left_gathered_by_a_forward_without_backward_follows_the_next_step() {
         "the next forward sees the step"
     );
 }
+
+#[test]
+fn a_prefetch_dropped_before_a_step_frees_the_storage_it_gathered_into() {
+    let mut params = model();
+    let originals = all_values(&params);
+    let mut plan = full_shard();
+    plan.overlap.forward_prefetch = true;
+    let mut engine = prepared(plan, two_units(), &mut params);
+    let root = 1;
+    // The first step records the order: unit 0's forward, then the root's.
+    for u in [0, root] {
+        engine.pre_forward(u).into_result().unwrap();
+        engine.post_forward(u).into_result().unwrap();
+    }
+    for u in [root, 0] {
+        engine.pre_backward(u).into_result().unwrap();
+        engine.post_unit_backward(u).into_result().unwrap();
+    }
+    engine.post_backward(true).into_result().unwrap();
+    assert_eq!(shim::storage_bytes(&params[1].1), 0, "the root resharded");
+    // Unit 0's forward prefetches the root, gathering `b.w` straight into
+    // its storage; the root's forward never comes before the step.
+    engine.pre_forward(0).into_result().unwrap();
+    assert_eq!(shim::storage_bytes(&params[1].1), 20, "prefetched");
+    engine.post_forward(0).into_result().unwrap();
+    let chunks = optimizer_chunks(&mut engine);
+    for c in &chunks {
+        shim::set_grad(c, &c.ones_like()).unwrap();
+    }
+    let mut sgd = Sgd(chunks);
+    engine
+        .optimizer_step(OptimizerStep_TO::from_ptr(RMut::new(&mut sgd), TD_Opaque))
+        .into_result()
+        .unwrap();
+    assert_eq!(
+        shim::storage_bytes(&params[1].1),
+        0,
+        "the dropped prefetch let go of `b.w`"
+    );
+    engine.pre_forward(root).into_result().unwrap();
+    let stepped: Vec<f32> = originals[1].iter().map(|x| x - 1.0).collect();
+    assert_eq!(values(&params[1].1), stepped, "gathered again, stepped");
+}
