@@ -496,6 +496,20 @@ fn prepare_model_refuses_what_the_engine_cannot_run() {
     }
 }
 
+/// An optimizer step whose every chunk has a gradient of ones (SGD at
+/// rate 1: every element minus one).
+fn step_every_chunk_by_minus_one(engine: &mut Sharded) {
+    let chunks = optimizer_chunks(engine);
+    for c in &chunks {
+        shim::set_grad(c, &c.ones_like()).unwrap();
+    }
+    let mut sgd = Sgd(chunks);
+    engine
+        .optimizer_step(OptimizerStep_TO::from_ptr(RMut::new(&mut sgd), TD_Opaque))
+        .into_result()
+        .unwrap();
+}
+
 #[test]
 fn a_unit_left_gathered_by_a_forward_without_backward_follows_the_next_step() {
     let mut params = model();
@@ -511,15 +525,7 @@ fn a_unit_left_gathered_by_a_forward_without_backward_follows_the_next_step() {
         "gathered by the forward"
     );
     // A step with no backward before it: every chunk minus one.
-    let chunks = optimizer_chunks(&mut engine);
-    for c in &chunks {
-        shim::set_grad(c, &c.ones_like()).unwrap();
-    }
-    let mut sgd = Sgd(chunks);
-    engine
-        .optimizer_step(OptimizerStep_TO::from_ptr(RMut::new(&mut sgd), TD_Opaque))
-        .into_result()
-        .unwrap();
+    step_every_chunk_by_minus_one(&mut engine);
     engine.pre_forward(root).into_result().unwrap();
     let stepped: Vec<f32> = originals[1].iter().map(|x| x - 1.0).collect();
     assert_eq!(
@@ -553,15 +559,7 @@ fn a_prefetch_dropped_before_a_step_frees_the_storage_it_gathered_into() {
     engine.pre_forward(0).into_result().unwrap();
     assert_eq!(shim::storage_bytes(&params[1].1), 20, "prefetched");
     engine.post_forward(0).into_result().unwrap();
-    let chunks = optimizer_chunks(&mut engine);
-    for c in &chunks {
-        shim::set_grad(c, &c.ones_like()).unwrap();
-    }
-    let mut sgd = Sgd(chunks);
-    engine
-        .optimizer_step(OptimizerStep_TO::from_ptr(RMut::new(&mut sgd), TD_Opaque))
-        .into_result()
-        .unwrap();
+    step_every_chunk_by_minus_one(&mut engine);
     assert_eq!(
         shim::storage_bytes(&params[1].1),
         0,
