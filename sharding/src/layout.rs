@@ -40,7 +40,13 @@ pub const IN_PLACE_NUMEL: i64 = 1 << 16;
 /// assert!(!gathered_in_place(768 * 768 + 1, 2)); // padded
 /// ```
 pub fn gathered_in_place(numel: i64, group: i64) -> bool {
-    numel >= IN_PLACE_NUMEL && numel % group == 0
+    numel >= IN_PLACE_NUMEL && tiles(numel, group)
+}
+
+/// Whether `group` chunks of a parameter of `numel` elements hold it with
+/// no padding: the receive buffer of its all-gather is its value.
+pub(crate) fn tiles(numel: i64, group: i64) -> bool {
+    numel > 0 && numel % group == 0
 }
 
 /// Checks that the `units` (name, parameter indices) a wrap policy chose

@@ -6,7 +6,7 @@
 //! collective of their own, is [`Sharded::split_direct`]'s call.
 
 use super::Sharded;
-use crate::layout::{chunk_span, gathered_in_place};
+use crate::layout::{chunk_span, gathered_in_place, tiles};
 use accel_sdk::tch::{self, Tensor};
 use accel_sdk::{
     params::bytes,
@@ -186,18 +186,12 @@ impl Sharded {
     /// decides is the same on every rank, so every rank issues the same
     /// collectives.
     pub(super) fn split_direct(&self, idx: &[usize]) -> (Vec<usize>, Vec<usize>) {
-        let alone = |i: usize, threshold: bool| {
-            self.world() == self.group
-                && self.params.items[i].1.is_contiguous()
-                && if threshold {
-                    gathered_in_place(self.numels[i], self.group)
-                } else {
-                    self.numels[i] > 0 && self.numels[i] == self.group * self.chunk_len[i]
-                }
-        };
+        let may = |i: usize| self.world() == self.group && self.params.items[i].1.is_contiguous();
         match idx {
-            [one] if alone(*one, false) => (vec![*one], Vec::new()),
-            _ => idx.iter().partition(|&&i| alone(i, true)),
+            [one] if may(*one) && tiles(self.numels[*one], self.group) => (vec![*one], Vec::new()),
+            _ => idx
+                .iter()
+                .partition(|&&i| may(i) && gathered_in_place(self.numels[i], self.group)),
         }
     }
 
