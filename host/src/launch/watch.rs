@@ -215,13 +215,28 @@ impl Watch {
     /// Where its status went to the starter (its parent), the starter's
     /// own `starter_code` says more: above 128, a rank died of signal
     /// `code - 128` (mpirun's convention).
+    ///
+    /// The starter exits with the status of the rank that failed first, so
+    /// a rank seen ending otherwise (killed by the SIGTERM mpirun sends as
+    /// it tears the job down) is not named, even when it was seen first:
+    /// a rank that failed at once can be reaped by mpirun, out of sight,
+    /// before accel looks, while the rank mpirun then kills is still a
+    /// zombie.
     pub fn first_failure(&self, starter_code: i32) -> Option<String> {
+        let may_be_first = |status: Option<ExitStatus>| {
+            status.is_none_or(|s| {
+                !s.success()
+                    && (s.code() == Some(starter_code)
+                        || s.signal().is_some_and(|sig| 128 + sig == starter_code))
+            })
+        };
         self.ranks
             .iter()
             .filter(|r| r.starter.is_some())
             .filter_map(|r| Some((r, r.ended?)))
-            .filter(|(_, e)| e.status.is_none_or(|s| !s.success()))
-            .min_by_key(|(_, e)| e.at)
+            .filter(|(_, e)| may_be_first(e.status))
+            // Of ranks seen ending at once, one whose status is known.
+            .min_by_key(|(_, e)| (e.at, e.status.is_none()))
             .map(|(r, e)| match e.status {
                 Some(s) => format!("rank {} (pid {}) {}", r.rank, r.pid, describe_status(s)),
                 None if starter_code > 128 => format!(
@@ -340,6 +355,52 @@ mod tests {
         assert!(w.stopped().unwrap().contains("rank 4"));
         let _ = child.kill();
         let _ = child.wait();
+    }
+
+    /// Watches ranks 0 and 1 below a starter, ended as given.
+    fn ended_below_a_starter(ends: [(Duration, Option<ExitStatus>); 2]) -> Watch {
+        let mut w = Watch::new(None);
+        let start = Instant::now();
+        for (rank, (after, status)) in ends.into_iter().enumerate() {
+            w.push(rank as u32, 1000 + rank as i32, Some(1));
+            w.ranks[rank].ended = Some(Ended {
+                at: start + after,
+                status,
+            });
+        }
+        w
+    }
+
+    #[test]
+    fn the_first_failure_is_the_rank_whose_status_the_starter_reports() {
+        let sigterm = Some(ExitStatus::from_raw(libc::SIGTERM));
+        let exit5 = Some(ExitStatus::from_raw(5 << 8));
+        let at = |ms| Duration::from_millis(ms);
+        // Rank 1 exited 5 and was reaped by mpirun, rank 0 is the zombie
+        // mpirun killed: seen at once, or rank 0 even before.
+        for rank0 in [at(10), at(0)] {
+            let w = ended_below_a_starter([(rank0, sigterm), (at(10), None)]);
+            let first = w.first_failure(5).unwrap();
+            assert!(
+                first.starts_with("rank 1 (pid 1001) ended first"),
+                "{first}"
+            );
+        }
+        // Both seen as zombies: the one whose status mpirun exited with.
+        let w = ended_below_a_starter([(at(0), sigterm), (at(0), exit5)]);
+        assert_eq!(
+            w.first_failure(5).unwrap(),
+            "rank 1 (pid 1001) exited with status 5"
+        );
+        // A rank killed by SIGTERM is the first when mpirun says so (143).
+        let w = ended_below_a_starter([(at(0), sigterm), (at(5), None)]);
+        assert!(w
+            .first_failure(143)
+            .unwrap()
+            .starts_with("rank 0 (pid 1000) was killed by signal 15"));
+        // Nothing consistent with the starter's status: no rank is named.
+        let w = ended_below_a_starter([(at(0), sigterm), (at(0), sigterm)]);
+        assert_eq!(w.first_failure(5), None);
     }
 
     #[test]
