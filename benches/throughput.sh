@@ -17,11 +17,15 @@
 # Every cell is the median steps/s of REPEATS runs; the runs of one workload
 # alternate columns (accel, peer, ..., accel, peer, ...) so that a drift of
 # the machine hits every column alike. The exposed fraction is DDP's
-# communication time left after backward with overlap (the mean per synced
-# step, in the line of totals the plugin logs at debug level as the model is
-# dropped) over the same time without overlap (all of the all-reduce), the
-# first rank to log's. Only the DDP columns log at debug level: the
-# sharded engine's debug line per backward costs 5-10 % on the small mlp.
+# communication time left after backward with overlap over the same time
+# without overlap (all of the all-reduce): on the big mlp and gpt2, per
+# synced step the wait of the rank that reached post_backward last (the
+# plugin's trace line a rank and sync; an earlier rank's wait also holds
+# its wait for that one), averaged from the second sync on; on the small
+# mlp, whose steps a line each would slow, the first rank's mean (the line
+# of totals the plugin logs at debug level as the model is dropped). Only
+# the DDP columns log beyond info: the sharded engine's debug line per
+# backward costs 5-10 % on the small mlp.
 #
 # Usage: bash benches/throughput.sh [OUT_DIR]   (needs scripts/bootstrap.sh)
 #   env: REPEATS=3 LOAD=0|1 GPT2_STEPS=20 MLP_SMALL_STEPS=1500 MLP_BIG_STEPS=100
@@ -176,6 +180,10 @@ run_one() {
             local flags=()
             case $c in fsdp | fsdp_bf16) flags=(--fsdp_transformer_layer_cls_to_wrap "$(units "$w")") ;; esac
             case $c in ddp | ddp_no_overlap | ddp_fp16 | ddp_powersgd) log_env=(ACCEL_LOG=plugin=debug) ;; esac
+            # A line a sync from every rank, for the exposed time of the
+            # rank that reached post_backward last (not on the small mlp,
+            # whose steps the line would slow by 5-15 %).
+            case $c in ddp | ddp_no_overlap) [ "$w" = mlp_small ] || log_env=(ACCEL_LOG=plugin=trace) ;; esac
             env "${log_env[@]}" "$rel/accel" launch -q --config_file "$out/$c.yaml" "${flags[@]}" \
                 "$prog" $(args "$w" "$b") "${extra[@]}" ;;
     esac >"$log" 2>&1 || { cat "$log" >&2; echo "throughput.sh: $w under $c failed" >&2; exit 1; }
@@ -212,6 +220,15 @@ means = re.findall(r"mean ([\d.]+) ms over (\d+) syncs", text)
 if means:
     syncs = max(int(n) for _, n in means)
     row["comm_ms_per_step"] = next(float(m) for m, n in means if int(n) == syncs)
+# Its trace lines (one per rank and sync): per sync the shortest wait of any
+# rank, the one that came last, whose wait holds no wait for another rank;
+# their mean from the second sync on (the first rebuilds the buckets).
+waits = {}
+for rank, n, ms in re.findall(r"rank (\d+) sync (\d+): .* communicated ([\d.]+) ms", text):
+    waits.setdefault(int(n), {})[int(rank)] = float(ms)
+later = [min(w.values()) for n, w in sorted(waits.items()) if n > 1 and len(w) > 1]
+if later:
+    row["exposed_ms_per_step"] = round(sum(later) / len(later), 3)
 print(json.dumps(row))
 PY
         done
@@ -271,8 +288,12 @@ for w in work:
         if c == "ddp" and pair:
             ratios.append(f"{v / pair:.0%} of two")
         return f"{v:.2f}" + (f" ({', '.join(ratios)})" if ratios else "")
-    on, off = med(w, "ddp", "comm_ms_per_step"), med(w, "ddp_no_overlap", "comm_ms_per_step")
+    # The later rank's wait where the runs logged it, else the first rank's.
+    key = "exposed_ms_per_step" if med(w, "ddp", "exposed_ms_per_step") is not None else "comm_ms_per_step"
+    on, off = med(w, "ddp", key), med(w, "ddp_no_overlap", key)
     exposed = f"{on:.1f} of {off:.1f} ms ({on / off:.0%})" if on is not None and off else "-"
+    if key == "comm_ms_per_step" and on is not None:
+        exposed += " (first rank)"
     print(f"| {work[w]} | " + " | ".join(cell(c) for c in names) + f" | {exposed} |")
 PY
 

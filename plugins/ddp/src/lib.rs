@@ -55,9 +55,11 @@
 //! `{"bucket_cap_mb": 25, "find_unused_parameters": false, "overlap_comm": true,
 //! "comm_hook": "no", "comm_state_option": {...}}` (the last for `power_sgd`).
 //!
-//! At trace level (`ACCEL_LOG=plugin=trace`) each synced step logs how
-//! many buckets started during backward and how long `post_backward`
-//! waited for communication (the exposed communication time); at debug
+//! At trace level (`ACCEL_LOG=plugin=trace`) each synced step logs, with
+//! the rank, how many buckets started during backward and how long
+//! `post_backward` waited for communication (on the rank that reached it
+//! last, the exposed communication time; on the others, also the wait for
+//! that rank); at debug
 //! level the plugin logs the rebuilt buckets (parameter names) once, and
 //! the totals once, when the model is dropped (a line a step cost the small
 //! mlp 5-15 % of its speed).
@@ -680,8 +682,9 @@ impl Buckets {
             LogLevel::Trace,
             PLUGIN.into(),
             format!(
-                "sync {}: {early} of {} bucket(s) started during backward; post_backward \
-                 communicated {:.3} ms",
+                "rank {} sync {}: {early} of {} bucket(s) started during backward; \
+                 post_backward communicated {:.3} ms",
+                self.ctx.rank(),
                 self.syncs,
                 self.plan.len(),
                 waited.as_secs_f64() * 1e3,
