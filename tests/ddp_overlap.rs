@@ -57,6 +57,31 @@ fn started_early(out: &Output, ranks: u32) -> u64 {
     totals.iter().sum()
 }
 
+/// The plugin's trace lines a synced step (`rank R sync N: ... post_backward
+/// communicated X ms`, what `benches/throughput.sh` pairs across ranks):
+/// panics unless every rank logged the same syncs, numbered from 1.
+fn assert_every_rank_logged_its_syncs(out: &Output, ranks: u32) {
+    let text = String::from_utf8_lossy(&out.stderr);
+    let per_rank: Vec<Vec<u64>> = (0..ranks)
+        .map(|r| {
+            text.lines()
+                .filter_map(|l| {
+                    let rest = l.split(&format!("rank {r} sync ")).nth(1)?;
+                    l.contains("communicated").then_some(())?;
+                    rest.split(':').next()?.parse().ok()
+                })
+                .collect()
+        })
+        .collect();
+    let first = &per_rank[0];
+    assert!(
+        !first.is_empty() && first.iter().copied().eq(1..=first.len() as u64),
+        "{}",
+        describe(out)
+    );
+    assert!(per_rank.iter().all(|s| s == first), "{}", describe(out));
+}
+
 /// Trains mlp with `args` on `ranks` ranks with overlap on and off (plugin
 /// settings `settings`); asserts the weights are the same bits and that
 /// buckets started during backward only with overlap, and then only when
@@ -78,9 +103,10 @@ fn same_bits(
             launch_with_config(&cfg, args)
                 .args(["--save", save.to_str().unwrap()])
                 .args(["--loss-log", log.to_str().unwrap()])
-                .env("ACCEL_LOG", "plugin=debug"),
+                .env("ACCEL_LOG", "plugin=trace"),
         );
         let early = started_early(&out, ranks);
+        assert_every_rank_logged_its_syncs(&out, ranks);
         assert_eq!(
             early > 0,
             overlap && several,
