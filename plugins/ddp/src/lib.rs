@@ -59,10 +59,9 @@
 //! the rank, how many buckets started during backward and how long
 //! `post_backward` waited for communication (on the rank that reached it
 //! last, the exposed communication time; on the others, also the wait for
-//! that rank); at debug
-//! level the plugin logs the rebuilt buckets (parameter names) once, and
-//! the totals once, when the model is dropped (a line a step cost the small
-//! mlp 5-15 % of its speed).
+//! that rank); at debug level the plugin logs the rebuilt buckets
+//! (parameter names) once, and the totals once, when the model is dropped
+//! (a line a step cost the small mlp 5-15 % of its speed).
 
 use accel_sdk::tch::{Kind, Tensor};
 use accel_sdk::{
