@@ -43,6 +43,7 @@ for line in sys.stdin:
     if src in want and m["profile"]["test"]:
         print(m["target"]["name"], os.path.dirname(m["manifest_path"]), m["executable"])
 ')
+  phase "conformance: running its 3 test binaries"
   [ "$(printf '%s\n' "$exes" | wc -l)" -eq 3 ] ||
     { echo "conformance: expected 3 test binaries, found: $exes"; exit 1; }
   while read -r name dir exe; do
