@@ -83,6 +83,37 @@ fn scalar_text(node: &Node) -> Option<String> {
     }
 }
 
+/// `node` as JSON, warning of each `.nan` or `.inf` in it: JSON has no such
+/// number, so each is read as `null` (and a `null` entry is left out).
+fn to_json_warning_non_finite(node: &Node, path: &str, ctx: &mut Ctx) -> Value {
+    match &node.kind {
+        NodeKind::Seq(items) => {
+            for (i, item) in items.iter().enumerate() {
+                to_json_warning_non_finite(item, &format!("{path}[{i}]"), ctx);
+            }
+        }
+        NodeKind::Map(entries) => {
+            for (k, v) in entries {
+                let key = k.text().unwrap_or_default();
+                to_json_warning_non_finite(v, &format!("{path}.{key}"), ctx);
+            }
+        }
+        NodeKind::Scalar { .. } => {
+            if matches!(node.scalar(), Some(Scalar::Float(f)) if !f.is_finite()) {
+                ctx.warn(
+                    node.mark,
+                    path,
+                    format!(
+                        "`{path}` is `{}`, a number accel's config cannot hold (JSON has no NaN or infinity); it is read as `null`",
+                        node.text().unwrap_or_default()
+                    ),
+                );
+            }
+        }
+    }
+    node.to_json()
+}
+
 /// Checks one value against its kind, giving its canonical JSON form.
 /// `Err(())` means a diagnostic was pushed.
 pub(crate) fn check_value(
@@ -384,9 +415,9 @@ pub(crate) fn check_value(
             );
             Err(())
         }
-        Kind::Any => Ok(node.to_json()),
+        Kind::Any => Ok(to_json_warning_non_finite(node, path, ctx)),
         Kind::Map => match &node.kind {
-            NodeKind::Map(_) => Ok(node.to_json()),
+            NodeKind::Map(_) => Ok(to_json_warning_non_finite(node, path, ctx)),
             _ => {
                 ctx.err(
                     m,
@@ -458,7 +489,7 @@ fn check_section(
             full,
             format!("`{full}` is not a key accel knows in `{path}`{hint}; it is kept and passed to the plugin that owns `{path}`"),
         );
-        Some(v.to_json())
+        Some(to_json_warning_non_finite(v, full, ctx))
     })
 }
 
@@ -516,6 +547,8 @@ fn check_entries<'n>(
             ),
         };
         match kept {
+            // A non-finite number, warned of: left out as a `null` is.
+            Some(Value::Null) => {}
             Some(val) => {
                 out.insert(name, val);
             }

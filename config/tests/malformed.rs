@@ -324,6 +324,35 @@ fn fsdp_keys_get_their_prefix() {
     assert_eq!(f["fsdp_version"], 2);
 }
 
+/// JSON has no NaN or infinity: a kept value that is one is read as `null`
+/// with a warning (a `null` entry is left out), so writing the config back
+/// loads the same config.
+#[test]
+fn non_finite_numbers_in_kept_keys_are_dropped_with_a_warning() {
+    let text = "distributed_type: FSDP\nfsdp_config:\n  opt_level: .nan\n  mine: 3\naccel:\n  plugins:\n    x: {y: [1, -.inf]}\n";
+    let l = loads(text, "nan.yaml");
+    let f = l.config.fsdp_config.clone().unwrap();
+    assert!(!f.contains_key("fsdp_opt_level"), "{f:?}");
+    assert_eq!(f["fsdp_mine"], 3);
+    let plugins = l.config.accel.as_ref().and_then(|a| a.plugins.clone());
+    assert_eq!(plugins.unwrap()["x"], serde_json::json!({"y": [1, null]}));
+    for (needle, line) in [
+        ("`fsdp_config.fsdp_opt_level` is `.nan`", 3),
+        ("`accel.plugins.x.y[1]` is `-.inf`", 7),
+    ] {
+        let w = l
+            .warnings
+            .iter()
+            .map(|w| w.to_string())
+            .find(|w| w.contains(needle));
+        let w = w.unwrap_or_else(|| panic!("no warning {needle:?} in {:?}", l.warnings));
+        assert!(w.starts_with(&format!("nan.yaml:{line}:")), "{w}");
+        assert!(w.contains("it is read as `null`"), "{w}");
+    }
+    let again = loads(&accel_config::to_yaml(&l.config), "again.yaml");
+    assert_eq!(again.config, l.config);
+}
+
 #[test]
 fn num_processes_is_one_without_distribution() {
     let l = loads("distributed_type: NO\nnum_processes: 4\n", "n.yaml");

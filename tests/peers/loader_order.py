@@ -145,8 +145,14 @@ def main():
         json.dump(results, f, indent=None, separators=(",", ":"))
         f.write("\n")
     if dist.is_available() and dist.is_initialized():
+        # Every rank has written its results once the barrier returns; then leave
+        # without tearing gloo down: its threads, destroyed by
+        # `destroy_process_group` or by the interpreter's exit, sometimes abort the
+        # process (SIGABRT; see ddp_comm_hook.py).
         dist.barrier()
-        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
