@@ -9,6 +9,7 @@ import sys
 
 import torch
 from accelerate import Accelerator
+from gloo_exit import leave
 from torch.utils.data import DataLoader, TensorDataset
 
 acc = Accelerator(cpu=True)
@@ -61,11 +62,4 @@ for name, dtype in [("half", torch.float16), ("bf16", torch.bfloat16)]:
         out[f"reduce_scatter_{name}"] = block.tolist()
 with open(os.path.join(sys.argv[1], f"rank{r}.json"), "w") as f:
     json.dump(out, f)
-# Every rank has written its results once the barrier returns; then leave
-# without tearing gloo down: its threads, destroyed by
-# `destroy_process_group` or by the interpreter's exit, sometimes abort the
-# process (SIGABRT; see ddp_comm_hook.py).
-acc.wait_for_everyone()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave(acc.wait_for_everyone)

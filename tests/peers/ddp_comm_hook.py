@@ -16,13 +16,13 @@ backwards (default 1); each but the last updates the parameters by plain SGD
 OUT_DIR/grads<r>.safetensors, the last step's gradients after the all-reduce.
 """
 import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+from gloo_exit import leave
 from safetensors.torch import load_file, save_file
 
 NAMES = ["w1", "b1", "w2", "b2"]
@@ -57,12 +57,4 @@ for step in range(1, steps + 1):
                 p.grad.zero_()
 grads = {n: p.grad.contiguous() for n, p in zip(NAMES, params)}
 save_file(grads, f"{out_dir}/grads{r}.safetensors")
-# Every rank has written its gradients once the barrier returns; then leave
-# without tearing anything down: gloo's threads, destroyed by
-# `destroy_process_group` or by the interpreter's exit, sometimes abort the
-# process ("terminate called without an active exception", SIGABRT), after
-# PowerSGD's chained futures and after the fp16 hook's alike.
-acc.wait_for_everyone()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave(acc.wait_for_everyone)

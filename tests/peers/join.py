@@ -16,6 +16,7 @@ import sys
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
+from gloo_exit import leave
 from torch.distributed.algorithms.join import Join
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -45,11 +46,4 @@ out = {
 }
 with open(os.path.join(sys.argv[1], f"rank{acc.process_index}.json"), "w") as f:
     json.dump(out, f)
-# Every rank has written its results once the barrier returns; then leave
-# without tearing gloo down: its threads, destroyed by
-# `destroy_process_group` or by the interpreter's exit, sometimes abort the
-# process (SIGABRT; see ddp_comm_hook.py).
-acc.wait_for_everyone()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave(acc.wait_for_everyone)

@@ -42,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 from accelerate import Accelerator, DataLoaderConfiguration  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import InitProcessGroupKwargs  # noqa: E402
+from gloo_exit import leave  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, IterableDataset  # noqa: E402
 
 
@@ -145,14 +146,7 @@ def main():
         json.dump(results, f, indent=None, separators=(",", ":"))
         f.write("\n")
     if dist.is_available() and dist.is_initialized():
-        # Every rank has written its results once the barrier returns; then leave
-        # without tearing gloo down: its threads, destroyed by
-        # `destroy_process_group` or by the interpreter's exit, sometimes abort the
-        # process (SIGABRT; see ddp_comm_hook.py).
-        dist.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave(dist.barrier)
 
 
 if __name__ == "__main__":
