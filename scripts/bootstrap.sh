@@ -33,6 +33,16 @@ if [ ! -x .venv/bin/python ]; then
   say "creating .venv"
   "$PY" -m venv .venv
 fi
+# The packages go in with uv (from PyPI, into the venv by pip): it fetches
+# in parallel and installs the same versions as pip, in a fraction of the
+# time (PyTorch's wheels and CUDA libraries: 22 s against pip's 3 min).
+UV_VERSION=0.13.9
+uv_install() {
+  if [ "$(.venv/bin/uv --version 2>/dev/null)" != "uv $UV_VERSION" ]; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+  fi
+  .venv/bin/uv pip install --quiet --python .venv/bin/python "$@"
+}
 if ! .venv/bin/python - <<'PYEOF' 2>/dev/null
 import sys
 from importlib.metadata import version
@@ -45,8 +55,8 @@ for line in open("scripts/requirements.txt"):
 sys.exit(0 if all(version(n) == v for n, v in want.items()) else 1)
 PYEOF
 then
-  say "installing Python packages (PyTorch is about 5 GB; a minute or two)"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -r scripts/requirements.txt
+  say "installing Python packages (PyTorch is about 5 GB; half a minute with uv)"
+  uv_install -r scripts/requirements.txt
 fi
 # DeepSpeed, whose loss scaler is the peer of the DEEPSPEED fp16 tests: an
 # sdist whose setup.py imports torch, so it builds against the venv's torch
@@ -54,7 +64,7 @@ fi
 DEEPSPEED_VERSION=0.19.8
 if ! .venv/bin/python -c "import sys; from importlib.metadata import version; sys.exit(version('deepspeed') != '$DEEPSPEED_VERSION')" 2>/dev/null; then
   say "installing DeepSpeed $DEEPSPEED_VERSION (a test peer)"
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation "deepspeed==$DEEPSPEED_VERSION"
+  uv_install --no-build-isolation "deepspeed==$DEEPSPEED_VERSION"
 fi
 
 # 3. `.libtorch` -> the wheel's torch/ package (include/ and lib/), which
