@@ -5,9 +5,9 @@
 //! builds out of tree and trains 2 ranks.
 
 use accel_integration_tests::{
-    accel_bin, assert_failed_with, assert_stdout_contains, describe, fixture_target_dir, loss_log,
-    max_abs_diff, mlp, plugin_build_args, plugin_file_name, plugins_list_json, read_weights, run,
-    run_quickstart, workspace_root, write_config,
+    accel_bin, assert_failed_with, assert_stdout_contains, cargo, describe, fixture_target_dir,
+    loss_log, max_abs_diff, mlp, plugin_build_args, plugin_file_name, plugins_list_json,
+    read_weights, run, run_quickstart, workspace_root, write_config,
 };
 use serde_json::Value;
 use std::{
@@ -31,7 +31,7 @@ fn plain_tracker_dir(env: &[(&str, &str)]) -> tempfile::TempDir {
         .filter(|p| !p.to_string_lossy().contains(".venv"))
         .collect();
     let (command, args) = plugin_build_args(PLAIN, false);
-    let mut cmd = Command::new(env!("CARGO"));
+    let mut cmd = cargo();
     cmd.current_dir(&root)
         .arg(command)
         .args(args)
@@ -91,7 +91,7 @@ fn accel_env(dir: &Path) -> String {
 
 #[test]
 fn a_tracker_on_the_contract_alone_builds_without_libtorch_and_runs() {
-    let tree = Command::new(env!("CARGO"))
+    let tree = cargo()
         .current_dir(workspace_root())
         .args([
             "tree",
@@ -273,7 +273,7 @@ fn readme_strategy_skeleton_trains_two_ranks() {
         // libtorch's bindings are not built again; the plugin is not left
         // beside `target/debug/accel`, whose plugin search would list it.
         let target = root.join("target");
-        let out = Command::new(env!("CARGO"))
+        let out = cargo()
             .current_dir(krate.path())
             .args([
                 "build",

@@ -94,7 +94,7 @@ fn compare(case: &Value, n: usize, rank: usize, ours: &Value, theirs: &Value) {
 
 #[test]
 fn loader_order_equals_python_accelerate_on_1_2_and_3_ranks() {
-    let probe = build_bin("accel-integration-tests", "loader-probe");
+    let probe = build_bin("loader-probe");
     let peers = Path::new(env!("CARGO_MANIFEST_DIR")).join("peers");
     let spec_path = peers.join("loader_order_spec.json");
     let spec = read_json(&spec_path);

@@ -211,6 +211,9 @@ fn a_parameter_without_a_gradient_follows_find_unused_parameters() {
     // Without find_unused_parameters: an error naming it, not a hang.
     let dir = tempfile::tempdir().unwrap();
     write_freeze_probe_init(dir.path());
+    // Built first: the limit is on the job, not on cargo (a build waiting
+    // for this binary's other tests' builds can take longer than the job).
+    let _ = (accel_bin(), build_bin("freeze-probe"));
     let started = Instant::now();
     let out = probe(dir.path(), 2, true, &[ONE_PARAM], &["unused:block0.b"]);
     let text = assert_failed_with(
@@ -580,7 +583,7 @@ fn accel_hooked_grads(
         Command::new(accel_bin())
             .args(["launch", "-q", "--config_file"])
             .arg(&cfg)
-            .arg(build_bin("accel-integration-tests", "grad-probe"))
+            .arg(build_bin("grad-probe"))
             .arg(ours.path())
             .arg(steps.to_string()),
     );

@@ -25,7 +25,7 @@ fn train(
     let dir = &base.join(name);
     std::fs::create_dir_all(dir).unwrap();
     std::fs::copy(base.join("init.safetensors"), dir.join("init.safetensors")).unwrap();
-    let probe = build_bin("accel-integration-tests", "freeze-probe");
+    let probe = build_bin("freeze-probe");
     let config = write_config(dir, "config.yaml", distributed_type, 2, rest);
     run_ok(
         Command::new(accel_bin())

@@ -17,7 +17,7 @@ use std::{
 };
 
 fn probe() -> PathBuf {
-    build_bin("accel-rank-probe", "rank-probe")
+    build_bin("rank-probe")
 }
 
 fn launch(args: &[&str]) -> Command {

@@ -74,7 +74,7 @@ fn run_dir(base: &Path, name: &str) -> PathBuf {
 
 /// Runs the probe in one process (no launcher) with `args`.
 fn single(dir: &Path, args: &[&str]) {
-    let probe = build_bin("accel-integration-tests", "distill-probe");
+    let probe = build_bin("distill-probe");
     run_ok(Command::new(probe).arg(dir).args(args));
 }
 

@@ -202,7 +202,7 @@ fn rank_files(dir: &Path, n: u32) -> Vec<Value> {
 
 #[test]
 fn collectives_give_what_accelerate_gives_on_1_2_and_3_ranks() {
-    let probe = build_bin("accel-integration-tests", "collectives-probe");
+    let probe = build_bin("collectives-probe");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peers/collectives.py");
     for n in [1u32, 2, 3] {
         let ours = tempfile::tempdir().unwrap();
@@ -306,7 +306,7 @@ fn collectives_give_what_accelerate_gives_on_1_2_and_3_ranks() {
 /// right.
 #[test]
 fn a_started_collective_runs_on_while_its_rank_computes() {
-    let probe = build_bin("accel-integration-tests", "progress-probe");
+    let probe = build_bin("progress-probe");
     let dir = tempfile::tempdir().unwrap();
     run(Command::new(accel_bin())
         .args(["launch", "-q", "--cpu", "--num_processes", "2"])

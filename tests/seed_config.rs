@@ -41,7 +41,7 @@ fn launch(config: &Path, data: &Path, save: &Path) -> std::process::Output {
     Command::new(accel_bin())
         .args(["launch", "-q", "--config_file"])
         .arg(config)
-        .arg(build_bin("accel-examples", "gpt2"))
+        .arg(build_bin("gpt2"))
         .args(["--n-layer", "2", "--n-embd", "64", "--n-head", "4"])
         .args([
             "--vocab-size",

@@ -20,7 +20,7 @@ use std::{
 };
 
 fn teardown_probe() -> PathBuf {
-    build_bin("accel-integration-tests", "teardown-probe")
+    build_bin("teardown-probe")
 }
 
 /// `accel launch --cpu --num_processes 2 --launcher mpi PROGRAM ARGS`, with
@@ -109,7 +109,7 @@ fn ranks_that_succeed_still_finalize_and_exit_zero() {
 fn a_rank_failing_outside_mpi_takes_the_mpi_job_down() {
     let marker = tempfile::tempdir().unwrap();
     let marker = marker.path().to_str().unwrap();
-    let probe = build_bin("accel-rank-probe", "rank-probe");
+    let probe = build_bin("rank-probe");
     let out = launch_mpi_within_limit(
         &probe,
         &[

@@ -139,7 +139,7 @@ fn xla_gradient_sync_equals_the_mpi_path() {
     Tensor::write_safetensors(&inputs, dir.path().join("inputs.safetensors")).unwrap();
 
     // The MPI path: DDP over MPI, 4 processes.
-    let probe = build_bin("accel-integration-tests", "grad-probe");
+    let probe = build_bin("grad-probe");
     run_ok(
         Command::new(accel_bin())
             .args([

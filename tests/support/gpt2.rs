@@ -51,7 +51,7 @@ pub const LOGITS_INPUT: &str = "1,8,43,218,67,338,459,500,3,0,511,77";
 
 /// The `gpt2` example program.
 pub fn gpt2() -> PathBuf {
-    build_bin("accel-examples", "gpt2")
+    build_bin("gpt2")
 }
 
 /// `python tests/peers/gpt2_reference.py`, not yet run.

@@ -24,6 +24,34 @@ pub fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// A `cargo` command without the variables cargo set for this test binary
+/// (`OUT_DIR`, `CARGO_MANIFEST_DIR`, `CARGO_PKG_*`, ...): they are not a
+/// build's environment, and a build script that watches one (ring's watches
+/// both) would run again, with all that depends on it,
+/// each time a test's build and a plain `cargo build` take turns.
+pub fn cargo() -> Command {
+    let mut cmd = Command::new(env!("CARGO"));
+    for (name, _) in std::env::vars_os() {
+        let Some(name) = name.to_str() else { continue };
+        let set_for_the_test = matches!(
+            name,
+            "OUT_DIR"
+                | "CARGO_MANIFEST_DIR"
+                | "CARGO_MANIFEST_PATH"
+                | "CARGO_MANIFEST_LINKS"
+                | "CARGO_CRATE_NAME"
+                | "CARGO_BIN_NAME"
+                | "CARGO_TARGET_TMPDIR"
+                | "CARGO_PRIMARY_PACKAGE"
+        ) || name.starts_with("CARGO_PKG_")
+            || name.starts_with("CARGO_BIN_EXE_");
+        if set_for_the_test {
+            cmd.env_remove(name);
+        }
+    }
+    cmd
+}
+
 /// Builds `args` (e.g. `["-p", "accel-csv-tracker"]`) with extra `env`, under
 /// a lock shared by every test process (builds that change the environment
 /// rewrite the same output files), then runs `with_artifacts` on the built
@@ -46,7 +74,7 @@ fn cargo_locked<T>(
 ) -> T {
     let lock = File::create(std::env::temp_dir().join("accel-tests-cargo.lock")).unwrap();
     lock.lock().unwrap();
-    let mut cmd = Command::new(env!("CARGO"));
+    let mut cmd = cargo();
     cmd.current_dir(workspace_root())
         .args([command, "--message-format=json-render-diagnostics"])
         .args(args);
@@ -97,19 +125,21 @@ pub fn fixture_target_dir() -> PathBuf {
 }
 
 /// The cargo command and arguments that build `package`'s cdylib: a
-/// fixture's with `cargo rustc --crate-type cdylib`, any other's with
-/// `cargo build`; a fixture, or a test-only `variant` of any plugin, into
-/// [`fixture_target_dir`].
+/// fixture's with `cargo rustc --crate-type cdylib`, a test-only `variant`
+/// of any other with `cargo build -p`, both into [`fixture_target_dir`];
+/// the workspace's own plugin with `cargo build --workspace`, as
+/// [`build_bin`] builds.
 pub fn plugin_build_args(package: &str, variant: bool) -> (&'static str, Vec<String>) {
     let fixture = FIXTURE_PLUGINS.contains(&package);
+    if !fixture && !variant {
+        return ("build", vec!["--workspace".to_owned()]);
+    }
     let mut args: Vec<String> = ["-p", package].map(str::to_owned).to_vec();
     if fixture {
         args.extend(["--lib", "--crate-type", "cdylib"].map(str::to_owned));
     }
-    if fixture || variant {
-        args.push("--target-dir".to_owned());
-        args.push(fixture_target_dir().to_string_lossy().into_owned());
-    }
+    args.push("--target-dir".to_owned());
+    args.push(fixture_target_dir().to_string_lossy().into_owned());
     (if fixture { "rustc" } else { "build" }, args)
 }
 
@@ -169,32 +199,25 @@ const SHIPPED_PLUGINS: &[&str] = &[
     "accel-mlflow",
 ];
 
-/// Builds binary `bin` of `package` and returns the path of a link to it in
-/// a directory of its own (`target/test-bins/<test binary>/`), beside the
-/// plugins accel ships, so that the program's "executable directory" plugin
-/// search sees no test fixtures that other tests built into `target/debug`.
-pub fn build_bin(package: &str, bin: &str) -> PathBuf {
-    let mut plugin_args = Vec::new();
-    for p in SHIPPED_PLUGINS {
-        plugin_args.extend(["-p", p]);
-    }
-    let plugin_files = build_locked(&plugin_args, &[], <[PathBuf]>::to_vec);
-    build_locked(&["-p", package, "--bin", bin], &[], |files| {
-        let built = files
-            .iter()
-            .find(|f| f.file_name().is_some_and(|n| n == bin))
-            .unwrap_or_else(|| panic!("no {bin} among {files:?}"));
-        let shipped: Vec<&PathBuf> = plugin_files
-            .iter()
-            .filter(|f| {
-                SHIPPED_PLUGINS
-                    .iter()
-                    .any(|p| f.file_name().and_then(|n| n.to_str()) == Some(&plugin_file_name(p)))
-            })
-            .collect();
+/// Builds the workspace (`cargo build --workspace`: the build bootstrap
+/// made, so a no-op when it is fresh; building one package with `-p`
+/// would resolve its dependencies' features apart and build tch and much
+/// else again) and returns the path of a link to its binary `bin` in a
+/// directory of its own (`target/test-bins/<test binary>/`), beside the
+/// plugins accel ships, so that the program's "executable directory"
+/// plugin search sees no test fixtures that other tests built into
+/// `target/debug`.
+pub fn build_bin(bin: &str) -> PathBuf {
+    build_locked(&["--workspace"], &[], |files| {
+        let built = |name: &str| {
+            files
+                .iter()
+                .find(|f| f.file_name().is_some_and(|n| n == name))
+                .unwrap_or_else(|| panic!("no {name} among {files:?}"))
+        };
         let test_exe = std::env::current_exe().unwrap();
         let stem = test_exe.file_stem().unwrap().to_string_lossy().into_owned();
-        let dir = built.parent().unwrap().join("../test-bins").join(stem);
+        let dir = built(bin).parent().unwrap().join("../test-bins").join(stem);
         std::fs::create_dir_all(&dir).unwrap();
         let place = |from: &Path| {
             let link = dir.join(from.file_name().unwrap());
@@ -214,16 +237,16 @@ pub fn build_bin(package: &str, bin: &str) -> PathBuf {
             }
             link
         };
-        for so in shipped {
-            place(so);
+        for p in SHIPPED_PLUGINS {
+            place(built(&plugin_file_name(p)));
         }
-        place(built)
+        place(built(bin))
     })
 }
 
 /// The `accel` binary.
 pub fn accel_bin() -> PathBuf {
-    build_bin("accel", "accel")
+    build_bin("accel")
 }
 
 /// An `HF_HOME` with nothing in it, so that no user's Accelerate config
@@ -244,7 +267,7 @@ pub fn run(program: &Path, args: &[&str]) -> Output {
 
 /// The `mlp` example program.
 pub fn mlp() -> PathBuf {
-    build_bin("accel-examples", "mlp")
+    build_bin("mlp")
 }
 
 /// What `accel plugins list --plugin-dir <dir> --json` prints, asserting it
@@ -273,7 +296,7 @@ pub fn run_quickstart(plugin_dir: &Path, project: &Path, steps: &str, log_with: 
         args.extend(["--log-with", tracker]);
     }
     args.extend(["--project-dir", project.to_str().unwrap(), "--steps", steps]);
-    let out = run(&build_bin("accel-examples", "quickstart"), &args);
+    let out = run(&build_bin("quickstart"), &args);
     assert!(out.status.success(), "{}", describe(&out));
 }
 
@@ -566,7 +589,7 @@ pub fn launch_probe(config: &Path, probe: &str) -> Command {
     let mut cmd = Command::new(accel_bin());
     cmd.args(["launch", "-q", "--config_file"])
         .arg(config)
-        .arg(build_bin("accel-integration-tests", probe))
+        .arg(build_bin(probe))
         .env_remove("ACCEL_PLUGIN_DIR")
         .env("HF_HOME", no_hf_home());
     cmd
