@@ -322,12 +322,11 @@ fn the_collective_timeout_reaches_every_rank_and_bad_values_are_refused() {
 fn absurd_process_counts_are_refused_before_anything_starts() {
     let dir = tempfile::tempdir().unwrap();
     for launcher in ["mpi", "local"] {
+        // Built first (`probe_into` builds the probe): the limit is on the
+        // launch, not on cargo.
+        let cmd = probe_into(launch_cpu("100000", launcher, &[]), dir.path(), &[]);
         let start = Instant::now();
-        let out = output(probe_into(
-            launch_cpu("100000", launcher, &[]),
-            dir.path(),
-            &[],
-        ));
+        let out = output(cmd);
         assert_eq!(out.status.code(), Some(1), "{launcher}: {}", describe(&out));
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
