@@ -8,7 +8,8 @@
 # Model: GPT-2 with 6 layers, n_embd 384, 6 heads, vocab 8192, block 128;
 # batch 8 windows per rank, AdamW, 30 steps. Tokens/s counts every rank's
 # tokens; peak RSS per rank is the largest VmHWM (from /proc, polled every
-# 0.2 s, the same for both sides) among the processes of the run.
+# 0.2 s, the same for both sides) among the processes of the run. Then
+# attention at block 1024 (batch 2, one process): sdpa and eager, both sides.
 #
 # Usage: bash benches/gpt2.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
 source "$(dirname "$0")/common.sh" target/bench-results/gpt2 "${1:-}"
@@ -78,3 +79,20 @@ row "accel FSDP FULL_SHARD" 2 "$(measure "$rel/gpt2" "$rel/accel" launch -q --co
 row "accel ZeRO-3" 2 "$(measure "$rel/gpt2" "$rel/accel" launch -q --config_file "$out/zero3.yaml" "$rel/gpt2" "${common[@]}")"
 row "transformers + Accelerate, 1 process" 1 "$(measure "$peer" python "$peer" train "${common[@]}")"
 row "transformers + Accelerate DDP (torchrun, gloo)" 2 "$(measure "$peer" torchrun --nproc_per_node 2 --master_port 29541 "$peer" train "${common[@]}")"
+
+# Attention at GPT-2's own context length: sdpa (transformers' default
+# attn_implementation, and accel's) against eager, on both sides, one
+# process, block 1024, batch 2 windows, 5 AdamW steps.
+[ -d "$out/model1024" ] || python "$peer" init "$out/model1024" --n-layer 6 --n-embd 384 \
+    --n-head 6 --vocab-size 8192 --n-positions 1024 --seed 0
+block=1024
+batch=2
+long=(--model "$out/model1024" --data "$out/tokens.bin" --block-size $block --batch-size $batch
+      --steps 5 --lr 3e-4 --weight-decay 0.01 --data-seed 1)
+echo "== attention: gpt2 6x384, block $block, batch $batch, 5 AdamW steps, one process"
+for attn in sdpa eager; do
+    row "accel single, $attn attention, block $block" 1 \
+        "$(measure "$rel/gpt2" "$rel/gpt2" "${long[@]}" --attn-implementation $attn)"
+    row "transformers + Accelerate, 1 process, $attn attention, block $block" 1 \
+        "$(measure "$peer" python "$peer" train "${long[@]}" --attn-implementation $attn)"
+done

@@ -18,7 +18,8 @@
 //!   `--n-layer --n-embd --n-head --vocab-size --n-positions` make a new
 //!   model (GPT2Config's defaults for the ones not given) initialised as
 //!   transformers does, from `--seed`. `--dropout P` sets the three dropout
-//!   probabilities.
+//!   probabilities. `--attn-implementation sdpa|eager` is transformers'
+//!   `attn_implementation`, `sdpa` (its default) unless given.
 //! * Data: `--data FILE` (`--token-dtype u16|u32`), windows of
 //!   `--block-size` tokens (default n_positions) with their next tokens as
 //!   labels, in Accelerate's seedable order (`--data-seed`, default
@@ -69,8 +70,8 @@ use accel_sdk::{optim::OptimizerConfig, schedule::LrScheduler};
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use model::{
-    is_adapter, lm_loss, merge_adapters, Gpt2, Gpt2Config, LoraConfig, LoraInit, BLOCK_CLASS,
-    IGNORED_SUFFIXES, LORA_A, LORA_B,
+    is_adapter, lm_loss, merge_adapters, AttnImplementation, Gpt2, Gpt2Config, LoraConfig,
+    LoraInit, BLOCK_CLASS, IGNORED_SUFFIXES, LORA_A, LORA_B,
 };
 use regex::Regex;
 use std::{
@@ -120,6 +121,11 @@ struct Args {
     /// Sets resid_pdrop, embd_pdrop and attn_pdrop (saved in config.json).
     #[arg(long)]
     dropout: Option<f64>,
+    /// transformers' attn_implementation: sdpa (libtorch's
+    /// scaled_dot_product_attention, transformers' default) or eager
+    /// (the scores, the causal mask and softmax spelled out).
+    #[arg(long = "attn-implementation", value_enum, default_value_t = AttnImplementation::Sdpa)]
+    attn_implementation: AttnImplementation,
     /// Token file (nanoGPT's train.bin): flat little-endian token ids.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -299,6 +305,7 @@ fn configuration(args: &Args) -> Result<Gpt2Config> {
         c.embd_pdrop = p;
         c.attn_pdrop = p;
     }
+    c.attn_implementation = args.attn_implementation;
     c.validate()?;
     Ok(c)
 }

@@ -191,7 +191,8 @@ fn losses_and_saved_logits_match_transformers_on_one_and_two_processes() {
     run_ok(&mut cmd);
     // 156 windows of 32: one process, batches of 8, 20 batches an epoch:
     // 60 steps are 3 epochs. A frozen parameter, weight decay on the rest,
-    // cosine schedule with warmup.
+    // cosine schedule with warmup; eager attention on both sides (the
+    // two-process run has the default, sdpa).
     let one = parity(
         dir.path(),
         &init,
@@ -209,6 +210,8 @@ fn losses_and_saved_logits_match_transformers_on_one_and_two_processes() {
             "cosine",
             "--warmup",
             "5",
+            "--attn-implementation",
+            "eager",
         ],
     );
     // Two processes (DDP), batches of 4 each, 2 micro-batches a step: 10
@@ -428,6 +431,17 @@ fn checkpoints_that_do_not_fit_and_bad_flags_are_refused_by_name() {
         (
             vec!["--model", good, "--data", data, "--token-dtype", "u8"],
             "--token-dtype",
+        ),
+        (
+            vec![
+                "--model",
+                good,
+                "--data",
+                data,
+                "--attn-implementation",
+                "flash",
+            ],
+            "invalid value 'flash' for '--attn-implementation <ATTN_IMPLEMENTATION>'",
         ),
         (vec!["--model", good], "--data FILE is needed to train"),
         (

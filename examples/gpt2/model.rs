@@ -58,6 +58,21 @@ impl Activation {
     }
 }
 
+/// How a block computes attention: transformers' `attn_implementation`
+/// (`from_pretrained(..., attn_implementation=...)`), whose default is
+/// `sdpa`. Not a `config.json` key: transformers does not save it either.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum AttnImplementation {
+    /// `sdpa_attention_forward`: libtorch's `scaled_dot_product_attention`,
+    /// causal, at the block's scaling, `attn_pdrop` in training. Its fused
+    /// kernels keep no `T × T` scores for backward.
+    #[default]
+    Sdpa,
+    /// `eager_attention_forward`: the scores, the causal mask at the
+    /// dtype's minimum, softmax in f32, dropout, then the values.
+    Eager,
+}
+
 /// A field of [`Gpt2Config`] that a `config.json` key of one JSON type sets.
 enum Slot<'a> {
     Int(&'a mut i64),
@@ -97,6 +112,8 @@ pub struct Gpt2Config {
     pub scale_attn_weights: bool,
     pub scale_attn_by_inverse_layer_idx: bool,
     pub tie_word_embeddings: bool,
+    /// transformers' `config._attn_implementation`.
+    pub attn_implementation: AttnImplementation,
     /// The whole `config.json` it came from (empty for a new model).
     pub raw: Map<String, Value>,
 }
@@ -121,6 +138,7 @@ impl Default for Gpt2Config {
             scale_attn_weights: true,
             scale_attn_by_inverse_layer_idx: false,
             tie_word_embeddings: true,
+            attn_implementation: AttnImplementation::default(),
             raw: Map::new(),
         }
     }
@@ -533,6 +551,7 @@ struct Block {
     /// 1/sqrt(head_dim) (and 1/(layer+1) with scale_attn_by_inverse_layer_idx).
     scaling: f64,
     attn_pdrop: f64,
+    attn_implementation: AttnImplementation,
     resid_pdrop: f64,
     activation: Activation,
     /// LoRA adapters beside `c_attn` (`--lora-r`).
@@ -562,6 +581,7 @@ impl Block {
             n_head: c.n_head,
             scaling,
             attn_pdrop: c.attn_pdrop,
+            attn_implementation: c.attn_implementation,
             resid_pdrop: c.resid_pdrop,
             activation: c.activation,
             lora: None,
@@ -581,6 +601,7 @@ impl Block {
             n_head: self.n_head,
             scaling: self.scaling,
             attn_pdrop: self.attn_pdrop,
+            attn_implementation: self.attn_implementation,
             resid_pdrop: self.resid_pdrop,
             activation: self.activation,
             lora: self.lora.as_ref().map(Lora::shallow_clone),
@@ -597,12 +618,31 @@ impl Block {
         let qkv = qkv.split(e, 2);
         let heads = |t_: &Tensor| t_.view([b, t, self.n_head, d]).transpose(1, 2);
         let (q, k, v) = (heads(&qkv[0]), heads(&qkv[1]), heads(&qkv[2]));
-        let scores = q.matmul(&k.transpose(-1, -2)) * self.scaling;
-        // The causal mask: a position sees itself and the ones before.
-        let future = Tensor::ones([t, t], (Kind::Bool, x.device())).triu(1);
-        let scores = scores.masked_fill(&future, finfo_min(scores.kind()));
-        let weights = dropout(scores.softmax(-1, Kind::Float), self.attn_pdrop, train);
-        let out = weights.matmul(&v).transpose(1, 2).reshape([b, t, e]);
+        let out = match self.attn_implementation {
+            AttnImplementation::Sdpa => {
+                let p = if train { self.attn_pdrop } else { 0.0 };
+                // transformers asks for the causal mask only past one position.
+                Tensor::scaled_dot_product_attention(
+                    &q,
+                    &k,
+                    &v,
+                    None::<Tensor>,
+                    p,
+                    t > 1,
+                    self.scaling,
+                    false,
+                )
+            }
+            AttnImplementation::Eager => {
+                let scores = q.matmul(&k.transpose(-1, -2)) * self.scaling;
+                // The causal mask: a position sees itself and the ones before.
+                let future = Tensor::ones([t, t], (Kind::Bool, x.device())).triu(1);
+                let scores = scores.masked_fill(&future, finfo_min(scores.kind()));
+                let weights = dropout(scores.softmax(-1, Kind::Float), self.attn_pdrop, train);
+                weights.matmul(&v)
+            }
+        };
+        let out = out.transpose(1, 2).reshape([b, t, e]);
         dropout(self.attn_c_proj.forward(&out), self.resid_pdrop, train)
     }
 

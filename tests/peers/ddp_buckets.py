@@ -4,7 +4,7 @@
     ddp_buckets.py gpt2 --model DIR --block-size B --batch-size N [--bucket-cap-mb X]
 
 Wraps the model (accel's mlp example as a torch module with its parameter
-names, or transformers' GPT2LMHeadModel from DIR, eager attention) in
+names, or transformers' GPT2LMHeadModel from DIR, its default sdpa attention as accel's gpt2) in
 torch.nn.parallel.DistributedDataParallel (one gloo process: the Reducer's
 buckets do not depend on the world size), runs two training steps on random
 data, and prints one JSON line: {"rebuilt": [[name, ...], ...]}, the buckets
@@ -67,7 +67,7 @@ def main():
     else:
         from transformers import GPT2LMHeadModel
 
-        model = GPT2LMHeadModel.from_pretrained(args.path, attn_implementation="eager")
+        model = GPT2LMHeadModel.from_pretrained(args.path)
         model.train()
         vocab = model.config.vocab_size
 

@@ -9,7 +9,7 @@ Subcommands:
           [--epochs E] [--lr 6e-4] [--weight-decay 0.01] [--scheduler constant|linear|cosine] [--warmup W]
           [--data-seed S] [--grad-accum G] [--max-grad-norm M] [--freeze REGEX ...]
           [--loss-log FILE] [--save DIR] [--fsdp] [--comm-hook no|fp16|bf16|power_sgd] [--comm-state JSON]
-          [--bucket-cap-mb X]
+          [--bucket-cap-mb X] [--attn-implementation sdpa|eager]
         The same loop as examples/gpt2.rs. Run with plain python (one process) or
         `torchrun --nproc_per_node 2` (CPU, gloo; `accelerate launch --cpu` starts only one process).
         --fsdp: PyTorch's FSDP2 (`fully_shard`, FULL_SHARD) on every GPT2Block and the root instead
@@ -27,7 +27,8 @@ Training setup, matching accel's gpt2:
 * Data: the nanoGPT token file as windows k -> input_ids t[k*B : k*B+B], labels t[k*B+1 : k*B+B+1]
   (int64), DataLoader(ds, batch_size, shuffle=True) prepared by
   Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=S)).
-* Model: from_pretrained(DIR, attn_implementation="eager") (the attention accel computes), train() mode;
+* Model: from_pretrained(DIR, attn_implementation=A) (accel's --attn-implementation: sdpa, transformers'
+  default, unless given), train() mode;
   the parity runs use dropout 0.
 * Loss: F.cross_entropy(logits.view(-1, V), labels.view(-1)) (the labels are already shifted).
 * Optimizer: torch.optim.AdamW(model.parameters(), lr, weight_decay) with its defaults (betas 0.9/0.999,
@@ -128,7 +129,7 @@ def cmd_train(a):
             )
         ],
     )
-    model = GPT2LMHeadModel.from_pretrained(a.model, attn_implementation="eager")
+    model = GPT2LMHeadModel.from_pretrained(a.model, attn_implementation=a.attn_implementation)
     model.train()
     for name, p in model.named_parameters():
         if any(re.search(f, name) for f in a.freeze):
@@ -235,6 +236,7 @@ def main(argv):
     t.add_argument("--comm-hook", default="no", choices=["no", "fp16", "bf16", "power_sgd"])
     t.add_argument("--comm-state", default="{}")
     t.add_argument("--bucket-cap-mb", type=float)
+    t.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
     lg = sub.add_parser("logits")
     lg.add_argument("--ids", required=True)
     lg.add_argument("--model", nargs=2, action="append", required=True, metavar=("DIR", "FILE"))
