@@ -175,7 +175,7 @@ run_one() {
             for half in "$log.a" "$log.b"; do
                 rates+=("$(grep -oE '[0-9.]+ steps/s' "$half" | tail -1 | cut -d' ' -f1)")
             done
-            python -c 'import sys; print(f"pair: {sum(map(float, sys.argv[1:])) / 2:.2f} steps/s")' "${rates[@]}" ;;
+            python -c 'import sys; print(f"pair: {sum(map(float, sys.argv[1:])) / 2:.3f} steps/s")' "${rates[@]}" ;;
         *)
             local flags=()
             case $c in fsdp | fsdp_bf16) flags=(--fsdp_transformer_layer_cls_to_wrap "$(units "$w")") ;; esac
@@ -287,7 +287,8 @@ for w in work:
             ratios.append(f"{v / single:.0%} of one process")
         if c == "ddp" and pair:
             ratios.append(f"{v / pair:.0%} of two")
-        return f"{v:.2f}" + (f" ({', '.join(ratios)})" if ratios else "")
+        # Three significant figures below 10 steps/s (gpt2 prints 0.xxx).
+        return (f"{v:.2f}" if v >= 10 else f"{v:.3f}") + (f" ({', '.join(ratios)})" if ratios else "")
     # The later rank's wait where the runs logged it, else the first rank's.
     key = "exposed_ms_per_step" if med(w, "ddp", "exposed_ms_per_step") is not None else "comm_ms_per_step"
     on, off = med(w, "ddp", key), med(w, "ddp_no_overlap", key)

@@ -832,7 +832,7 @@ fn main() -> Result<()> {
     acc.end_training()?;
     if step > 0 {
         acc.print(format!(
-            "gpt2: {step} steps, loss {:.6} -> {:.6}, {:.2} steps/s",
+            "gpt2: {step} steps, loss {:.6} -> {:.6}, {:.3} steps/s",
             report.first.unwrap_or(f64::NAN),
             report.last,
             step as f64 / secs.max(1e-9)

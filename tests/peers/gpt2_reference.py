@@ -190,7 +190,7 @@ def cmd_train(a):
     secs = time.perf_counter() - started
     if acc.is_main_process:
         # The same summary line as accel's gpt2, for the benchmarks.
-        print(f"gpt2-reference: {step} steps, {step / max(secs, 1e-9):.2f} steps/s", flush=True)
+        print(f"gpt2-reference: {step} steps, {step / max(secs, 1e-9):.3f} steps/s", flush=True)
     if log:
         log.close()
     acc.wait_for_everyone()
