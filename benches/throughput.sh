@@ -287,7 +287,7 @@ for w in work:
             ratios.append(f"{v / single:.0%} of one process")
         if c == "ddp" and pair:
             ratios.append(f"{v / pair:.0%} of two")
-        # Three significant figures below 10 steps/s (gpt2 prints 0.xxx).
+        # Three decimals below 10 steps/s, as gpt2 prints them.
         return (f"{v:.2f}" if v >= 10 else f"{v:.3f}") + (f" ({', '.join(ratios)})" if ratios else "")
     # The later rank's wait where the runs logged it, else the first rank's.
     key = "exposed_ms_per_step" if med(w, "ddp", "exposed_ms_per_step") is not None else "comm_ms_per_step"

@@ -121,10 +121,8 @@ struct Args {
     /// Sets resid_pdrop, embd_pdrop and attn_pdrop (saved in config.json).
     #[arg(long)]
     dropout: Option<f64>,
-    /// transformers' attn_implementation: sdpa (libtorch's
-    /// scaled_dot_product_attention, transformers' default) or eager
-    /// (the scores, the causal mask and softmax spelled out).
-    #[arg(long = "attn-implementation", value_enum, default_value_t = AttnImplementation::Sdpa)]
+    /// transformers' attn_implementation.
+    #[arg(long = "attn-implementation", value_enum, default_value_t)]
     attn_implementation: AttnImplementation,
     /// Token file (nanoGPT's train.bin): flat little-endian token ids.
     #[arg(long)]

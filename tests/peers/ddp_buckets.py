@@ -4,14 +4,15 @@
     ddp_buckets.py gpt2 --model DIR --block-size B --batch-size N [--bucket-cap-mb X]
 
 Wraps the model (accel's mlp example as a torch module with its parameter
-names, or transformers' GPT2LMHeadModel from DIR, its default sdpa attention as accel's gpt2) in
-torch.nn.parallel.DistributedDataParallel (one gloo process: the Reducer's
-buckets do not depend on the world size), runs two training steps on random
-data, and prints one JSON line: {"rebuilt": [[name, ...], ...]}, the buckets
-the Reducer rebuilt after the first step in the order gradients came
-(`_get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]`, indices into
-the trainable parameters, turned into names). Without --bucket-cap-mb DDP
-gets no bucket_cap_mb, as Accelerate passes none by default.
+names, or transformers' GPT2LMHeadModel from DIR with its default attention,
+sdpa, as accel's gpt2) in torch.nn.parallel.DistributedDataParallel (one gloo
+process: the Reducer's buckets do not depend on the world size), runs two
+training steps on random data, and prints one JSON line: {"rebuilt": [[name,
+...], ...]}, the buckets the Reducer rebuilt after the first step in the order
+gradients came (`_get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]`,
+indices into the trainable parameters, turned into names). Without
+--bucket-cap-mb DDP gets no bucket_cap_mb, as Accelerate passes none by
+default.
 """
 import argparse
 import json
