@@ -235,6 +235,96 @@ fn losses_and_saved_logits_match_transformers_on_one_and_two_processes() {
     }
 }
 
+/// `reorder_and_upcast_attn: true` under eager attention: the scores in
+/// float32 with autocast off (transformers' `_upcast_and_reordered_attn`).
+#[test]
+fn reorder_and_upcast_attn_computes_the_scores_in_float32_as_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |name: &str| dir.path().join(name);
+    let tokens = d("tokens.bin");
+    write_tokens(&tokens);
+    let init = d("init");
+    // relu is one operator on both sides (gelu_new is seven in transformers,
+    // each rounding to bf16), so bf16 losses can agree to the bit.
+    run_ok(peer().arg("init").arg(&init).args(SIZES).args([
+        "--seed",
+        "0",
+        "--activation-function",
+        "relu",
+        "--reorder-and-upcast-attn",
+        "--scale-attn-by-inverse-layer-idx",
+    ]));
+    // bf16 autocast, eager on both sides. bf16 scores (the flag ignored)
+    // differ by 2e-4 in 3 steps.
+    let saved = parity(
+        dir.path(),
+        &init,
+        &tokens,
+        1,
+        3,
+        &[
+            "--batch-size",
+            "8",
+            "--attn-implementation",
+            "eager",
+            "--mixed-precision",
+            "bf16",
+        ],
+    );
+    let (loss, _, _) = log_diff(&d("accel_n1.jsonl"), &d("py_n1.jsonl"), 3);
+    println!("reorder_and_upcast_attn under bf16: max |Δloss| {loss:e}");
+    assert!(loss <= 1e-5, "bf16 losses differ by {loss}");
+    let config = |dir: &Path| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+    };
+    let written = config(&saved.model);
+    assert_eq!(written["reorder_and_upcast_attn"], true, "{written}");
+    assert_eq!(
+        written["scale_attn_by_inverse_layer_idx"], true,
+        "{written}"
+    );
+
+    // fp16 (accel autocasts on the CPU; Accelerate's fp16 needs a GPU).
+    // Queries and keys of 70 in all 16 dimensions of a head make q·k 78400,
+    // past fp16's 65504; scaled in float32 it is 19600.
+    let hot = d("hot");
+    std::fs::create_dir(&hot).unwrap();
+    let mut weights = read_weights(&init.join("model.safetensors"));
+    for (name, t) in &mut weights {
+        if name.ends_with("attn.c_attn.bias") {
+            let _ = t.narrow(0, 0, 128).fill_(70.0);
+        }
+    }
+    accel::hf::write_safetensors(&hot.join("model.safetensors"), &weights).unwrap();
+    let train = |config_json: &Value, mp: &str| -> Vec<Option<f64>> {
+        std::fs::write(hot.join("config.json"), config_json.to_string()).unwrap();
+        let log = d(&format!("hot_{mp}.jsonl"));
+        run_ok(
+            Command::new(gpt2())
+                .args(on_tokens(hot.to_str(), tokens.to_str().unwrap(), &[]))
+                .args(["--steps", "3", "--batch-size", "8"])
+                .args(["--attn-implementation", "eager", "--mixed-precision", mp])
+                .arg("--loss-log")
+                .arg(&log),
+        );
+        loss_records(&log)
+            .iter()
+            .map(|r| r["loss"].as_f64())
+            .collect()
+    };
+    let mut reordered = config(&init);
+    let fp32 = train(&reordered, "no")[0].expect("a finite fp32 loss");
+    let fp16 = train(&reordered, "fp16");
+    println!("reorder_and_upcast_attn under fp16: losses {fp16:?}, fp32's first {fp32}");
+    assert!(fp16.iter().all(Option::is_some), "fp16 losses {fp16:?}");
+    let first = fp16[0].unwrap();
+    assert!((first - fp32).abs() <= 1e-2, "fp16 {first} vs fp32 {fp32}");
+    // Without the flag the same fp16 scores overflow.
+    reordered["reorder_and_upcast_attn"] = Value::Bool(false);
+    let plain = train(&reordered, "fp16");
+    assert_eq!(plain[0], None, "fp16 scores without the upcast: {plain:?}");
+}
+
 #[test]
 fn a_three_shard_checkpoint_round_trips_through_transformers() {
     let dir = tempfile::tempdir().unwrap();

@@ -2,6 +2,7 @@
 //! names, its `config.json` and its initialisation.
 
 use accel::accelerator::{AccelError, ForwardScope};
+use accel_sdk::shim::AutocastGuard;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Map, Value};
 use std::path::Path;
@@ -111,6 +112,11 @@ pub struct Gpt2Config {
     pub initializer_range: f64,
     pub scale_attn_weights: bool,
     pub scale_attn_by_inverse_layer_idx: bool,
+    /// Under eager attention, the scores computed in float32 with autocast
+    /// off, the scaling applied inside the product (transformers'
+    /// `_upcast_and_reordered_attn`): fp16 scores that would overflow do
+    /// not. Ignored by sdpa, as in transformers.
+    pub reorder_and_upcast_attn: bool,
     pub tie_word_embeddings: bool,
     /// transformers' `config._attn_implementation`.
     pub attn_implementation: AttnImplementation,
@@ -137,6 +143,7 @@ impl Default for Gpt2Config {
             initializer_range: 0.02,
             scale_attn_weights: true,
             scale_attn_by_inverse_layer_idx: false,
+            reorder_and_upcast_attn: false,
             tie_word_embeddings: true,
             attn_implementation: AttnImplementation::default(),
             raw: Map::new(),
@@ -173,6 +180,10 @@ impl Gpt2Config {
             (
                 "scale_attn_by_inverse_layer_idx",
                 Slot::Bool(&mut c.scale_attn_by_inverse_layer_idx),
+            ),
+            (
+                "reorder_and_upcast_attn",
+                Slot::Bool(&mut c.reorder_and_upcast_attn),
             ),
             (
                 "tie_word_embeddings",
@@ -280,7 +291,6 @@ impl Gpt2Config {
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",
             "add_cross_attention": false,
-            "reorder_and_upcast_attn": false,
             "use_cache": true,
             "dtype": "float32",
             "bos_token_id": self.vocab_size.min(50257) - 1,
@@ -304,6 +314,7 @@ impl Gpt2Config {
             "initializer_range": self.initializer_range,
             "scale_attn_weights": self.scale_attn_weights,
             "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx,
+            "reorder_and_upcast_attn": self.reorder_and_upcast_attn,
             "tie_word_embeddings": self.tie_word_embeddings,
         });
         for (k, v) in set.as_object().into_iter().flatten() {
@@ -552,6 +563,8 @@ struct Block {
     scaling: f64,
     attn_pdrop: f64,
     attn_implementation: AttnImplementation,
+    /// [`Gpt2Config::reorder_and_upcast_attn`].
+    reorder_and_upcast_attn: bool,
     resid_pdrop: f64,
     activation: Activation,
     /// LoRA adapters beside `c_attn` (`--lora-r`).
@@ -582,6 +595,7 @@ impl Block {
             scaling,
             attn_pdrop: c.attn_pdrop,
             attn_implementation: c.attn_implementation,
+            reorder_and_upcast_attn: c.reorder_and_upcast_attn,
             resid_pdrop: c.resid_pdrop,
             activation: c.activation,
             lora: None,
@@ -602,6 +616,7 @@ impl Block {
             scaling: self.scaling,
             attn_pdrop: self.attn_pdrop,
             attn_implementation: self.attn_implementation,
+            reorder_and_upcast_attn: self.reorder_and_upcast_attn,
             resid_pdrop: self.resid_pdrop,
             activation: self.activation,
             lora: self.lora.as_ref().map(Lora::shallow_clone),
@@ -634,16 +649,35 @@ impl Block {
                 )
             }
             AttnImplementation::Eager => {
-                let scores = q.matmul(&k.transpose(-1, -2)) * self.scaling;
+                let scores = if self.reorder_and_upcast_attn {
+                    self.upcast_scores(&q, &k)
+                } else {
+                    q.matmul(&k.transpose(-1, -2)) * self.scaling
+                };
                 // The causal mask: a position sees itself and the ones before.
                 let future = Tensor::ones([t, t], (Kind::Bool, x.device())).triu(1);
                 let scores = scores.masked_fill(&future, finfo_min(scores.kind()));
-                let weights = dropout(scores.softmax(-1, Kind::Float), self.attn_pdrop, train);
-                weights.matmul(&v)
+                // The softmax in float32 (transformers' float32 mask makes
+                // bf16 scores float32), then in the values' dtype.
+                let weights = scores.softmax(-1, Kind::Float).to_kind(v.kind());
+                dropout(weights, self.attn_pdrop, train).matmul(&v)
             }
         };
         let out = out.transpose(1, 2).reshape([b, t, e]);
         dropout(self.attn_c_proj.forward(&out), self.resid_pdrop, train)
+    }
+
+    /// The scores `[B, H, T, T]` of `_upcast_and_reordered_attn`: one
+    /// float32 `baddbmm` with autocast off and the scaling as its `alpha`.
+    fn upcast_scores(&self, q: &Tensor, k: &Tensor) -> Tensor {
+        let (b, h, t, d) = q.size4().expect("queries are [B, H, T, D]");
+        let _fp32 = AutocastGuard::suspend(q.device())
+            .expect("turning autocast off on the CPU or CUDA does not fail");
+        let q = q.reshape([-1, t, d]).to_kind(Kind::Float);
+        let k = k.transpose(-1, -2).reshape([-1, d, t]).to_kind(Kind::Float);
+        Tensor::empty([b * h, t, t], (Kind::Float, q.device()))
+            .baddbmm(&q, &k, 0.0, self.scaling)
+            .reshape([b, h, t, t])
     }
 
     fn forward(&self, x: &Tensor, train: bool) -> Tensor {

@@ -319,16 +319,18 @@ extern "C" {
 
 void accel_shim_free(char* message) { std::free(message); }
 
-// Enters an autocast region for `device` (0 CPU, 1 CUDA) casting to `dtype`
-// (a c10::ScalarType code); writes the previous state to `prev_enabled` and
-// `prev_dtype` for `accel_autocast_exit`.
-char* accel_autocast_enter(int device, int dtype, bool* prev_enabled, int* prev_dtype) {
+// Enters an autocast region for `device` (0 CPU, 1 CUDA), `enabled` casting
+// to `dtype` (a c10::ScalarType code; below 0 the current one), or not, as
+// `torch.autocast(device_type, dtype, enabled)`; writes the previous state
+// to `prev_enabled` and `prev_dtype` for `accel_autocast_exit`.
+char* accel_autocast_enter(int device, bool enabled, int dtype, bool* prev_enabled,
+                           int* prev_dtype) {
   return guarded([&] {
     auto dt = device_type(device);
     *prev_enabled = at::autocast::is_autocast_enabled(dt);
     *prev_dtype = static_cast<int>(at::autocast::get_autocast_dtype(dt));
-    at::autocast::set_autocast_enabled(dt, true);
-    at::autocast::set_autocast_dtype(dt, static_cast<at::ScalarType>(dtype));
+    at::autocast::set_autocast_enabled(dt, enabled);
+    if (dtype >= 0) at::autocast::set_autocast_dtype(dt, static_cast<at::ScalarType>(dtype));
     at::autocast::increment_nesting();
   });
 }

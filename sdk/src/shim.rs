@@ -14,6 +14,7 @@ extern "C" {
     fn accel_shim_free(message: *mut c_char);
     fn accel_autocast_enter(
         device: c_int,
+        enabled: bool,
         dtype: c_int,
         prev_enabled: *mut bool,
         prev_dtype: *mut c_int,
@@ -561,6 +562,7 @@ fn scalar_type(kind: Kind) -> Result<c_int, ShimError> {
 /// An autocast region on one device type: ops that autocast covers (matmul,
 /// linear, conv, ...) run in `kind` while the guard lives, as inside
 /// `torch.autocast(device_type, dtype)`; weights keep their own dtype.
+/// [`AutocastGuard::suspend`] opens one with autocast off.
 ///
 /// ```
 /// use accel_sdk::shim::AutocastGuard;
@@ -582,11 +584,36 @@ pub struct AutocastGuard {
 impl AutocastGuard {
     /// Enters autocast to `kind` for `device`'s type.
     pub fn enter(device: Device, kind: Kind) -> Result<Self, ShimError> {
+        Self::open(device, true, scalar_type(kind)?)
+    }
+
+    /// Turns autocast off for `device`'s type while the guard lives, inside
+    /// an autocast region too, as `torch.autocast(device_type,
+    /// enabled=False)`: ops run in their inputs' dtypes. The region's cast
+    /// cache lives on, and autocast resumes when the guard is dropped.
+    ///
+    /// ```
+    /// use accel_sdk::shim::AutocastGuard;
+    /// use tch::{Device, Kind, Tensor};
+    /// let a = Tensor::ones([2, 2], (Kind::Float, Device::Cpu));
+    /// let _bf16 = AutocastGuard::enter(Device::Cpu, Kind::BFloat16).unwrap();
+    /// {
+    ///     let _fp32 = AutocastGuard::suspend(Device::Cpu).unwrap();
+    ///     assert_eq!(a.matmul(&a).kind(), Kind::Float);
+    /// }
+    /// assert_eq!(a.matmul(&a).kind(), Kind::BFloat16);
+    /// ```
+    pub fn suspend(device: Device) -> Result<Self, ShimError> {
+        Self::open(device, false, -1)
+    }
+
+    fn open(device: Device, enabled: bool, dtype: c_int) -> Result<Self, ShimError> {
         let device = device_code(device);
-        let dtype = scalar_type(kind)?;
         let (mut prev_enabled, mut prev_dtype) = (false, 0);
         // SAFETY: plain values and out-pointers to locals.
-        check(unsafe { accel_autocast_enter(device, dtype, &mut prev_enabled, &mut prev_dtype) })?;
+        check(unsafe {
+            accel_autocast_enter(device, enabled, dtype, &mut prev_enabled, &mut prev_dtype)
+        })?;
         Ok(Self {
             device,
             prev_enabled,

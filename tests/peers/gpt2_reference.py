@@ -88,6 +88,9 @@ def cmd_init(a):
         resid_pdrop=a.dropout,
         embd_pdrop=a.dropout,
         attn_pdrop=a.dropout,
+        activation_function=a.activation_function,
+        reorder_and_upcast_attn=a.reorder_and_upcast_attn,
+        scale_attn_by_inverse_layer_idx=a.scale_attn_by_inverse_layer_idx,
         bos_token_id=min(v, 50257) - 1,
         eos_token_id=min(v, 50257) - 1,
     )
@@ -212,6 +215,9 @@ def main(argv):
     i.add_argument("--n-positions", type=int, required=True)
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--dropout", type=float, default=0.0)
+    i.add_argument("--activation-function", default="gelu_new")
+    i.add_argument("--reorder-and-upcast-attn", action="store_true")
+    i.add_argument("--scale-attn-by-inverse-layer-idx", action="store_true")
     t = sub.add_parser("train")
     t.add_argument("--model", required=True)
     t.add_argument("--data", required=True)
