@@ -235,60 +235,77 @@ fn losses_and_saved_logits_match_transformers_on_one_and_two_processes() {
     }
 }
 
-/// `reorder_and_upcast_attn: true` under eager attention: the scores in
-/// float32 with autocast off (transformers' `_upcast_and_reordered_attn`).
+/// Eager attention under bf16 autocast as transformers computes it, to the
+/// bit, with `reorder_and_upcast_attn` (the scores in float32 with autocast
+/// off: `_upcast_and_reordered_attn`) and without (bf16 scores, a float32
+/// softmax, the weights back in bf16); fp16 scores that the flag keeps from
+/// overflowing.
 #[test]
-fn reorder_and_upcast_attn_computes_the_scores_in_float32_as_transformers() {
+fn eager_attention_under_autocast_and_reorder_and_upcast_attn_compute_as_transformers() {
     let dir = tempfile::tempdir().unwrap();
     let d = |name: &str| dir.path().join(name);
     let tokens = d("tokens.bin");
     write_tokens(&tokens);
-    let init = d("init");
-    // relu is one operator on both sides (gelu_new is seven in transformers,
-    // each rounding to bf16), so bf16 losses can agree to the bit.
-    run_ok(peer().arg("init").arg(&init).args(SIZES).args([
-        "--seed",
-        "0",
-        "--activation-function",
-        "relu",
-        "--reorder-and-upcast-attn",
-        "--scale-attn-by-inverse-layer-idx",
-    ]));
-    // bf16 autocast, eager on both sides. bf16 scores (the flag ignored)
-    // differ by 2e-4 in 3 steps.
-    let saved = parity(
-        dir.path(),
-        &init,
-        &tokens,
-        1,
-        3,
-        &[
-            "--batch-size",
-            "8",
-            "--attn-implementation",
-            "eager",
-            "--mixed-precision",
-            "bf16",
-        ],
-    );
-    let (loss, _, _) = log_diff(&d("accel_n1.jsonl"), &d("py_n1.jsonl"), 3);
-    println!("reorder_and_upcast_attn under bf16: max |Δloss| {loss:e}");
-    assert!(loss <= 1e-5, "bf16 losses differ by {loss}");
     let config = |dir: &Path| -> Value {
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
     };
-    let written = config(&saved.model);
-    assert_eq!(written["reorder_and_upcast_attn"], true, "{written}");
-    assert_eq!(
-        written["scale_attn_by_inverse_layer_idx"], true,
-        "{written}"
-    );
+    // Without the flag: bf16 scores, made float32 for the softmax (by
+    // transformers' float32 mask). With it, bf16 scores (the flag ignored)
+    // would differ by 2e-4 in 3 steps.
+    for reorder in [false, true] {
+        let run = d(&format!("reorder_{reorder}"));
+        std::fs::create_dir(&run).unwrap();
+        let init = run.join("init");
+        // relu is one operator on both sides (gelu_new is seven in
+        // transformers, each rounding to bf16), so bf16 losses can agree to
+        // the bit.
+        let mut cmd = peer();
+        cmd.arg("init").arg(&init).args(SIZES).args([
+            "--seed",
+            "0",
+            "--activation-function",
+            "relu",
+            "--scale-attn-by-inverse-layer-idx",
+        ]);
+        if reorder {
+            cmd.arg("--reorder-and-upcast-attn");
+        }
+        run_ok(&mut cmd);
+        let saved = parity(
+            &run,
+            &init,
+            &tokens,
+            1,
+            3,
+            &[
+                "--batch-size",
+                "8",
+                "--attn-implementation",
+                "eager",
+                "--mixed-precision",
+                "bf16",
+            ],
+        );
+        let (loss, _, _) = log_diff(&run.join("accel_n1.jsonl"), &run.join("py_n1.jsonl"), 3);
+        println!("eager under bf16, reorder_and_upcast_attn {reorder}: max |Δloss| {loss:e}");
+        assert!(
+            loss <= 1e-5,
+            "reorder {reorder}: bf16 losses differ by {loss}"
+        );
+        let written = config(&saved.model);
+        assert_eq!(written["reorder_and_upcast_attn"], reorder, "{written}");
+        assert_eq!(
+            written["scale_attn_by_inverse_layer_idx"], true,
+            "{written}"
+        );
+    }
 
     // fp16 (accel autocasts on the CPU; Accelerate's fp16 needs a GPU).
     // Queries and keys of 70 in all 16 dimensions of a head make q·k 78400,
     // past fp16's 65504; scaled in float32 it is 19600.
     let hot = d("hot");
     std::fs::create_dir(&hot).unwrap();
+    let init = d("reorder_true/init");
     let mut weights = read_weights(&init.join("model.safetensors"));
     for (name, t) in &mut weights {
         if name.ends_with("attn.c_attn.bias") {
