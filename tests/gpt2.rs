@@ -165,6 +165,25 @@ struct Saved {
     transformers_logits: PathBuf,
 }
 
+/// The logits gpt2 computes for [`LOGITS_INPUT`] with the model in `model`
+/// (written to `out`).
+fn model_logits(model: &Path, out: &Path) -> Tensor {
+    run_ok(
+        Command::new(gpt2())
+            .arg("--model")
+            .arg(model)
+            .args([
+                "--steps",
+                "0",
+                "--logits-input",
+                LOGITS_INPUT,
+                "--logits-out",
+            ])
+            .arg(out),
+    );
+    logits(out)
+}
+
 /// Loads every saved model in transformers (one Python start) and
 /// compares its logits with accel's; returns the largest difference of each.
 fn transformers_logits(saved: &[&Saved]) -> Vec<f64> {
@@ -386,21 +405,9 @@ fn a_three_shard_checkpoint_round_trips_through_transformers() {
     assert_eq!(index["weight_map"].as_object().unwrap().len(), 28);
     assert!(!d("sharded/model.safetensors").exists());
     // accel reads the shards back...
-    run_ok(
-        Command::new(gpt2())
-            .arg("--model")
-            .arg(d("sharded"))
-            .args([
-                "--steps",
-                "0",
-                "--logits-input",
-                LOGITS_INPUT,
-                "--logits-out",
-            ])
-            .arg(d("sharded.safetensors")),
-    );
     let original = logits(&d("one.safetensors"));
-    assert_eq!(max_diff(&original, &logits(&d("sharded.safetensors"))), 0.0);
+    let sharded = model_logits(&d("sharded"), &d("sharded.safetensors"));
+    assert_eq!(max_diff(&original, &sharded), 0.0);
     // ...and so does transformers, to the same logits.
     let diff = transformers_logits(&[&Saved {
         model: d("sharded"),
@@ -409,6 +416,76 @@ fn a_three_shard_checkpoint_round_trips_through_transformers() {
     }])[0];
     println!("3-shard checkpoint: |Δlogits| accel vs transformers {diff:e}");
     assert!(diff <= 1e-4, "logits differ by {diff}");
+}
+
+/// Older checkpoints hold `torch.save` pickles (`pytorch_model.bin`, or
+/// shards with `pytorch_model.bin.index.json`): accel loads them to the
+/// same logits as their safetensors, and refuses a pickle holding a Python
+/// object without running it, and one in torch's legacy format by name.
+#[test]
+fn pickled_checkpoints_load_as_their_safetensors_and_python_objects_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |name: &str| dir.path().join(name);
+    let mut cmd = peer();
+    cmd.arg("init")
+        .arg(d("safe"))
+        .args(SIZES)
+        .args(["--seed", "4"]);
+    run_ok(&mut cmd);
+    // One file, two shards with their index (as transformers 4 wrote them,
+    // the tied lm_head.weight beside wte), and a pickle whose object would
+    // create a file when unpickled by Python's pickle.
+    let script = r#"
+import json, os, shutil, sys, torch
+from safetensors.torch import load_file
+safe, root = sys.argv[1], sys.argv[2]
+sd = load_file(os.path.join(safe, "model.safetensors"))
+sd["lm_head.weight"] = sd["transformer.wte.weight"]
+def model_dir(name):
+    d = os.path.join(root, name)
+    os.makedirs(d)
+    shutil.copy(os.path.join(safe, "config.json"), d)
+    return d
+torch.save(sd, os.path.join(model_dir("single"), "pytorch_model.bin"))
+names = sorted(sd)
+shards = [names[: len(names) // 2], names[len(names) // 2 :]]
+sharded = model_dir("sharded")
+weight_map = {}
+for i, part in enumerate(shards):
+    file = f"pytorch_model-0000{i + 1}-of-00002.bin"
+    torch.save({n: sd[n] for n in part}, os.path.join(sharded, file))
+    weight_map.update({n: file for n in part})
+with open(os.path.join(sharded, "pytorch_model.bin.index.json"), "w") as f:
+    json.dump({"metadata": {}, "weight_map": weight_map}, f)
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch " + os.path.join(root, "ran"),))
+torch.save({**sd, "payload": Payload()}, os.path.join(model_dir("hostile"), "pytorch_model.bin"))
+legacy = os.path.join(model_dir("legacy"), "pytorch_model.bin")
+torch.save(sd, legacy, _use_new_zipfile_serialization=False)
+"#;
+    run_ok(
+        Command::new(venv_bin("python"))
+            .args(["-c", script])
+            .arg(d("safe"))
+            .arg(dir.path()),
+    );
+    let logits_of = |model: &str| model_logits(&d(model), &d(&format!("{model}.safetensors")));
+    let safe = logits_of("safe");
+    assert_eq!(max_diff(&safe, &logits_of("single")), 0.0);
+    assert_eq!(max_diff(&safe, &logits_of("sharded")), 0.0);
+    let err = refused(&["--model", d("hostile").to_str().unwrap(), "--steps", "0"]);
+    assert!(
+        err.contains("hostile/pytorch_model.bin") && err.contains("refuses Python objects"),
+        "{err}"
+    );
+    assert!(!d("ran").exists(), "the pickle's payload ran");
+    // torch.save's format before torch 1.6 is named, with what to do.
+    let err = refused(&["--model", d("legacy").to_str().unwrap(), "--steps", "0"]);
+    assert!(
+        err.contains("legacy/pytorch_model.bin") && err.contains("legacy format"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -5,14 +5,17 @@
 //! | --- | --- |
 //! | single | `model.safetensors` |
 //! | sharded | `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` (`{"metadata": {"total_size": bytes}, "weight_map": {tensor: file}}`) |
+//! | older checkpoints, read only | `pytorch_model.bin`, or `pytorch_model-0000k-of-0000n.bin` + `pytorch_model.bin.index.json`: state dicts `torch.save` wrote |
 //!
 //! plus the model's `config.json`. Safetensors files are written with the
 //! `{"format": "pt"}` metadata transformers writes (and older transformers
 //! require).
 //!
-//! * [`Checkpoint::open`] reads only the headers (names, dtypes, shapes, which
-//!   file), so a checkpoint is checked against a model before any tensor is
-//!   read; [`Checkpoint::load_into`] copies the tensors into the model's
+//! * [`Checkpoint::open`] reads only the headers of safetensors files (names,
+//!   dtypes, shapes, which file), so a checkpoint is checked against a model
+//!   before any tensor is read; a pickle has no header and is read whole,
+//!   with torch's restricted unpickler (tensors only: a Python object in it
+//!   is refused, never run); [`Checkpoint::load_into`] copies the tensors into the model's
 //!   parameters by name, strict by default: missing, unexpected and
 //!   mis-shaped tensors are all listed, by name, file and shapes, in one
 //!   error ([`LoadOptions::strict`] `false` lists them and goes on, keeping
@@ -39,6 +42,11 @@ use tch::{Device, Kind, Tensor};
 pub const WEIGHTS_NAME: &str = "model.safetensors";
 /// The index of a sharded checkpoint.
 pub const WEIGHTS_INDEX_NAME: &str = "model.safetensors.index.json";
+/// The single-file weights name of torch's pickle format (`torch.save`),
+/// which older checkpoints hold.
+pub const PICKLE_WEIGHTS_NAME: &str = "pytorch_model.bin";
+/// The index of a sharded checkpoint of pickles.
+pub const PICKLE_WEIGHTS_INDEX_NAME: &str = "pytorch_model.bin.index.json";
 /// The model's configuration.
 pub const CONFIG_NAME: &str = "config.json";
 
@@ -89,7 +97,7 @@ pub fn save_config(dir: &Path, config: &Value) -> Result<PathBuf, AccelError> {
 /// One tensor of a checkpoint, as its file's header describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {
-    /// The safetensors file holding it.
+    /// The safetensors file (or pickle) holding it.
     pub file: PathBuf,
     /// The safetensors dtype (`F32`, `BF16`, ...).
     pub dtype: String,
@@ -199,34 +207,114 @@ pub(crate) fn read_header_entries(path: &Path) -> Result<Vec<HeaderEntry>, Accel
     Ok(out)
 }
 
+/// Where a checkpoint tensor's values are.
+#[derive(Debug)]
+enum Stored {
+    /// Bytes `start..end` of its safetensors file.
+    Range(u64, u64),
+    /// In memory: read whole from a pickle, which has no header to read
+    /// one tensor alone from.
+    Held(Tensor),
+}
+
+impl Clone for Stored {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Range(start, end) => Self::Range(*start, *end),
+            Self::Held(t) => Self::Held(t.shallow_clone()),
+        }
+    }
+}
+
+/// The tensors of one weights file, with where their values are: a
+/// safetensors file's from its header, a pickle's read whole. A file named
+/// `*.safetensors` is one; another is a pickle when its first bytes say so
+/// (a zip archive: torch.save's format), else a safetensors file.
+fn file_entries(path: &Path) -> Result<Vec<(String, TensorInfo, Stored)>, AccelError> {
+    let mut magic = [0u8; 4];
+    let sniffed = path.extension().is_none_or(|e| e != "safetensors")
+        && fs::File::open(path)
+            .and_then(|mut f| f.read_exact(&mut magic))
+            .is_ok();
+    let is_zip = sniffed && magic == *b"PK\x03\x04";
+    // A pickle's PROTO opcode and protocol: torch.save's format before the
+    // zip one.
+    if sniffed && magic[0] == 0x80 && (2..=5).contains(&magic[1]) {
+        return Err(err(format!(
+            "{}: a pickle in torch's legacy format (torch.save before torch 1.6, or with \
+             `_use_new_zipfile_serialization=False`), which accel does not read: load it and \
+             save it again with torch 1.6 or later, or convert it to safetensors",
+            path.display()
+        )));
+    }
+    if !is_zip {
+        return Ok(read_header_entries(path)?
+            .into_iter()
+            .map(|e| (e.name, e.info, Stored::Range(e.start, e.end)))
+            .collect());
+    }
+    let tensors = accel_sdk::shim::load_state_dict(path).map_err(|e| {
+        err(format!(
+            "{}: not a state dict (tensors by name) that torch's restricted unpickler reads, \
+                 which refuses Python objects: {e}",
+            path.display()
+        ))
+    })?;
+    Ok(tensors
+        .into_iter()
+        .map(|(name, t)| {
+            let dtype = dtype_of(t.kind())
+                .and_then(|d| serde_json::to_value(d).ok())
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_else(|| format!("{:?}", t.kind()));
+            let info = TensorInfo {
+                file: path.to_path_buf(),
+                dtype,
+                shape: t.size(),
+            };
+            (name, info, Stored::Held(t))
+        })
+        .collect())
+}
+
 /// A Hugging Face checkpoint: which tensors it has, where, with what shape.
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
     location: PathBuf,
     files: Vec<PathBuf>,
     tensors: BTreeMap<String, TensorInfo>,
-    /// Where each tensor's bytes lie in its file (`start..end`).
-    ranges: BTreeMap<String, (u64, u64)>,
+    /// Where each tensor's values are.
+    stored: BTreeMap<String, Stored>,
 }
 
 impl Checkpoint {
-    /// Opens a model directory (`model.safetensors.index.json` when there is
-    /// one, else `model.safetensors`), an index file, or one safetensors
-    /// file; reads the headers of every file (not the tensors). Every tensor
-    /// the index names must be in the file it names.
+    /// Opens a model directory (the first of `model.safetensors.index.json`,
+    /// `model.safetensors`, `pytorch_model.bin.index.json` and
+    /// `pytorch_model.bin` it holds: safetensors first, as transformers
+    /// looks), an index file, or one weights file; reads the headers of
+    /// every safetensors file (not the tensors) and every pickle whole.
+    /// Every tensor the index names must be in the file it names.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, AccelError> {
         let path = path.as_ref();
         if path.is_dir() {
-            let index = path.join(WEIGHTS_INDEX_NAME);
-            let single = path.join(WEIGHTS_NAME);
-            if index.is_file() {
-                return Self::from_index(&index);
-            }
-            if single.is_file() {
-                return Self::from_file(&single);
+            for name in [
+                WEIGHTS_INDEX_NAME,
+                WEIGHTS_NAME,
+                PICKLE_WEIGHTS_INDEX_NAME,
+                PICKLE_WEIGHTS_NAME,
+            ] {
+                let file = path.join(name);
+                if file.is_file() {
+                    return if name.ends_with(".json") {
+                        Self::from_index(&file)
+                    } else {
+                        Self::from_file(&file)
+                    };
+                }
             }
             return Err(err(format!(
-                "{}: no {WEIGHTS_NAME} and no {WEIGHTS_INDEX_NAME} (a Hugging Face model directory holds one of them)",
+                "{}: no {WEIGHTS_NAME}, {WEIGHTS_INDEX_NAME}, {PICKLE_WEIGHTS_NAME} or \
+                 {PICKLE_WEIGHTS_INDEX_NAME} (a Hugging Face model directory holds one of them)",
                 path.display()
             )));
         }
@@ -244,15 +332,17 @@ impl Checkpoint {
     }
 
     fn from_file(path: &Path) -> Result<Self, AccelError> {
-        let entries = read_header_entries(path)?;
+        let mut tensors = BTreeMap::new();
+        let mut stored = BTreeMap::new();
+        for (name, info, at) in file_entries(path)? {
+            tensors.insert(name.clone(), info);
+            stored.insert(name, at);
+        }
         Ok(Self {
             location: path.to_path_buf(),
             files: vec![path.to_path_buf()],
-            ranges: entries
-                .iter()
-                .map(|e| (e.name.clone(), (e.start, e.end)))
-                .collect(),
-            tensors: entries.into_iter().map(|e| (e.name, e.info)).collect(),
+            tensors,
+            stored,
         })
     }
 
@@ -266,9 +356,9 @@ impl Checkpoint {
         })?;
         let dir = index.parent().unwrap_or(Path::new("."));
         let mut files: Vec<PathBuf> = Vec::new();
-        let mut headers: HashMap<PathBuf, HashMap<String, HeaderEntry>> = HashMap::new();
+        let mut headers: HashMap<PathBuf, HashMap<String, (TensorInfo, Stored)>> = HashMap::new();
         let mut tensors = BTreeMap::new();
-        let mut ranges = BTreeMap::new();
+        let mut stored = BTreeMap::new();
         let mut problems = Vec::new();
         for (name, file) in map {
             let file = file.as_str().ok_or_else(|| {
@@ -285,17 +375,20 @@ impl Checkpoint {
                         index.display()
                     )));
                 }
-                let entries = read_header_entries(&path)?;
+                let entries = file_entries(&path)?;
                 headers.insert(
                     path.clone(),
-                    entries.into_iter().map(|e| (e.name.clone(), e)).collect(),
+                    entries
+                        .into_iter()
+                        .map(|(name, info, at)| (name, (info, at)))
+                        .collect(),
                 );
                 files.push(path.clone());
             }
             match headers[&path].get(name) {
-                Some(entry) => {
-                    tensors.insert(name.clone(), entry.info.clone());
-                    ranges.insert(name.clone(), (entry.start, entry.end));
+                Some((info, at)) => {
+                    tensors.insert(name.clone(), info.clone());
+                    stored.insert(name.clone(), at.clone());
                 }
                 None => problems.push(format!("`{name}` is not in {}", path.display())),
             }
@@ -312,7 +405,7 @@ impl Checkpoint {
             location: index.to_path_buf(),
             files,
             tensors,
-            ranges,
+            stored,
         })
     }
 
@@ -321,7 +414,7 @@ impl Checkpoint {
         &self.location
     }
 
-    /// The safetensors files, in name order.
+    /// The weights files, in name order.
     pub fn files(&self) -> &[PathBuf] {
         &self.files
     }
@@ -345,14 +438,19 @@ impl Checkpoint {
             .collect()
     }
 
-    /// Tensor `name`, read alone from its file (its bytes only: loading a
-    /// model holds one checkpoint tensor at a time, never a whole file).
+    /// Tensor `name`, read alone from its safetensors file (its bytes only:
+    /// loading a model holds one checkpoint tensor at a time, never a whole
+    /// file), or a copy of a pickle's.
     pub fn read_one(&self, name: &str) -> Result<Tensor, AccelError> {
-        let (Some(info), Some(&(start, end))) = (self.get(name), self.ranges.get(name)) else {
+        let (Some(info), Some(at)) = (self.get(name), self.stored.get(name)) else {
             return Err(err(format!(
                 "{}: no tensor `{name}`",
                 self.location.display()
             )));
+        };
+        let (start, end) = match at {
+            Stored::Range(start, end) => (*start, *end),
+            Stored::Held(t) => return Ok(t.copy()),
         };
         let file = &info.file;
         let kind = safetensors_dtype(&info.dtype)
@@ -532,7 +630,9 @@ impl Checkpoint {
         device: tch::Device,
         maps: &mut HashMap<PathBuf, std::sync::Arc<memmap2::MmapMut>>,
     ) -> Result<Option<Tensor>, AccelError> {
-        let (Some(info), Some(&(start, end))) = (self.get(stored), self.ranges.get(stored)) else {
+        let (Some(info), Some(&Stored::Range(start, end))) =
+            (self.get(stored), self.stored.get(stored))
+        else {
             return Ok(None);
         };
         let stored_kind = safetensors_dtype(&info.dtype).and_then(accel_data::torch_kind);

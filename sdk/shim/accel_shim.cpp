@@ -17,10 +17,13 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -803,5 +806,44 @@ void* accel_range_enter(const char* name, size_t len) {
 
 // Closes a range `accel_range_enter` opened, on the thread that opened it.
 void accel_range_exit(void* range) { delete static_cast<at::RecordFunction*>(range); }
+
+// Reads a file `torch.save` wrote (its zip format, torch 1.6 on) holding a
+// dict of tensors by name, a state dict such as transformers'
+// `pytorch_model.bin`, with torch's restricted unpickler
+// (`torch::jit::pickle_load`: tensors, containers and plain values; a Python
+// class or call is refused, never run). Checks every entry, then calls
+// `emit(ctx, name, tensor)` for each, in the file's order.
+char* accel_load_state_dict(const char* path, void* ctx,
+                            void (*emit)(void*, const char*, const at::Tensor*)) {
+  return guarded([&] {
+    c10::IValue value;
+    {
+      std::ifstream file(path, std::ios::binary);
+      if (!file) throw std::runtime_error("cannot open it");
+      std::vector<char> data((std::istreambuf_iterator<char>(file)),
+                             std::istreambuf_iterator<char>());
+      value = torch::jit::pickle_load(data);
+    }
+    if (!value.isGenericDict()) {
+      throw std::runtime_error(std::string("it holds a ") + value.tagKind() +
+                               ", not a dict of tensors by name (a state dict)");
+    }
+    auto dict = value.toGenericDict();
+    for (const auto& entry : dict) {
+      if (!entry.key().isString()) {
+        throw std::runtime_error(std::string("a key is a ") + entry.key().tagKind() +
+                                 ", not a tensor name");
+      }
+      if (!entry.value().isTensor()) {
+        throw std::runtime_error("`" + entry.key().toStringRef() + "` is a " +
+                                 entry.value().tagKind() + ", not a tensor");
+      }
+    }
+    for (const auto& entry : dict) {
+      const at::Tensor& t = entry.value().toTensor();
+      emit(ctx, entry.key().toStringRef().c_str(), &t);
+    }
+  });
+}
 
 }  // extern "C"

@@ -6,7 +6,8 @@
 //! letting a C++ exception cross into Rust.
 
 use crate::guard::panic_text;
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::path::Path;
 use tch::{Device, Kind, Tensor};
 use torch_sys::C_tensor;
 
@@ -23,6 +24,11 @@ extern "C" {
     fn accel_autocast_enabled(device: c_int) -> bool;
     fn accel_set_grad(param: *mut C_tensor, grad: *const C_tensor) -> *mut c_char;
     fn accel_empty_device_cache(emptied: *mut bool) -> *mut c_char;
+    fn accel_load_state_dict(
+        path: *const c_char,
+        ctx: *mut c_void,
+        emit: unsafe extern "C" fn(*mut c_void, *const c_char, *const C_tensor),
+    ) -> *mut c_char;
     fn accel_rng_get_state(device: c_int, index: c_int, out: *mut C_tensor) -> *mut c_char;
     fn accel_rng_set_state(device: c_int, index: c_int, state: *const C_tensor) -> *mut c_char;
     fn accel_randperm(n: i64, seed: u64, out: *mut C_tensor) -> *mut c_char;
@@ -692,6 +698,46 @@ pub fn rng_state(device: Device) -> Result<Tensor, ShimError> {
     // SAFETY: `out` is a tch tensor slot the shim assigns.
     check(unsafe { accel_rng_get_state(code, index, ptr(&out)) })?;
     Ok(out)
+}
+
+unsafe extern "C" fn emit_entry(out: *mut c_void, name: *const c_char, t: *const C_tensor) {
+    // SAFETY: `out` is the Vec `load_state_dict` passed; `name` and `t` are
+    // live for the call.
+    let entries = unsafe { &mut *(out as *mut Vec<(String, Tensor)>) };
+    let name = unsafe { CStr::from_ptr(name) }
+        .to_string_lossy()
+        .into_owned();
+    entries.push((name, unsafe { borrowed(t) }.shallow_clone()));
+}
+
+/// The tensors of a file `torch.save` wrote holding a dict of tensors by
+/// name (a state dict, as transformers' `pytorch_model.bin`), in the file's
+/// order, on the CPU. Read with torch's restricted unpickler
+/// (`torch::jit::pickle_load`): a file holding a Python object other than
+/// tensors, containers and plain values is refused, never run. torch's zip
+/// format (`torch.save` since torch 1.6) only; the file is read whole.
+///
+/// ```
+/// let path = std::env::temp_dir().join(format!("not-a-pickle-{}.bin", std::process::id()));
+/// std::fs::write(&path, b"not a pickle").unwrap();
+/// let e = accel_sdk::shim::load_state_dict(&path).unwrap_err();
+/// assert!(e.to_string().contains("zip archive"), "{e}");
+/// std::fs::remove_file(&path).unwrap();
+/// ```
+pub fn load_state_dict(path: &Path) -> Result<Vec<(String, Tensor)>, ShimError> {
+    let c_path = CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| ShimError(format!("{}: a path with a NUL byte", path.display())))?;
+    let mut entries: Vec<(String, Tensor)> = Vec::new();
+    // SAFETY: a NUL-terminated path; `entries` outlives the call and
+    // emit_entry only pushes to it.
+    check(unsafe {
+        accel_load_state_dict(
+            c_path.as_ptr(),
+            &mut entries as *mut Vec<(String, Tensor)> as *mut c_void,
+            emit_entry,
+        )
+    })?;
+    Ok(entries)
 }
 
 /// Restores [`rng_state`]'s output into `device`'s default generator.
