@@ -418,6 +418,44 @@ fn a_three_shard_checkpoint_round_trips_through_transformers() {
     assert!(diff <= 1e-4, "logits differ by {diff}");
 }
 
+/// A bf16 checkpoint trains as float32 weights (its values converted) and
+/// is saved as float32 with a config that says so, so transformers'
+/// `from_pretrained` (`dtype="auto"`) loads the float32 weights, not a
+/// bf16 rounding of them.
+#[test]
+fn a_bf16_checkpoint_is_saved_as_the_float32_weights_it_trained() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |name: &str| dir.path().join(name);
+    let tokens = d("tokens.bin");
+    write_tokens(&tokens);
+    let mut cmd = peer();
+    cmd.arg("init")
+        .arg(d("bf16"))
+        .args(SIZES)
+        .args(["--dtype", "bfloat16"]);
+    run_ok(&mut cmd);
+    run_ok(
+        Command::new(gpt2())
+            .args(on_tokens(d("bf16").to_str(), tokens.to_str().unwrap(), &[]))
+            .args(["--steps", "2", "--batch-size", "4", "--save"])
+            .arg(d("trained"))
+            .args(["--logits-input", LOGITS_INPUT, "--logits-out"])
+            .arg(d("accel.safetensors")),
+    );
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(d("trained/config.json")).unwrap()).unwrap();
+    assert_eq!(config["dtype"], "float32", "{config}");
+    let weights = read_weights(&d("trained/model.safetensors"));
+    assert!(weights.iter().all(|(_, t)| t.kind() == tch::Kind::Float));
+    let diff = transformers_logits(&[&Saved {
+        model: d("trained"),
+        accel_logits: d("accel.safetensors"),
+        transformers_logits: d("py.safetensors"),
+    }])[0];
+    println!("bf16 checkpoint trained, saved: |Δlogits| accel vs transformers {diff:e}");
+    assert!(diff <= 1e-4, "logits differ by {diff}");
+}
+
 /// Older checkpoints hold `torch.save` pickles (`pytorch_model.bin`, or
 /// shards with `pytorch_model.bin.index.json`): accel loads them to the
 /// same logits as their safetensors, and refuses a pickle holding a Python

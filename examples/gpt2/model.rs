@@ -284,15 +284,20 @@ impl Gpt2Config {
     }
 
     /// The `config.json` `save_pretrained` would write: the loaded file's
-    /// keys, with this configuration's values.
+    /// keys, with this configuration's values. Its `dtype` is the saved
+    /// weights', float32 (the model's, whatever the loaded checkpoint's
+    /// was): `from_pretrained`'s default `dtype="auto"` loads that.
     pub fn to_json(&self) -> Value {
         let mut m = self.raw.clone();
+        // Older transformers wrote `torch_dtype`; both say the same.
+        if let Some(v) = m.get_mut("torch_dtype") {
+            *v = json!("float32");
+        }
         let defaults = json!({
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",
             "add_cross_attention": false,
             "use_cache": true,
-            "dtype": "float32",
             "bos_token_id": self.vocab_size.min(50257) - 1,
             "eos_token_id": self.vocab_size.min(50257) - 1,
         });
@@ -316,6 +321,7 @@ impl Gpt2Config {
             "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx,
             "reorder_and_upcast_attn": self.reorder_and_upcast_attn,
             "tie_word_embeddings": self.tie_word_embeddings,
+            "dtype": "float32",
         });
         for (k, v) in set.as_object().into_iter().flatten() {
             m.insert(k.clone(), v.clone());

@@ -94,7 +94,7 @@ def cmd_init(a):
         bos_token_id=min(v, 50257) - 1,
         eos_token_id=min(v, 50257) - 1,
     )
-    GPT2LMHeadModel(config).save_pretrained(a.dir)
+    GPT2LMHeadModel(config).to(getattr(torch, a.dtype)).save_pretrained(a.dir)
 
 
 def cmd_logits(a):
@@ -218,6 +218,7 @@ def main(argv):
     i.add_argument("--activation-function", default="gelu_new")
     i.add_argument("--reorder-and-upcast-attn", action="store_true")
     i.add_argument("--scale-attn-by-inverse-layer-idx", action="store_true")
+    i.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     t = sub.add_parser("train")
     t.add_argument("--model", required=True)
     t.add_argument("--data", required=True)
