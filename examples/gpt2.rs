@@ -504,6 +504,40 @@ fn evaluate(
 /// c_attn weight plus its adapters' update, the adapters dropped) in
 /// Hugging Face's layout; `--save-adapters FILE`, the adapters alone.
 /// Every rank gathers; the main process writes.
+/// After the weights `files` are saved in `dir`: writes `config.json`,
+/// copies `--model`'s tokenizer and generation files
+/// ([`hf::copy_companion_files`]) and says what was saved (`note` first
+/// in the parentheses).
+fn finish_save(
+    acc: &Accelerator,
+    args: &Args,
+    dir: &Path,
+    config: &Gpt2Config,
+    files: &[PathBuf],
+    note: &str,
+) -> Result<()> {
+    let context = || format!("--save {}", dir.display());
+    hf::save_config(dir, &config.to_json()).with_context(context)?;
+    let copied = match &args.model {
+        Some(from) => hf::copy_companion_files(from, dir).with_context(context)?,
+        None => Vec::new(),
+    };
+    let weights = files
+        .iter()
+        .filter(|f| f.extension().is_some_and(|e| e == "safetensors"))
+        .count();
+    let beside = if copied.is_empty() {
+        String::new()
+    } else {
+        format!("; from --model: {}", copied.join(", "))
+    };
+    acc.print(format!(
+        "gpt2: saved {} ({note}{weights} weights file(s){beside})",
+        dir.display()
+    ));
+    Ok(())
+}
+
 fn save_lora(acc: &mut Accelerator, args: &Args, config: &Gpt2Config, scale: f64) -> Result<()> {
     let state = acc.get_state_dict()?;
     if acc.is_main_process() {
@@ -531,16 +565,7 @@ fn save_lora(acc: &mut Accelerator, args: &Args, config: &Gpt2Config, scale: f64
                 .map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
             let files =
                 hf::save(dir, &merged, max).with_context(|| format!("--save {}", dir.display()))?;
-            hf::save_config(dir, &config.to_json())
-                .with_context(|| format!("--save {}", dir.display()))?;
-            acc.print(format!(
-                "gpt2: saved {} (LoRA merged into c_attn; {} weights file(s))",
-                dir.display(),
-                files
-                    .iter()
-                    .filter(|f| f.extension().is_some_and(|e| e == "safetensors"))
-                    .count()
-            ));
+            finish_save(acc, args, dir, config, &files, "LoRA merged into c_attn; ")?;
         }
     }
     acc.wait_for_everyone()?;
@@ -799,16 +824,7 @@ fn main() -> Result<()> {
             .save_model(dir, &args.max_shard_size)
             .with_context(|| format!("--save {}", dir.display()))?;
         if acc.is_main_process() {
-            hf::save_config(dir, &model.config.to_json())
-                .with_context(|| format!("--save {}", dir.display()))?;
-            acc.print(format!(
-                "gpt2: saved {} ({} weights file(s))",
-                dir.display(),
-                files
-                    .iter()
-                    .filter(|f| f.extension().is_some_and(|e| e == "safetensors"))
-                    .count()
-            ));
+            finish_save(&acc, &args, dir, &model.config, &files, "")?;
         }
     }
     if let (Some(out), Some(ids)) = (&args.logits_out, logits_ids) {

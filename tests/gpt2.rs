@@ -456,6 +456,71 @@ fn a_bf16_checkpoint_is_saved_as_the_float32_weights_it_trained() {
     assert!(diff <= 1e-4, "logits differ by {diff}");
 }
 
+/// `--save` carries `--model`'s tokenizer and generation files over, so the
+/// trained directory loads in transformers with the tokenizer it came with.
+#[test]
+fn the_saved_directory_keeps_the_models_tokenizer_and_generation_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |name: &str| dir.path().join(name);
+    let mut cmd = peer();
+    cmd.arg("init").arg(d("base")).args(SIZES);
+    run_ok(&mut cmd);
+    // A byte-level BPE tokenizer of three tokens and one merge, saved
+    // beside the model as transformers saves one.
+    let make = r##"
+import json, os, sys
+from transformers import GPT2TokenizerFast
+base = sys.argv[1]
+with open(os.path.join(base, "vocab.json"), "w") as f:
+    json.dump({"a": 0, "b": 1, "ab": 2, "<|endoftext|>": 3}, f)
+with open(os.path.join(base, "merges.txt"), "w") as f:
+    f.write("#version: 0.2\na b\n")
+GPT2TokenizerFast(os.path.join(base, "vocab.json"), os.path.join(base, "merges.txt")).save_pretrained(base)
+"##;
+    run_ok(
+        Command::new(venv_bin("python"))
+            .args(["-c", make])
+            .arg(d("base")),
+    );
+    run_ok(
+        Command::new(gpt2())
+            .arg("--model")
+            .arg(d("base"))
+            .args(["--steps", "0", "--save"])
+            .arg(d("out")),
+    );
+    let carried = [
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.json",
+        "merges.txt",
+    ];
+    for name in carried {
+        let (a, b) = (d("base").join(name), d("out").join(name));
+        assert_eq!(
+            std::fs::read(&a).unwrap_or_else(|e| panic!("{}: {e}", a.display())),
+            std::fs::read(&b).unwrap_or_else(|e| panic!("{}: {e}", b.display())),
+            "{name}"
+        );
+    }
+    let check = r#"
+import sys
+from transformers import AutoTokenizer, GenerationConfig
+base, out = sys.argv[1], sys.argv[2]
+ids = [AutoTokenizer.from_pretrained(d)("abba").input_ids for d in (base, out)]
+assert ids[0] == ids[1] == [2, 1, 0], ids
+GenerationConfig.from_pretrained(out)
+print("tokenizer ok", ids[1])
+"#;
+    run_ok(
+        Command::new(venv_bin("python"))
+            .args(["-c", check])
+            .arg(d("base"))
+            .arg(d("out")),
+    );
+}
+
 /// Older checkpoints hold `torch.save` pickles (`pytorch_model.bin`, or
 /// shards with `pytorch_model.bin.index.json`): accel loads them to the
 /// same logits as their safetensors, and refuses a pickle holding a Python

@@ -94,6 +94,61 @@ pub fn save_config(dir: &Path, config: &Value) -> Result<PathBuf, AccelError> {
     Ok(path)
 }
 
+/// The files a model directory carries beside its weights and
+/// `config.json` for the model's users: the tokenizer's (what
+/// `tokenizer.save_pretrained` writes) and the generation defaults
+/// (`generation_config.json`).
+pub const COMPANION_FILES: &[&str] = &[
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+];
+
+/// Copies the [`COMPANION_FILES`] that model directory `from` holds into
+/// `to` (each to a temporary name, then renamed), so a trained model's
+/// directory loads with the tokenizer and generation defaults the original
+/// had; returns the names copied. A directory is not copied onto itself.
+///
+/// ```
+/// let (from, to) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+/// std::fs::write(from.path().join("vocab.json"), r#"{"a": 0}"#).unwrap();
+/// let copied = accel::hf::copy_companion_files(from.path(), to.path()).unwrap();
+/// assert_eq!(copied, ["vocab.json"]);
+/// assert!(to.path().join("vocab.json").is_file());
+/// ```
+pub fn copy_companion_files(from: &Path, to: &Path) -> Result<Vec<String>, AccelError> {
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    if same(from, to) {
+        return Ok(Vec::new());
+    }
+    fs::create_dir_all(to).map_err(|e| io_err("creating", to, e))?;
+    let mut copied = Vec::new();
+    for name in COMPANION_FILES {
+        let src = from.join(name);
+        if !src.is_file() {
+            continue;
+        }
+        write_atomically(&to.join(name), |tmp| {
+            fs::copy(&src, tmp)
+                .map(drop)
+                .map_err(|e| io_err("copying", &src, e))
+        })?;
+        copied.push((*name).to_owned());
+    }
+    Ok(copied)
+}
+
 /// One tensor of a checkpoint, as its file's header describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorInfo {
