@@ -40,7 +40,8 @@
 //!   parameter is frozen; only the adapters train. `--save DIR` writes the
 //!   merged model (each c_attn weight plus A·B·alpha/R, computed in f64
 //!   and rounded once) that `GPT2LMHeadModel.from_pretrained` loads;
-//!   `--save-adapters FILE` writes the adapters alone (safetensors).
+//!   `--save-adapters FILE` writes the adapters alone (safetensors), and
+//!   `--save-peft DIR` as PEFT saves them (`PeftModel.from_pretrained`).
 //! * Output: `--loss-log FILE` (one JSON line per optimizer step: `step`
 //!   from 1, `loss` averaged over the step's micro-batches and the ranks,
 //!   `lr`, `grad_norm` with --max-grad-norm); `--eval-every N` with
@@ -70,8 +71,8 @@ use accel_sdk::{optim::OptimizerConfig, schedule::LrScheduler};
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use model::{
-    is_adapter, lm_loss, merge_adapters, AttnImplementation, Gpt2, Gpt2Config, LoraConfig,
-    LoraInit, BLOCK_CLASS, IGNORED_SUFFIXES, LORA_A, LORA_B,
+    is_adapter, lm_loss, merge_adapters, peft_adapters, peft_config, AttnImplementation, Gpt2,
+    Gpt2Config, LoraConfig, LoraInit, BLOCK_CLASS, IGNORED_SUFFIXES, LORA_A, LORA_B,
 };
 use regex::Regex;
 use std::{
@@ -182,6 +183,12 @@ struct Args {
     /// [in, out]); --save still writes the merged model when given.
     #[arg(long = "save-adapters")]
     save_adapters: Option<PathBuf>,
+    /// Write the LoRA adapters to this directory as PEFT saves them
+    /// (adapter_config.json + adapter_model.safetensors):
+    /// `PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(BASE), DIR)`
+    /// loads them onto the base model.
+    #[arg(long = "save-peft")]
+    save_peft: Option<PathBuf>,
     /// Checkpoint every block in training (transformers'
     /// `gradient_checkpointing_enable()`): a block keeps only its input and
     /// runs again in backward; less activation memory, the same gradients.
@@ -348,6 +355,9 @@ fn check_args(args: &Args, c: &Gpt2Config) -> Result<usize> {
     }
     if args.save_adapters.is_some() && args.lora_r.is_none() {
         bail!("--save-adapters needs --lora-r (there are no adapters without it)");
+    }
+    if args.save_peft.is_some() && args.lora_r.is_none() {
+        bail!("--save-peft needs --lora-r (there are no adapters without it)");
     }
     if args.logits_out.is_some() != args.logits_input.is_some() {
         bail!("--logits-out and --logits-input go together");
@@ -538,9 +548,31 @@ fn finish_save(
     Ok(())
 }
 
-fn save_lora(acc: &mut Accelerator, args: &Args, config: &Gpt2Config, scale: f64) -> Result<()> {
+fn save_lora(
+    acc: &mut Accelerator,
+    args: &Args,
+    config: &Gpt2Config,
+    lora: &LoraConfig,
+) -> Result<()> {
     let state = acc.get_state_dict()?;
     if acc.is_main_process() {
+        if let Some(dir) = &args.save_peft {
+            let context = || format!("--save-peft {}", dir.display());
+            let base = args.model.as_ref().map(|m| m.display().to_string());
+            hf::write_json(
+                &dir.join("adapter_config.json"),
+                &peft_config(lora, base.as_deref()),
+            )
+            .with_context(context)?;
+            let adapters = peft_adapters(&state);
+            hf::write_safetensors(&dir.join("adapter_model.safetensors"), &adapters)
+                .with_context(context)?;
+            acc.print(format!(
+                "gpt2: saved {} LoRA adapters to {} as PEFT saves them",
+                adapters.len(),
+                dir.display()
+            ));
+        }
         if let Some(file) = &args.save_adapters {
             let adapters: Vec<(String, Tensor)> = state
                 .iter()
@@ -560,7 +592,7 @@ fn save_lora(acc: &mut Accelerator, args: &Args, config: &Gpt2Config, scale: f64
             ));
         }
         if let Some(dir) = &args.save {
-            let merged = merge_adapters(state, scale)?;
+            let merged = merge_adapters(state, lora.scale())?;
             let max = parse_size(&args.max_shard_size)
                 .map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
             let files =
@@ -817,8 +849,10 @@ fn main() -> Result<()> {
     if let Some(mut l) = eval_log.take() {
         l.flush()?;
     }
-    if let Some(l) = lora.filter(|_| args.save.is_some() || args.save_adapters.is_some()) {
-        save_lora(&mut acc, &args, &model.config, l.scale())?;
+    let saves_lora =
+        args.save.is_some() || args.save_adapters.is_some() || args.save_peft.is_some();
+    if let Some(l) = lora.filter(|_| saves_lora) {
+        save_lora(&mut acc, &args, &model.config, &l)?;
     } else if let Some(dir) = &args.save {
         let files = acc
             .save_model(dir, &args.max_shard_size)

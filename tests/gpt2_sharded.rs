@@ -1,14 +1,15 @@
 //! The gpt2 example under the sharded strategies on 2 CPU ranks: FSDP
 //! (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) and ZeRO 1-3 reach DDP's
 //! weights with frozen embeddings; a LoRA fine-tune (`--lora-r`) under DDP
-//! and FSDP trains the adapters only, and its merged model loads in
-//! transformers; the README's worked example runs as written.
+//! and FSDP trains the adapters only, its merged model loads in
+//! transformers and its adapters in PEFT; the README's worked example runs
+//! as written.
 
 use accel_integration_tests::{
     accel_bin, describe,
     gpt2::{
-        gpt2, logits, max_diff, on_tokens, save_tiny_model, transformers_logits, write_tokens,
-        ACCUMULATED, LOGITS_INPUT, SIZES,
+        gpt2, logits, max_diff, on_tokens, peer, save_tiny_model, write_tokens, ACCUMULATED,
+        LOGITS_INPUT, SIZES,
     },
     loss_log, max_abs_diff, read_weights, run_ok, venv_bin, workspace_root, write_config,
 };
@@ -158,13 +159,16 @@ fn lora_merge(weight: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Tensor {
 struct LoraRun {
     merged: PathBuf,
     adapters: PathBuf,
+    /// `--save-peft`'s directory, and the logits PEFT gives with it.
+    peft: PathBuf,
+    peft_logits: PathBuf,
     accel_logits: PathBuf,
     transformers_logits: PathBuf,
     losses: Vec<(u64, f64)>,
 }
 
 #[test]
-fn lora_trains_the_adapters_only_and_the_merged_model_loads_in_transformers() {
+fn lora_trains_the_adapters_only_and_the_merged_model_and_peft_load_them() {
     let dir = tempfile::tempdir().unwrap();
     let d = |name: &str| dir.path().join(name);
     write_tokens(&d("tokens.bin"));
@@ -191,6 +195,8 @@ fn lora_trains_the_adapters_only_and_the_merged_model_loads_in_transformers() {
         let run = LoraRun {
             merged: d(&format!("{name}-merged")),
             adapters: d(&format!("{name}-adapters.safetensors")),
+            peft: d(&format!("{name}-peft")),
+            peft_logits: d(&format!("{name}-peft-logits.safetensors")),
             accel_logits: d(&format!("{name}-accel-logits.safetensors")),
             transformers_logits: d(&format!("{name}-transformers-logits.safetensors")),
             losses: Vec::new(),
@@ -217,6 +223,8 @@ fn lora_trains_the_adapters_only_and_the_merged_model_loads_in_transformers() {
                     run.merged.to_str().unwrap(),
                     "--save-adapters",
                     run.adapters.to_str().unwrap(),
+                    "--save-peft",
+                    run.peft.to_str().unwrap(),
                     "--loss-log",
                     log.to_str().unwrap(),
                     "--logits-input",
@@ -286,32 +294,42 @@ fn lora_trains_the_adapters_only_and_the_merged_model_loads_in_transformers() {
         adapters_diff <= 1e-5,
         "FSDP's adapters are {adapters_diff} from DDP's"
     );
-    // transformers loads the merged models: its logits are accel's (which
-    // ran the adapters beside c_attn).
-    transformers_logits(
-        &runs
-            .iter()
-            .map(|r| (r.merged.as_path(), r.transformers_logits.as_path()))
-            .collect::<Vec<_>>(),
-    );
-    let diffs: Vec<f64> = runs
-        .iter()
-        .map(|r| max_diff(&logits(&r.accel_logits), &logits(&r.transformers_logits)))
-        .collect();
-    println!(
-        "LoRA: |Δadapters| FSDP vs DDP {adapters_diff:e}; merged models in transformers: \
-         |Δlogits| DDP {:e}, FSDP {:e}",
-        diffs[0], diffs[1]
-    );
-    for (d, name) in diffs.iter().zip(["ddp", "fsdp"]) {
-        assert!(*d <= 1e-4, "{name}: logits differ by {d}");
+    // transformers loads the merged models, and PEFT the adapters onto the
+    // base: their logits are accel's (which ran the adapters beside c_attn).
+    let mut cmd = peer();
+    cmd.args(["logits", "--ids", LOGITS_INPUT]);
+    for r in &runs {
+        cmd.arg("--model")
+            .arg(&r.merged)
+            .arg(&r.transformers_logits);
+        cmd.arg("--peft")
+            .arg(&init_dir)
+            .arg(&r.peft)
+            .arg(&r.peft_logits);
     }
+    run_ok(&mut cmd);
+    for (r, name) in runs.iter().zip(["ddp", "fsdp"]) {
+        let accel = logits(&r.accel_logits);
+        let merged = max_diff(&accel, &logits(&r.transformers_logits));
+        let peft = max_diff(&accel, &logits(&r.peft_logits));
+        println!(
+            "LoRA under {name}: |Δlogits| accel vs the merged model in transformers {merged:e}, \
+             vs PEFT's adapters on the base {peft:e}"
+        );
+        assert!(merged <= 1e-4, "{name}: merged logits differ by {merged}");
+        assert!(peft <= 1e-4, "{name}: PEFT's logits differ by {peft}");
+    }
+    println!("LoRA: |Δadapters| FSDP vs DDP {adapters_diff:e}");
     // Flags that cannot work are refused by name.
     for (args, expect) in [
         (vec!["--lora-r", "0"], "--lora-r 0"),
         (
             vec!["--save-adapters", "a.safetensors"],
             "--save-adapters needs --lora-r",
+        ),
+        (
+            vec!["--save-peft", "adapters"],
+            "--save-peft needs --lora-r",
         ),
         (vec!["--lora-alpha", "4"], "--lora-alpha needs --lora-r"),
         (vec!["--lora-r", "2", "--lora-alpha", "0"], "--lora-alpha 0"),

@@ -519,6 +519,42 @@ pub fn lora_delta(a: &Tensor, b: &Tensor, scale: f64) -> Tensor {
     delta * scale
 }
 
+/// The adapters of a state dict as PEFT saves them
+/// (`adapter_model.safetensors`): `X.lora_A` `[in, r]` becomes
+/// `base_model.model.X.lora_A.weight` `[r, in]` and `X.lora_B` `[r, out]`
+/// `base_model.model.X.lora_B.weight` `[out, r]` (a Linear's `[out, in]`;
+/// PEFT's `fan_in_fan_out` adapts them to the Conv1D).
+pub fn peft_adapters(state: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    state
+        .iter()
+        .filter(|(n, _)| is_adapter(n))
+        .map(|(n, t)| (format!("base_model.model.{n}.weight"), t.tr().contiguous()))
+        .collect()
+}
+
+/// The `adapter_config.json` PEFT's `LoraConfig` reads for [`peft_adapters`]:
+/// LoRA on every `c_attn` (Conv1D, so `fan_in_fan_out`), rank, alpha and
+/// init as trained, no dropout or bias, for a causal LM on `base` (the
+/// `--model` directory, if any).
+pub fn peft_config(lora: &LoraConfig, base: Option<&str>) -> Value {
+    json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": lora.r,
+        "lora_alpha": lora.alpha,
+        "target_modules": ["c_attn"],
+        "fan_in_fan_out": true,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "init_lora_weights": match lora.init {
+            LoraInit::Kaiming => json!(true),
+            LoraInit::Gaussian => json!("gaussian"),
+        },
+        "inference_mode": true,
+    })
+}
+
 /// `weight + lora_delta(a, b, scale)`, added in f64 and rounded once to
 /// the weight's precision.
 pub fn lora_merge(weight: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Tensor {

@@ -85,13 +85,22 @@ pub(crate) fn write_atomically(
 /// Writes `config` as `dir/config.json` (pretty-printed, as
 /// `save_pretrained` does); creates `dir`.
 pub fn save_config(dir: &Path, config: &Value) -> Result<PathBuf, AccelError> {
-    fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
     let path = dir.join(CONFIG_NAME);
-    let text = serde_json::to_string_pretty(config).expect("JSON values serialise") + "\n";
-    write_atomically(&path, |tmp| {
-        fs::write(tmp, text).map_err(|e| io_err("writing", tmp, e))
-    })?;
+    write_json(&path, config)?;
     Ok(path)
+}
+
+/// Writes `value` to `path` pretty-printed, as `save_pretrained` writes its
+/// JSON files, through a temporary name and a rename; creates the
+/// directory.
+pub fn write_json(path: &Path, value: &Value) -> Result<(), AccelError> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
+    }
+    let text = serde_json::to_string_pretty(value).expect("JSON values serialise") + "\n";
+    write_atomically(path, |tmp| {
+        fs::write(tmp, text).map_err(|e| io_err("writing", tmp, e))
+    })
 }
 
 /// The files a model directory carries beside its weights and

@@ -19,9 +19,10 @@ Subcommands:
         fp16_compress_hook / bf16_compress_hook / powerSGD_hook), the peer of accel-ddp's `comm_hook`;
         --comm-state: its comm_state_option (PowerSGDState's options), JSON. --bucket-cap-mb: DDP's.
 
-    logits --ids 1,2,3 --model DIR FILE [--model DIR2 FILE2 ...]
+    logits --ids 1,2,3 [--model DIR FILE ...] [--peft BASE ADAPTERS FILE ...]
         GPT2LMHeadModel.from_pretrained(DIR) (default attention) in eval mode; writes the logits for
-        the ids to FILE as safetensors {input_ids [1, T], logits [1, T, V]}.
+        the ids to FILE as safetensors {input_ids [1, T], logits [1, T, V]}. --peft: PEFT's
+        PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(BASE), ADAPTERS) instead.
 
 Training setup, matching accel's gpt2:
 * Data: the nanoGPT token file as windows k -> input_ids t[k*B : k*B+B], labels t[k*B+1 : k*B+B+1]
@@ -101,8 +102,17 @@ def cmd_logits(a):
     from transformers import GPT2LMHeadModel
 
     ids = torch.tensor([[int(t) for t in a.ids.split(",")]], dtype=torch.int64)
-    for model_dir, out in a.model:
-        model = GPT2LMHeadModel.from_pretrained(model_dir)
+    models = [(lambda d=d: GPT2LMHeadModel.from_pretrained(d), out) for d, out in a.model]
+    for base, adapters, out in a.peft:
+
+        def load(base=base, adapters=adapters):
+            from peft import PeftModel
+
+            return PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), adapters)
+
+        models.append((load, out))
+    for load, out in models:
+        model = load()
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=ids).logits.float().contiguous()
@@ -246,7 +256,8 @@ def main(argv):
     t.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
     lg = sub.add_parser("logits")
     lg.add_argument("--ids", required=True)
-    lg.add_argument("--model", nargs=2, action="append", required=True, metavar=("DIR", "FILE"))
+    lg.add_argument("--model", nargs=2, action="append", default=[], metavar=("DIR", "FILE"))
+    lg.add_argument("--peft", nargs=3, action="append", default=[], metavar=("BASE", "ADAPTERS", "FILE"))
     a = p.parse_args(argv)
     {"init": cmd_init, "train": cmd_train, "logits": cmd_logits}[a.cmd](a)
 

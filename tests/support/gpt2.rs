@@ -99,18 +99,6 @@ pub fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
 
-/// Loads every `(model dir, logits file)` in transformers (one Python
-/// start: `GPT2LMHeadModel.from_pretrained`, eval mode) and writes its
-/// logits for [`LOGITS_INPUT`] to the file.
-pub fn transformers_logits(models: &[(&Path, &Path)]) {
-    let mut cmd = peer();
-    cmd.args(["logits", "--ids", LOGITS_INPUT]);
-    for (dir, out) in models {
-        cmd.arg("--model").arg(dir).arg(out);
-    }
-    run_ok(&mut cmd);
-}
-
 /// A new tiny model (accel's init, transformers' scheme) from `seed`,
 /// saved to `dir` in Hugging Face's layout.
 pub fn save_tiny_model(dir: &Path, seed: u64) {
