@@ -65,8 +65,9 @@ pub fn read_json(path: &Path) -> Result<Value, AccelError> {
 }
 
 /// Writes `path` through a temporary sibling (`.<name>.tmp`) and a
-/// rename; the temporary file is removed when `write` fails.
-pub(crate) fn write_atomically(
+/// rename; the temporary file is removed when `write` fails, so a file
+/// already at `path` stays whole until the new one is.
+pub fn write_atomically(
     path: &Path,
     write: impl FnOnce(&Path) -> Result<(), AccelError>,
 ) -> Result<(), AccelError> {
