@@ -113,6 +113,10 @@ fn a_rank_failing_outside_mpi_takes_the_mpi_job_down() {
     let out = launch_mpi_within_limit(
         &probe,
         &[
+            // Alive long enough for the supervisor's scan (every 200 ms)
+            // to see the rank it then names.
+            "--delay-ms",
+            "1000",
             "--exit",
             "5",
             "--only-rank",
