@@ -165,6 +165,16 @@ struct Saved {
     transformers_logits: PathBuf,
 }
 
+/// [`transformers_logits`] of one saved `model` (its logits written to
+/// `out`) against accel's in `accel_logits`.
+fn transformers_logits_of(model: &Path, accel_logits: &Path, out: &Path) -> f64 {
+    transformers_logits(&[&Saved {
+        model: model.to_path_buf(),
+        accel_logits: accel_logits.to_path_buf(),
+        transformers_logits: out.to_path_buf(),
+    }])[0]
+}
+
 /// The logits gpt2 computes for [`LOGITS_INPUT`] with the model in `model`
 /// (written to `out`).
 fn model_logits(model: &Path, out: &Path) -> Tensor {
@@ -265,9 +275,7 @@ fn eager_attention_under_autocast_and_reorder_and_upcast_attn_compute_as_transfo
     let d = |name: &str| dir.path().join(name);
     let tokens = d("tokens.bin");
     write_tokens(&tokens);
-    let config = |dir: &Path| -> Value {
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
-    };
+    let config = |dir: &Path| -> Value { accel::hf::read_json(&dir.join("config.json")).unwrap() };
     // Without the flag: bf16 scores, made float32 for the softmax (by
     // transformers' float32 mask). With it, bf16 scores (the flag ignored)
     // would differ by 2e-4 in 3 steps.
@@ -409,11 +417,7 @@ fn a_three_shard_checkpoint_round_trips_through_transformers() {
     let sharded = model_logits(&d("sharded"), &d("sharded.safetensors"));
     assert_eq!(max_diff(&original, &sharded), 0.0);
     // ...and so does transformers, to the same logits.
-    let diff = transformers_logits(&[&Saved {
-        model: d("sharded"),
-        accel_logits: d("one.safetensors"),
-        transformers_logits: d("py.safetensors"),
-    }])[0];
+    let diff = transformers_logits_of(&d("sharded"), &d("one.safetensors"), &d("py.safetensors"));
     println!("3-shard checkpoint: |Δlogits| accel vs transformers {diff:e}");
     assert!(diff <= 1e-4, "logits differ by {diff}");
 }
@@ -442,16 +446,11 @@ fn a_bf16_checkpoint_is_saved_as_the_float32_weights_it_trained() {
             .args(["--logits-input", LOGITS_INPUT, "--logits-out"])
             .arg(d("accel.safetensors")),
     );
-    let config: Value =
-        serde_json::from_str(&std::fs::read_to_string(d("trained/config.json")).unwrap()).unwrap();
+    let config = accel::hf::read_json(&d("trained/config.json")).unwrap();
     assert_eq!(config["dtype"], "float32", "{config}");
     let weights = read_weights(&d("trained/model.safetensors"));
     assert!(weights.iter().all(|(_, t)| t.kind() == tch::Kind::Float));
-    let diff = transformers_logits(&[&Saved {
-        model: d("trained"),
-        accel_logits: d("accel.safetensors"),
-        transformers_logits: d("py.safetensors"),
-    }])[0];
+    let diff = transformers_logits_of(&d("trained"), &d("accel.safetensors"), &d("py.safetensors"));
     println!("bf16 checkpoint trained, saved: |Δlogits| accel vs transformers {diff:e}");
     assert!(diff <= 1e-4, "logits differ by {diff}");
 }
