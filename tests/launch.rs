@@ -541,6 +541,38 @@ fn bad_combinations_are_refused_before_anything_starts() {
 }
 
 #[test]
+fn a_program_that_cannot_run_is_refused_before_any_rank_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("train.py");
+    fs::write(&script, "print('hi')\n").unwrap();
+    fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    for launcher in ["local", "mpi"] {
+        for (program, expected) in [
+            ("./missing", ": no such file ("),
+            ("no-such-program-anywhere", ": not found in PATH ("),
+            ("./train.py", "mode 644) is not executable by this user"),
+        ] {
+            let mut cmd = launch_cpu("2", launcher, &[program]);
+            let out = output(cmd.current_dir(dir.path()));
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(
+                out.status.code(),
+                Some(1),
+                "{launcher} {program}: {}",
+                describe(&out)
+            );
+            assert!(
+                stderr.starts_with(&format!("accel launch: error: PROGRAM `{program}`"))
+                    && stderr.contains(expected),
+                "{launcher} {program}: {stderr}"
+            );
+            // One line from accel launch, nothing from a rank or mpirun.
+            assert_eq!(stderr.lines().count(), 1, "{launcher} {program}: {stderr}");
+        }
+    }
+}
+
+#[test]
 fn dry_run_prints_each_rank_and_starts_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let out = output(probe_into(

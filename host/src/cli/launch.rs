@@ -564,6 +564,23 @@ pub fn run(args: LaunchArgs, plugin_dirs: &[PathBuf], out: &mut dyn Write) -> an
         }
         return Ok(0);
     }
+    // The built-in launchers that start every rank on this machine find
+    // PROGRAM first, as each rank would: a typo is one error, nothing runs.
+    // (Under a hostfile, srun or a plugin's launcher the ranks may run where
+    // another filesystem holds it.)
+    let ranks_here = choice.plugin.path().is_none()
+        && (choice.component.name == "local"
+            || (choice.component.name == "mpi" && options.mpirun_hostfile.is_none()));
+    if ranks_here {
+        let path = std::env::var_os("PATH");
+        if let Err(e) = crate::launch::program::locate(
+            &spec.program,
+            path.as_deref(),
+            &std::env::current_dir()?,
+        ) {
+            return fail(e);
+        }
+    }
     if !args.quiet {
         eprintln!(
             "accel launch: {} process(es) on machine {} of {}, launcher `{}`",

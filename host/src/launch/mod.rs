@@ -24,6 +24,7 @@ mod local;
 pub mod mpi;
 pub mod options;
 mod procfs;
+pub mod program;
 pub mod rank_exec;
 pub mod slurm;
 pub mod supervisor;
