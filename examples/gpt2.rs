@@ -42,6 +42,9 @@
 //!   and rounded once) that `GPT2LMHeadModel.from_pretrained` loads;
 //!   `--save-adapters FILE` writes the adapters alone (safetensors), and
 //!   `--save-peft DIR` as PEFT saves them (`PeftModel.from_pretrained`).
+//!   `--lora-from DIR` starts from adapters PEFT saved instead (its
+//!   `adapter_config.json` gives R, alpha and init): to evaluate, merge or
+//!   train them further.
 //! * Output: `--loss-log FILE` (one JSON line per optimizer step: `step`
 //!   from 1, `loss` averaged over the step's micro-batches and the ranks,
 //!   `lr`, `grad_norm` with --max-grad-norm); `--eval-every N` with
@@ -59,6 +62,8 @@
 
 #[path = "gpt2/model.rs"]
 mod model;
+#[path = "gpt2/peft.rs"]
+mod peft;
 #[path = "shared/training.rs"]
 mod training;
 
@@ -71,8 +76,8 @@ use accel_sdk::{optim::OptimizerConfig, schedule::LrScheduler};
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use model::{
-    is_adapter, lm_loss, merge_adapters, peft_adapters, peft_config, AttnImplementation, Gpt2,
-    Gpt2Config, LoraConfig, LoraInit, BLOCK_CLASS, IGNORED_SUFFIXES, LORA_A, LORA_B,
+    is_adapter, lm_loss, merge_adapters, AttnImplementation, Gpt2, Gpt2Config, LoraConfig,
+    LoraInit, BLOCK_CLASS, IGNORED_SUFFIXES, LORA_A, LORA_B,
 };
 use regex::Regex;
 use std::{
@@ -178,6 +183,15 @@ struct Args {
     /// How lora_A starts (lora_B starts at zero), as PEFT's init_lora_weights.
     #[arg(long = "lora-init", value_enum, default_value = "kaiming")]
     lora_init: LoraInitArg,
+    /// PEFT's lora_dropout: dropout on the adapters' input in training.
+    #[arg(long = "lora-dropout", default_value_t = 0.0)]
+    lora_dropout: f64,
+    /// LoRA from the adapters PEFT saved in this directory
+    /// (adapter_config.json + adapter_model.safetensors, rank and alpha
+    /// from its config), on every block's c_attn; every base parameter is
+    /// frozen.
+    #[arg(long = "lora-from", conflicts_with_all = ["lora_r", "lora_alpha", "lora_init", "lora_dropout"])]
+    lora_from: Option<PathBuf>,
     /// Write the LoRA adapters alone to this safetensors file (names as the
     /// model's, `transformer.h.<i>.attn.c_attn.lora_A`/`lora_B`, stored
     /// [in, out]); --save still writes the merged model when given.
@@ -353,11 +367,21 @@ fn check_args(args: &Args, c: &Gpt2Config) -> Result<usize> {
             bail!("--lora-alpha {a}: must be > 0");
         }
     }
-    if args.save_adapters.is_some() && args.lora_r.is_none() {
-        bail!("--save-adapters needs --lora-r (there are no adapters without it)");
+    if !(0.0..1.0).contains(&args.lora_dropout) {
+        bail!(
+            "--lora-dropout {}: a probability in [0, 1)",
+            args.lora_dropout
+        );
     }
-    if args.save_peft.is_some() && args.lora_r.is_none() {
-        bail!("--save-peft needs --lora-r (there are no adapters without it)");
+    if args.lora_dropout > 0.0 && args.lora_r.is_none() {
+        bail!("--lora-dropout needs --lora-r");
+    }
+    let lora = args.lora_r.is_some() || args.lora_from.is_some();
+    if args.save_adapters.is_some() && !lora {
+        bail!("--save-adapters needs --lora-r or --lora-from (there are no adapters without them)");
+    }
+    if args.save_peft.is_some() && !lora {
+        bail!("--save-peft needs --lora-r or --lora-from (there are no adapters without them)");
     }
     if args.logits_out.is_some() != args.logits_input.is_some() {
         bail!("--logits-out and --logits-input go together");
@@ -560,12 +584,12 @@ fn save_lora(
             let context = || format!("--save-peft {}", dir.display());
             let base = args.model.as_ref().map(|m| m.display().to_string());
             hf::write_json(
-                &dir.join("adapter_config.json"),
-                &peft_config(lora, base.as_deref()),
+                &dir.join(peft::CONFIG_FILE),
+                &peft::config_of(lora, base.as_deref()),
             )
             .with_context(context)?;
-            let adapters = peft_adapters(&state);
-            hf::write_safetensors(&dir.join("adapter_model.safetensors"), &adapters)
+            let adapters = peft::adapters_of(&state);
+            hf::write_safetensors(&dir.join(peft::WEIGHTS_FILE), &adapters)
                 .with_context(context)?;
             acc.print(format!(
                 "gpt2: saved {} LoRA adapters to {} as PEFT saves them",
@@ -657,16 +681,37 @@ fn main() -> Result<()> {
     } else {
         Gpt2::new(&vs.root(), config)
     };
-    let lora = args.lora_r.map(|r| LoraConfig {
-        r,
-        alpha: args.lora_alpha.unwrap_or(2.0 * r as f64),
-        init: match args.lora_init {
-            LoraInitArg::Kaiming => LoraInit::Kaiming,
-            LoraInitArg::Gaussian => LoraInit::Gaussian,
-        },
-    });
+    let adapter = args
+        .lora_from
+        .as_ref()
+        .map(|dir| {
+            peft::read(dir, &model.config).with_context(|| format!("--lora-from {}", dir.display()))
+        })
+        .transpose()?;
+    let lora = match &adapter {
+        Some(a) => Some(a.lora),
+        None => args.lora_r.map(|r| LoraConfig {
+            r,
+            alpha: args.lora_alpha.unwrap_or(2.0 * r as f64),
+            init: match args.lora_init {
+                LoraInitArg::Kaiming => LoraInit::Kaiming,
+                LoraInitArg::Gaussian => LoraInit::Gaussian,
+            },
+            dropout: args.lora_dropout,
+        }),
+    };
     if let Some(l) = &lora {
         model.add_lora(&vs.root(), l);
+    }
+    if let Some(a) = &adapter {
+        // Every rank sets the same values before prepare shards or
+        // broadcasts them.
+        let vars = vs.variables();
+        tch::no_grad(|| {
+            for (name, t) in &a.tensors {
+                vars[name].shallow_clone().copy_(t);
+            }
+        });
     }
     if args.gradient_checkpointing {
         model.gradient_checkpointing_enable();

@@ -2,14 +2,14 @@
 //! (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD) and ZeRO 1-3 reach DDP's
 //! weights with frozen embeddings; a LoRA fine-tune (`--lora-r`) under DDP
 //! and FSDP trains the adapters only, its merged model loads in
-//! transformers and its adapters in PEFT; the README's worked example runs
-//! as written.
+//! transformers and its adapters in PEFT, and adapters PEFT saved load
+//! (`--lora-from`); the README's worked example runs as written.
 
 use accel_integration_tests::{
     accel_bin, describe,
     gpt2::{
-        gpt2, logits, max_diff, on_tokens, peer, save_tiny_model, write_tokens, ACCUMULATED,
-        LOGITS_INPUT, SIZES,
+        gpt2, logits, max_diff, on_tokens, peer, peer_model_and_tokens, save_tiny_model,
+        write_tokens, ACCUMULATED, LOGITS_INPUT, SIZES,
     },
     loss_log, max_abs_diff, read_weights, run_ok, venv_bin, workspace_root, write_config,
 };
@@ -439,4 +439,208 @@ fn the_readme_gpt2_fsdp_example_runs_as_written() {
     for (a, t) in accel.iter().zip(&transformers) {
         assert!((a - t).abs() <= 1e-4, "accel {a} vs transformers {t}");
     }
+}
+
+/// `--lora-from DIR`: adapters PEFT made (lora_B random, so they change the
+/// model) give PEFT's logits on one process and under FSDP, go out again
+/// through `--save-peft` bit for bit, train on (with PEFT's lora_dropout)
+/// to adapters PEFT loads to accel's logits; an adapter accel does not
+/// compute is refused by file and key.
+#[test]
+fn lora_from_reads_the_adapters_peft_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |name: &str| dir.path().join(name);
+    let s = |p: &Path| p.to_str().unwrap().to_owned();
+    let (base, tokens) = peer_model_and_tokens(dir.path());
+    let made = d("peft");
+    run_ok(peer().arg("peft-init").arg(&base).arg(&made).args([
+        "--r",
+        "4",
+        "--alpha",
+        "16",
+        "--dropout",
+        "0.1",
+        "--seed",
+        "3",
+    ]));
+    let peft_logits = |adapters: &Path, out: &Path| {
+        run_ok(
+            peer()
+                .args(["logits", "--ids", LOGITS_INPUT, "--peft"])
+                .args([base.as_path(), adapters, out]),
+        );
+        logits(out)
+    };
+    let expected = peft_logits(&made, &d("peft.safetensors"));
+
+    // One process: PEFT's logits, and the adapters written back unchanged.
+    let (one, again) = (d("one.safetensors"), d("again"));
+    let lora_from = [
+        "--model".to_owned(),
+        s(&base),
+        "--lora-from".to_owned(),
+        s(&made),
+    ];
+    run_ok(
+        Command::new(gpt2())
+            .args(&lora_from)
+            .args([
+                "--steps",
+                "0",
+                "--logits-input",
+                LOGITS_INPUT,
+                "--logits-out",
+            ])
+            .arg(&one)
+            .arg("--save-peft")
+            .arg(&again),
+    );
+    let diff = max_diff(&logits(&one), &expected);
+    println!("--lora-from: |Δlogits| accel vs PEFT, one process {diff:e}");
+    assert!(
+        diff <= 1e-5,
+        "one process: logits differ from PEFT's by {diff}"
+    );
+    let read = |dir: &Path| read_weights(&dir.join("adapter_model.safetensors"));
+    let (original, written) = (read(&made), read(&again));
+    assert_eq!(original.len(), 4);
+    assert_eq!(
+        original.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+        written.iter().map(|(n, _)| n).collect::<Vec<_>>()
+    );
+    for ((n, a), (_, b)) in original.iter().zip(&written) {
+        assert!(a.equal(b), "`{n}` changed on the way through accel");
+    }
+    let config = |dir: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
+            .unwrap()
+    };
+    let (made_config, again_config) = (config(&made), config(&again));
+    for key in [
+        "peft_type",
+        "r",
+        "target_modules",
+        "fan_in_fan_out",
+        "init_lora_weights",
+    ] {
+        assert_eq!(made_config[key], again_config[key], "{key}");
+    }
+    for key in ["lora_alpha", "lora_dropout"] {
+        assert_eq!(
+            made_config[key].as_f64(),
+            again_config[key].as_f64(),
+            "{key}"
+        );
+    }
+
+    // FSDP on 2 ranks shards the adapters as read.
+    let fsdp_logits = d("fsdp.safetensors");
+    let mut args: Vec<&str> = lora_from.iter().map(String::as_str).collect();
+    args.extend([
+        "--steps",
+        "0",
+        "--logits-input",
+        LOGITS_INPUT,
+        "--logits-out",
+    ]);
+    args.push(fsdp_logits.to_str().unwrap());
+    launch(dir.path(), "fsdp", "FSDP", &fsdp("FULL_SHARD"), &args);
+    let diff = max_diff(&logits(&fsdp_logits), &expected);
+    println!("--lora-from: |Δlogits| accel vs PEFT, FSDP {diff:e}");
+    assert!(diff <= 1e-5, "FSDP: logits differ from PEFT's by {diff}");
+
+    // Training on: the adapters move, the base does not, and PEFT loads
+    // what accel saved to accel's logits.
+    let (trained, trained_logits) = (d("trained"), d("trained.safetensors"));
+    run_ok(
+        Command::new(gpt2())
+            .args(on_tokens(
+                None,
+                tokens.to_str().unwrap(),
+                &["--batch-size", "4", "--steps", "3", "--lr", "1e-2"],
+            ))
+            .args(&lora_from)
+            .args(["--logits-input", LOGITS_INPUT, "--logits-out"])
+            .arg(&trained_logits)
+            .arg("--save-peft")
+            .arg(&trained),
+    );
+    for ((n, a), (_, b)) in original.iter().zip(&read(&trained)) {
+        assert!(!a.equal(b), "`{n}` did not train");
+    }
+    assert_eq!(config(&trained)["lora_dropout"].as_f64(), Some(0.1));
+    let diff = max_diff(
+        &logits(&trained_logits),
+        &peft_logits(&trained, &d("peft-trained.safetensors")),
+    );
+    println!("--lora-from: |Δlogits| after 3 steps, accel vs PEFT on the saved adapters {diff:e}");
+    assert!(diff <= 1e-5, "trained: logits differ from PEFT's by {diff}");
+
+    // What accel does not compute is refused, naming the file and key.
+    let edited = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        let to = d(name);
+        std::fs::create_dir_all(&to).unwrap();
+        std::fs::copy(
+            made.join("adapter_model.safetensors"),
+            to.join("adapter_model.safetensors"),
+        )
+        .unwrap();
+        let mut c = made_config.clone();
+        edit(&mut c);
+        std::fs::write(to.join("adapter_config.json"), c.to_string()).unwrap();
+        s(&to)
+    };
+    let cases = [
+        (
+            edited("dora", &|c| c["use_dora"] = true.into()),
+            "adapter_config.json key `use_dora`: true",
+        ),
+        (
+            edited("targets", &|c| c["target_modules"] = serde_json::json!(["c_attn", "c_proj"])),
+            "key `target_modules`: [\"c_attn\",\"c_proj\"]",
+        ),
+        (
+            edited("ia3", &|c| c["peft_type"] = "IA3".into()),
+            "key `peft_type`: `IA3`: accel's gpt2 reads LoRA adapters only",
+        ),
+        (
+            edited("pissa", &|c| c["init_lora_weights"] = "pissa".into()),
+            "key `init_lora_weights`: \"pissa\"",
+        ),
+        (
+            edited("rank", &|c| c["r"] = 8.into()),
+            "`base_model.model.transformer.h.0.attn.c_attn.lora_A.weight` is Float [4, 64], expected floating-point [8, 64]",
+        ),
+        (s(&d("nowhere")), "nowhere/adapter_config.json"),
+    ];
+    for (from, expect) in &cases {
+        let out = Command::new(gpt2())
+            .args([
+                "--model",
+                base.to_str().unwrap(),
+                "--steps",
+                "0",
+                "--lora-from",
+                from,
+            ])
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(expect) && !err.contains("panicked"),
+            "--lora-from {from}: {}",
+            describe(&out)
+        );
+    }
+    let out = Command::new(gpt2())
+        .args(["--lora-from", &s(&made), "--lora-r", "4"])
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success()
+            && String::from_utf8_lossy(&out.stderr).contains("cannot be used with"),
+        "{}",
+        describe(&out)
+    );
 }

@@ -425,8 +425,9 @@ fn dropout(x: Tensor, p: f64, train: bool) -> Tensor {
     }
 }
 
-/// How `lora_A` starts, as PEFT's `init_lora_weights` (`lora_B` starts at
-/// zero either way, so the adapted model starts as the base model).
+/// How the adapters start, as PEFT's `init_lora_weights` (`lora_B` starts
+/// at zero but for [`LoraInit::Random`], so the adapted model starts as the
+/// base model).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LoraInit {
     /// PEFT's default (`True`): `kaiming_uniform_(a=sqrt(5))` of the
@@ -434,6 +435,11 @@ pub enum LoraInit {
     Kaiming,
     /// PEFT's `"gaussian"`: normal(0, 1/r).
     Gaussian,
+    /// PEFT's `False`: both adapters keep `nn.Linear`'s init (lora_A as
+    /// [`LoraInit::Kaiming`], lora_B uniform(±1/sqrt(r))), so they change
+    /// the model from the start. Read from a PEFT adapter's config
+    /// (`--lora-from`), not offered by `--lora-init`.
+    Random,
 }
 
 /// LoRA adapters of every block's `c_attn` (`--lora-r`, `--lora-alpha`).
@@ -444,6 +450,8 @@ pub struct LoraConfig {
     /// lora_alpha; the update is scaled by alpha / r.
     pub alpha: f64,
     pub init: LoraInit,
+    /// PEFT's `lora_dropout`: dropout on the adapters' input in training.
+    pub dropout: f64,
 }
 
 impl LoraConfig {
@@ -468,27 +476,35 @@ struct Lora {
     a: Tensor,
     b: Tensor,
     scale: f64,
+    dropout: f64,
 }
 
 impl Lora {
     fn new(p: nn::Path, nx: i64, nf: i64, c: &LoraConfig) -> Self {
-        let a_init = match c.init {
-            LoraInit::Kaiming => {
-                let bound = 1.0 / (nx as f64).sqrt();
-                Init::Uniform {
-                    lo: -bound,
-                    up: bound,
-                }
+        // nn.Linear's init: kaiming_uniform_(a=sqrt(5)), uniform(±1/sqrt(fan_in)).
+        let linear = |fan_in: i64| {
+            let bound = 1.0 / (fan_in as f64).sqrt();
+            Init::Uniform {
+                lo: -bound,
+                up: bound,
             }
-            LoraInit::Gaussian => Init::Randn {
-                mean: 0.0,
-                stdev: 1.0 / c.r as f64,
-            },
+        };
+        let (a_init, b_init) = match c.init {
+            LoraInit::Kaiming => (linear(nx), Init::Const(0.0)),
+            LoraInit::Gaussian => (
+                Init::Randn {
+                    mean: 0.0,
+                    stdev: 1.0 / c.r as f64,
+                },
+                Init::Const(0.0),
+            ),
+            LoraInit::Random => (linear(nx), linear(c.r)),
         };
         Self {
             a: p.var(LORA_A, &[nx, c.r], a_init),
-            b: p.var(LORA_B, &[c.r, nf], Init::Const(0.0)),
+            b: p.var(LORA_B, &[c.r, nf], b_init),
             scale: c.scale(),
+            dropout: c.dropout,
         }
     }
 
@@ -497,11 +513,16 @@ impl Lora {
             a: self.a.shallow_clone(),
             b: self.b.shallow_clone(),
             scale: self.scale,
+            dropout: self.dropout,
         }
     }
 
-    fn forward(&self, x: &Tensor) -> Tensor {
-        x.matmul(&self.a).matmul(&self.b) * self.scale
+    /// PEFT's `lora_B(lora_A(dropout(x))) * scaling`.
+    fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+        dropout(x.shallow_clone(), self.dropout, train)
+            .matmul(&self.a)
+            .matmul(&self.b)
+            * self.scale
     }
 }
 
@@ -517,42 +538,6 @@ pub fn lora_delta(a: &Tensor, b: &Tensor, scale: f64) -> Tensor {
         delta += a.narrow(1, k, 1) * b.narrow(0, k, 1);
     }
     delta * scale
-}
-
-/// The adapters of a state dict as PEFT saves them
-/// (`adapter_model.safetensors`): `X.lora_A` `[in, r]` becomes
-/// `base_model.model.X.lora_A.weight` `[r, in]` and `X.lora_B` `[r, out]`
-/// `base_model.model.X.lora_B.weight` `[out, r]` (a Linear's `[out, in]`;
-/// PEFT's `fan_in_fan_out` adapts them to the Conv1D).
-pub fn peft_adapters(state: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
-    state
-        .iter()
-        .filter(|(n, _)| is_adapter(n))
-        .map(|(n, t)| (format!("base_model.model.{n}.weight"), t.tr().contiguous()))
-        .collect()
-}
-
-/// The `adapter_config.json` PEFT's `LoraConfig` reads for [`peft_adapters`]:
-/// LoRA on every `c_attn` (Conv1D, so `fan_in_fan_out`), rank, alpha and
-/// init as trained, no dropout or bias, for a causal LM on `base` (the
-/// `--model` directory, if any).
-pub fn peft_config(lora: &LoraConfig, base: Option<&str>) -> Value {
-    json!({
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base,
-        "r": lora.r,
-        "lora_alpha": lora.alpha,
-        "target_modules": ["c_attn"],
-        "fan_in_fan_out": true,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "init_lora_weights": match lora.init {
-            LoraInit::Kaiming => json!(true),
-            LoraInit::Gaussian => json!("gaussian"),
-        },
-        "inference_mode": true,
-    })
 }
 
 /// `weight + lora_delta(a, b, scale)`, added in f64 and rounded once to
@@ -669,7 +654,7 @@ impl Block {
         let (b, t, e) = x.size3().expect("hidden states are [B, T, E]");
         let d = e / self.n_head;
         let qkv = match &self.lora {
-            Some(l) => self.c_attn.forward(x) + l.forward(x),
+            Some(l) => self.c_attn.forward(x) + l.forward(x, train),
             None => self.c_attn.forward(x),
         };
         let qkv = qkv.split(e, 2);

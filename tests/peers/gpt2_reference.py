@@ -24,6 +24,12 @@ Subcommands:
         the ids to FILE as safetensors {input_ids [1, T], logits [1, T, V]}. --peft: PEFT's
         PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(BASE), ADAPTERS) instead.
 
+    peft-init BASE DIR --r R --alpha A [--dropout P] [--seed S]
+        torch.manual_seed(S); get_peft_model(GPT2LMHeadModel.from_pretrained(BASE),
+        LoraConfig(r=R, lora_alpha=A, lora_dropout=P, target_modules=["c_attn"], fan_in_fan_out=True,
+        init_lora_weights=False)).save_pretrained(DIR): adapters PEFT made, lora_B random (not zero),
+        so they change the model, for accel's `--lora-from`.
+
 Training setup, matching accel's gpt2:
 * Data: the nanoGPT token file as windows k -> input_ids t[k*B : k*B+B], labels t[k*B+1 : k*B+B+1]
   (int64), DataLoader(ds, batch_size, shuffle=True) prepared by
@@ -117,6 +123,22 @@ def cmd_logits(a):
         with torch.no_grad():
             logits = model(input_ids=ids).logits.float().contiguous()
         save_file({"input_ids": ids, "logits": logits}, out)
+
+
+def cmd_peft_init(a):
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(a.seed)
+    config = LoraConfig(
+        r=a.r,
+        lora_alpha=a.alpha,
+        lora_dropout=a.dropout,
+        target_modules=["c_attn"],
+        fan_in_fan_out=True,
+        init_lora_weights=False,
+    )
+    get_peft_model(GPT2LMHeadModel.from_pretrained(a.base), config).save_pretrained(a.dir)
 
 
 def cmd_train(a):
@@ -258,8 +280,15 @@ def main(argv):
     lg.add_argument("--ids", required=True)
     lg.add_argument("--model", nargs=2, action="append", default=[], metavar=("DIR", "FILE"))
     lg.add_argument("--peft", nargs=3, action="append", default=[], metavar=("BASE", "ADAPTERS", "FILE"))
+    pi = sub.add_parser("peft-init")
+    pi.add_argument("base")
+    pi.add_argument("dir")
+    pi.add_argument("--r", type=int, required=True)
+    pi.add_argument("--alpha", type=float, required=True)
+    pi.add_argument("--dropout", type=float, default=0.0)
+    pi.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    {"init": cmd_init, "train": cmd_train, "logits": cmd_logits}[a.cmd](a)
+    {"init": cmd_init, "train": cmd_train, "logits": cmd_logits, "peft-init": cmd_peft_init}[a.cmd](a)
 
 
 if __name__ == "__main__":
