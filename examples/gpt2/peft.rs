@@ -122,6 +122,8 @@ pub fn read(dir: &Path, config: &Gpt2Config) -> Result<Adapter> {
         ("layers_to_transform", json!([])),
         ("layer_replication", json!([])),
         ("trainable_token_indices", json!([])),
+        ("target_parameters", json!([])),
+        ("alora_invocation_tokens", json!(null)),
     ] {
         if let Some(v) = key(k).filter(|v| **v != plain) {
             bail!(
