@@ -334,19 +334,27 @@ fn lora_trains_the_adapters_only_and_the_merged_model_and_peft_load_them() {
         (vec!["--lora-alpha", "4"], "--lora-alpha needs --lora-r"),
         (vec!["--lora-r", "2", "--lora-alpha", "0"], "--lora-alpha 0"),
     ] {
-        let out = Command::new(gpt2())
-            .args(["--model", init_dir.to_str().unwrap(), "--steps", "0"])
-            .args(&args)
-            .env("RUST_BACKTRACE", "0")
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            !out.status.success() && err.contains(expect) && !err.contains("panicked"),
-            "gpt2 {args:?}: {}",
-            describe(&out)
-        );
+        assert_refused(&init_dir, &args, expect);
     }
+}
+
+/// `gpt2 --model MODEL --steps 0 ARGS` fails, saying `expect`, without a
+/// panic.
+fn assert_refused(model: &Path, args: &[&str], expect: &str) {
+    let out = Command::new(gpt2())
+        .arg("--model")
+        .arg(model)
+        .args(["--steps", "0"])
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains(expect) && !err.contains("panicked"),
+        "gpt2 {args:?}: {}",
+        describe(&out)
+    );
 }
 
 /// The README's worked example (the bash block after its marker), run as
@@ -601,7 +609,7 @@ fn lora_from_reads_the_adapters_peft_saved() {
         ),
         (
             edited("ia3", &|c| c["peft_type"] = "IA3".into()),
-            "key `peft_type`: `IA3`: accel's gpt2 reads LoRA adapters only",
+            "key `peft_type`: \"IA3\": accel's gpt2 reads LoRA adapters only",
         ),
         (
             edited("pissa", &|c| c["init_lora_weights"] = "pissa".into()),
@@ -614,33 +622,11 @@ fn lora_from_reads_the_adapters_peft_saved() {
         (s(&d("nowhere")), "nowhere/adapter_config.json"),
     ];
     for (from, expect) in &cases {
-        let out = Command::new(gpt2())
-            .args([
-                "--model",
-                base.to_str().unwrap(),
-                "--steps",
-                "0",
-                "--lora-from",
-                from,
-            ])
-            .env("RUST_BACKTRACE", "0")
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            !out.status.success() && err.contains(expect) && !err.contains("panicked"),
-            "--lora-from {from}: {}",
-            describe(&out)
-        );
+        assert_refused(&base, &["--lora-from", from], expect);
     }
-    let out = Command::new(gpt2())
-        .args(["--lora-from", &s(&made), "--lora-r", "4"])
-        .output()
-        .unwrap();
-    assert!(
-        !out.status.success()
-            && String::from_utf8_lossy(&out.stderr).contains("cannot be used with"),
-        "{}",
-        describe(&out)
+    assert_refused(
+        &base,
+        &["--lora-from", &s(&made), "--lora-r", "4"],
+        "cannot be used with",
     );
 }

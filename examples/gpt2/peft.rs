@@ -77,37 +77,34 @@ pub fn read(dir: &Path, config: &Gpt2Config) -> Result<Adapter> {
     let at = |key: &str| format!("{} key `{key}`", file.display());
     let json = hf::read_json(&file)?;
     let key = |k: &str| json.get(k).filter(|v| !v.is_null());
-    match key("peft_type").and_then(Value::as_str) {
-        Some("LORA") => {}
-        other => bail!(
-            "{}: {}: accel's gpt2 reads LoRA adapters only (peft_type `LORA`)",
+    // A key's value as the file writes it, for messages.
+    let shown = |k: &str| key(k).map_or_else(|| "missing".to_owned(), Value::to_string);
+    if key("peft_type") != Some(&json!("LORA")) {
+        bail!(
+            "{}: {}: accel's gpt2 reads LoRA adapters only (\"LORA\")",
             at("peft_type"),
-            other.map_or_else(|| "missing".to_owned(), |t| format!("`{t}`"))
-        ),
+            shown("peft_type")
+        );
     }
     let r = match key("r").and_then(Value::as_i64) {
         Some(r) if r >= 1 => r,
-        _ => bail!("{}: {:?}: a rank is an integer ≥ 1", at("r"), key("r")),
+        _ => bail!("{}: {}: a rank is an integer ≥ 1", at("r"), shown("r")),
     };
     let alpha = match key("lora_alpha").and_then(Value::as_f64) {
         Some(a) if a.is_finite() && a > 0.0 => a,
         _ => bail!(
-            "{}: {:?}: a number > 0",
+            "{}: {}: a number > 0",
             at("lora_alpha"),
-            key("lora_alpha")
+            shown("lora_alpha")
         ),
     };
-    let targets = key("target_modules");
-    let c_attn_only = match targets {
-        Some(Value::Array(names)) => names.len() == 1 && names[0] == "c_attn",
-        Some(Value::String(name)) => name == "c_attn",
-        _ => false,
-    };
-    if !c_attn_only {
+    // PEFT adds, with fresh values, adapters the config names and the file
+    // lacks: the config must name what the file holds.
+    if key("target_modules") != Some(&json!(["c_attn"])) {
         bail!(
             "{}: {}: accel's gpt2 adapts every block's c_attn only ([\"c_attn\"])",
             at("target_modules"),
-            targets.map_or_else(|| "missing".to_owned(), Value::to_string)
+            shown("target_modules")
         );
     }
     // Keys whose other values compute something accel does not.
