@@ -53,13 +53,18 @@
 //!   `config.json` and `model.safetensors` (`--max-shard-size` cuts shards
 //!   with an index) that `GPT2LMHeadModel.from_pretrained` loads;
 //!   `--logits-out FILE --logits-input IDS` writes the final model's logits
-//!   for a comma-separated token list (safetensors `input_ids`, `logits`).
+//!   for a comma-separated token list (safetensors `input_ids`, `logits`);
+//!   `--prompt TEXT` or `--prompt-ids IDS` generates `--max-new-tokens` as
+//!   transformers' `generate` does, greedy or `--do-sample`
+//!   (`--temperature`, `--top-k`, `--top-p`, seeded by `--seed`).
 //! * Sharding: every module runs as a unit scope named by its path, and the
 //!   blocks `transformer.h.<i>` are declared of layer class `GPT2Block`.
 //! * Memory: `--gradient-checkpointing` checkpoints every block in training
 //!   (transformers' `gradient_checkpointing_enable()`), as
 //!   `fsdp_activation_checkpointing: true` does for the units FSDP wraps.
 
+#[path = "gpt2/generate.rs"]
+mod generate;
 #[path = "gpt2/model.rs"]
 mod model;
 #[path = "gpt2/peft.rs"]
@@ -242,6 +247,30 @@ struct Args {
     /// Comma-separated token ids for --logits-out.
     #[arg(long = "logits-input")]
     logits_input: Option<String>,
+    /// At the end, generate text after this prompt (tokenized by --model's
+    /// tokenizer.json) and print it, as transformers' `generate`.
+    #[arg(long, conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// At the end, generate after these comma-separated token ids.
+    #[arg(long = "prompt-ids")]
+    prompt_ids: Option<String>,
+    /// How many tokens to generate at most (fewer when the model emits
+    /// its end-of-sequence id).
+    #[arg(long = "max-new-tokens", default_value_t = 20)]
+    max_new_tokens: usize,
+    /// Sample the next token (temperature, top-k, top-p; seeded by --seed)
+    /// instead of taking the most likely one.
+    #[arg(long = "do-sample")]
+    do_sample: bool,
+    /// Sampling: divide the scores by this.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f64,
+    /// Sampling: keep the K most likely tokens (0: all; transformers' default 50).
+    #[arg(long = "top-k", default_value_t = 50)]
+    top_k: i64,
+    /// Sampling: keep the fewest tokens whose probability reaches P (1: all).
+    #[arg(long = "top-p", default_value_t = 1.0)]
+    top_p: f64,
     /// Profile the training steps (a few, then), each a `ProfilerStep#N`
     /// range: each rank writes its Chrome trace `DIR/profile_{rank}.json`
     /// and the main process prints the 15 operators with the most self
@@ -387,6 +416,18 @@ fn check_args(args: &Args, c: &Gpt2Config) -> Result<usize> {
         bail!("--logits-out and --logits-input go together");
     }
     parse_size(&args.max_shard_size).map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
+    if args.max_new_tokens == 0 {
+        bail!("--max-new-tokens 0: generate at least one token");
+    }
+    if !(args.temperature.is_finite() && args.temperature > 0.0) {
+        bail!("--temperature {}: must be > 0", args.temperature);
+    }
+    if args.top_k < 0 {
+        bail!("--top-k {}: 0 (all) or more", args.top_k);
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        bail!("--top-p {}: in (0, 1]", args.top_p);
+    }
     let block = args.block_size.unwrap_or(c.n_positions as usize);
     if block == 0 {
         bail!("--block-size 0: a window holds at least one token");
@@ -407,30 +448,83 @@ fn check_args(args: &Args, c: &Gpt2Config) -> Result<usize> {
     Ok(block)
 }
 
-/// Parses `--logits-input`.
-fn logits_input(text: &str, c: &Gpt2Config) -> Result<Vec<i64>> {
+/// Parses the comma-separated token ids of `flag` (`--logits-input`,
+/// `--prompt-ids`).
+fn token_ids(flag: &str, text: &str, c: &Gpt2Config) -> Result<Vec<i64>> {
     let ids = text
         .split(',')
         .map(|s| {
             s.trim()
                 .parse::<i64>()
-                .with_context(|| format!("--logits-input: `{s}` is not a token id"))
+                .with_context(|| format!("{flag}: `{s}` is not a token id"))
         })
         .collect::<Result<Vec<i64>>>()?;
+    check_prompt(flag, &ids, c)?;
+    Ok(ids)
+}
+
+/// Refuses `ids` (of `flag`) that are empty, longer than the model's
+/// positions or outside its vocabulary.
+fn check_prompt(flag: &str, ids: &[i64], c: &Gpt2Config) -> Result<()> {
     if ids.is_empty() || ids.len() as i64 > c.n_positions {
         bail!(
-            "--logits-input: {} tokens; between 1 and n_positions {}",
+            "{flag}: {} tokens; between 1 and n_positions {}",
             ids.len(),
             c.n_positions
         );
     }
     if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= c.vocab_size) {
         bail!(
-            "--logits-input: token id {bad} is outside the vocabulary of {}",
+            "{flag}: token id {bad} is outside the vocabulary of {}",
             c.vocab_size
         );
     }
-    Ok(ids)
+    Ok(())
+}
+
+/// The prompt of `--prompt` (tokenized by `--model`'s tokenizer.json as
+/// transformers' tokenizer call does) or `--prompt-ids`, checked against
+/// the model and `--max-new-tokens`; the tokenizer, when there is one, to
+/// show the text.
+fn prompt(
+    args: &Args,
+    c: &Gpt2Config,
+) -> Result<(Option<Vec<i64>>, Option<tokenizers::Tokenizer>)> {
+    let file = args.model.as_ref().map(|m| m.join("tokenizer.json"));
+    let tokenizer = match file.as_ref().filter(|f| f.is_file()) {
+        Some(f) if args.prompt.is_some() || args.prompt_ids.is_some() => Some(
+            tokenizers::Tokenizer::from_file(f)
+                .map_err(|e| anyhow::anyhow!("--prompt: reading {}: {e}", f.display()))?,
+        ),
+        _ => None,
+    };
+    let ids = match (&args.prompt, &args.prompt_ids, &tokenizer) {
+        (Some(text), _, Some(t)) => {
+            let encoding = t
+                .encode(text.as_str(), true)
+                .map_err(|e| anyhow::anyhow!("--prompt: tokenizing: {e}"))?;
+            let ids: Vec<i64> = encoding.get_ids().iter().map(|&i| i64::from(i)).collect();
+            check_prompt("--prompt", &ids, c)?;
+            Some(ids)
+        }
+        (Some(_), _, None) => bail!(
+            "--prompt needs a tokenizer: none at {} (give --model a directory with tokenizer.json, or token ids with --prompt-ids)",
+            file.map_or_else(|| "--model (not given)".to_owned(), |f| f.display().to_string())
+        ),
+        (None, Some(text), _) => Some(token_ids("--prompt-ids", text, c)?),
+        (None, None, _) => None,
+    };
+    if let Some(ids) = &ids {
+        if ids.len() + args.max_new_tokens > c.n_positions as usize {
+            bail!(
+                "--max-new-tokens {}: the prompt's {} tokens and the new ones exceed n_positions {}",
+                args.max_new_tokens,
+                ids.len(),
+                c.n_positions
+            );
+        }
+    }
+    Ok((ids, tokenizer))
 }
 
 /// Freezes the parameters matching any of `patterns`; refuses a pattern
@@ -636,10 +730,11 @@ fn main() -> Result<()> {
         .token_dtype
         .parse()
         .map_err(|e| anyhow::anyhow!("--token-dtype: {e}"))?;
+    let (prompt_ids, tokenizer) = prompt(&args, &config)?;
     let logits_ids = args
         .logits_input
         .as_deref()
-        .map(|t| logits_input(t, &config))
+        .map(|t| token_ids("--logits-input", t, &config))
         .transpose()?;
     // Open the checkpoint's headers and the data before the model is
     // built: their errors come first.
@@ -920,6 +1015,36 @@ fn main() -> Result<()> {
                 ],
             )
             .with_context(|| format!("--logits-out {}", out.display()))?;
+        }
+    }
+    if let Some(prompt) = &prompt_ids {
+        let sampling = args.do_sample.then_some(generate::Sampling {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+        });
+        let eos = generate::eos_ids(args.model.as_deref(), &model.config.raw);
+        let ids = generate::generate(
+            &mut acc,
+            &model,
+            prompt,
+            args.max_new_tokens,
+            &eos,
+            sampling.as_ref(),
+            args.seed,
+        )?;
+        let text: Vec<String> = ids.iter().map(i64::to_string).collect();
+        acc.print(format!("gpt2: generated ids: {}", text.join(",")));
+        if let Some(t) = &tokenizer {
+            let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+            let text = t
+                .decode(&ids, false)
+                .map_err(|e| anyhow::anyhow!("decoding the generated ids: {e}"))?;
+            // A JSON string: one line whatever the text holds.
+            acc.print(format!(
+                "gpt2: generated text: {}",
+                serde_json::Value::from(text)
+            ));
         }
     }
     acc.end_training()?;

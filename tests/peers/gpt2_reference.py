@@ -24,6 +24,12 @@ Subcommands:
         the ids to FILE as safetensors {input_ids [1, T], logits [1, T, V]}. --peft: PEFT's
         PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(BASE), ADAPTERS) instead.
 
+    generate --model DIR (--ids 1,2,3 | --prompt TEXT) [--max-new-tokens 20] [--do-sample] [--temperature 1]
+             [--top-k 50] [--top-p 1] [--seed 0]
+        transformers.set_seed(S); GPT2LMHeadModel.from_pretrained(DIR).generate(ids, max_new_tokens=N,
+        do_sample=..., ...) (the prompt tokenized by DIR's tokenizer.json through PreTrainedTokenizerFast);
+        prints one JSON line: {"ids": [...], "text": decoded (with a tokenizer)}.
+
     peft-init BASE DIR --r R --alpha A [--dropout P] [--seed S]
         torch.manual_seed(S); get_peft_model(GPT2LMHeadModel.from_pretrained(BASE),
         LoraConfig(r=R, lora_alpha=A, lora_dropout=P, target_modules=["c_attn"], fan_in_fan_out=True,
@@ -123,6 +129,29 @@ def cmd_logits(a):
         with torch.no_grad():
             logits = model(input_ids=ids).logits.float().contiguous()
         save_file({"input_ids": ids, "logits": logits}, out)
+
+
+def cmd_generate(a):
+    from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast, set_seed
+
+    tok_file = os.path.join(a.model, "tokenizer.json")
+    tok = PreTrainedTokenizerFast(tokenizer_file=tok_file) if os.path.exists(tok_file) else None
+    if a.prompt is not None:
+        ids = tok(a.prompt, return_tensors="pt").input_ids
+    else:
+        ids = torch.tensor([[int(t) for t in a.ids.split(",")]], dtype=torch.int64)
+    model = GPT2LMHeadModel.from_pretrained(a.model)
+    model.eval()
+    set_seed(a.seed)
+    kwargs = {"max_new_tokens": a.max_new_tokens, "do_sample": a.do_sample}
+    if a.do_sample:
+        kwargs.update(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)[0].tolist()
+    result = {"ids": out}
+    if tok is not None:
+        result["text"] = tok.decode(out)
+    print(json.dumps(result))
 
 
 def cmd_peft_init(a):
@@ -280,6 +309,16 @@ def main(argv):
     lg.add_argument("--ids", required=True)
     lg.add_argument("--model", nargs=2, action="append", default=[], metavar=("DIR", "FILE"))
     lg.add_argument("--peft", nargs=3, action="append", default=[], metavar=("BASE", "ADAPTERS", "FILE"))
+    ge = sub.add_parser("generate")
+    ge.add_argument("--model", required=True)
+    ge.add_argument("--ids")
+    ge.add_argument("--prompt")
+    ge.add_argument("--max-new-tokens", type=int, default=20)
+    ge.add_argument("--do-sample", action="store_true")
+    ge.add_argument("--temperature", type=float, default=1.0)
+    ge.add_argument("--top-k", type=int, default=50)
+    ge.add_argument("--top-p", type=float, default=1.0)
+    ge.add_argument("--seed", type=int, default=0)
     pi = sub.add_parser("peft-init")
     pi.add_argument("base")
     pi.add_argument("dir")
@@ -288,7 +327,13 @@ def main(argv):
     pi.add_argument("--dropout", type=float, default=0.0)
     pi.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    {"init": cmd_init, "train": cmd_train, "logits": cmd_logits, "peft-init": cmd_peft_init}[a.cmd](a)
+    {
+        "init": cmd_init,
+        "train": cmd_train,
+        "logits": cmd_logits,
+        "generate": cmd_generate,
+        "peft-init": cmd_peft_init,
+    }[a.cmd](a)
 
 
 if __name__ == "__main__":
