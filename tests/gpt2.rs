@@ -7,7 +7,8 @@
 use accel_integration_tests::{
     accel_bin, describe,
     gpt2::{
-        gpt2, logits, max_diff, on_tokens, peer, write_tokens, ACCUMULATED, LOGITS_INPUT, SIZES,
+        gpt2, logits, max_diff, on_tokens, peer, write_tokens, ACCUMULATED, LOGITS_INPUT,
+        LOGITS_ONLY, SIZES,
     },
     loss_records, read_weights, run_ok, venv_bin, workspace_root,
 };
@@ -182,13 +183,7 @@ fn model_logits(model: &Path, out: &Path) -> Tensor {
         Command::new(gpt2())
             .arg("--model")
             .arg(model)
-            .args([
-                "--steps",
-                "0",
-                "--logits-input",
-                LOGITS_INPUT,
-                "--logits-out",
-            ])
+            .args(LOGITS_ONLY)
             .arg(out),
     );
     logits(out)

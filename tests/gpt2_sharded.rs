@@ -9,7 +9,7 @@ use accel_integration_tests::{
     accel_bin, describe,
     gpt2::{
         gpt2, logits, max_diff, on_tokens, peer, peer_model_and_tokens, save_tiny_model,
-        write_tokens, ACCUMULATED, LOGITS_INPUT, SIZES,
+        write_tokens, ACCUMULATED, LOGITS_INPUT, LOGITS_ONLY, SIZES,
     },
     loss_log, max_abs_diff, read_weights, run_ok, venv_bin, workspace_root, write_config,
 };
@@ -492,13 +492,7 @@ fn lora_from_reads_the_adapters_peft_saved() {
     run_ok(
         Command::new(gpt2())
             .args(&lora_from)
-            .args([
-                "--steps",
-                "0",
-                "--logits-input",
-                LOGITS_INPUT,
-                "--logits-out",
-            ])
+            .args(LOGITS_ONLY)
             .arg(&one)
             .arg("--save-peft")
             .arg(&again),

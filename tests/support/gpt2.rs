@@ -49,6 +49,16 @@ pub const ACCUMULATED: &[&str] = &[
 /// The token ids the tests compare logits on (`--logits-input`).
 pub const LOGITS_INPUT: &str = "1,8,43,218,67,338,459,500,3,0,511,77";
 
+/// gpt2's flags to train nothing and write the logits for [`LOGITS_INPUT`]
+/// to the file given next.
+pub const LOGITS_ONLY: [&str; 5] = [
+    "--steps",
+    "0",
+    "--logits-input",
+    LOGITS_INPUT,
+    "--logits-out",
+];
+
 /// The `gpt2` example program.
 pub fn gpt2() -> PathBuf {
     build_bin("gpt2")
