@@ -333,6 +333,14 @@ fn lora_trains_the_adapters_only_and_the_merged_model_and_peft_load_them() {
         ),
         (vec!["--lora-alpha", "4"], "--lora-alpha needs --lora-r"),
         (vec!["--lora-r", "2", "--lora-alpha", "0"], "--lora-alpha 0"),
+        (
+            vec!["--lora-r", "2", "--lora-dropout", "1"],
+            "--lora-dropout 1: a probability in [0, 1)",
+        ),
+        (
+            vec!["--lora-dropout", "0.1"],
+            "--lora-dropout needs --lora-r",
+        ),
     ] {
         assert_refused(&init_dir, &args, expect);
     }
