@@ -731,6 +731,11 @@ fn main() -> Result<()> {
         .parse()
         .map_err(|e| anyhow::anyhow!("--token-dtype: {e}"))?;
     let (prompt_ids, tokenizer) = prompt(&args, &config)?;
+    // Read before training: a broken generation_config.json fails first.
+    let eos_ids = match &prompt_ids {
+        Some(_) => generate::eos_ids(args.model.as_deref(), &config.raw)?,
+        None => Vec::new(),
+    };
     let logits_ids = args
         .logits_input
         .as_deref()
@@ -1023,13 +1028,12 @@ fn main() -> Result<()> {
             top_k: args.top_k,
             top_p: args.top_p,
         });
-        let eos = generate::eos_ids(args.model.as_deref(), &model.config.raw);
         let ids = generate::generate(
             &mut acc,
             &model,
             prompt,
             args.max_new_tokens,
-            &eos,
+            &eos_ids,
             sampling.as_ref(),
             args.seed,
         )?;

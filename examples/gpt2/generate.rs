@@ -97,22 +97,26 @@ pub fn generate(
 
 /// The end-of-sequence ids transformers' `generate` stops at for the model
 /// in `dir`: `eos_token_id` (an id or a list) of its
-/// `generation_config.json`, else of its `config.json` (`config`).
+/// `generation_config.json`, else of its `config.json` (`config`). A
+/// `generation_config.json` that is not JSON is an error naming it.
 pub fn eos_ids(
     dir: Option<&Path>,
     config: &serde_json::Map<String, serde_json::Value>,
-) -> Vec<i64> {
-    let generation = dir
+) -> Result<Vec<i64>, AccelError> {
+    let generation = match dir
         .map(|d| d.join("generation_config.json"))
         .filter(|f| f.is_file())
-        .and_then(|f| accel::hf::read_json(&f).ok());
+    {
+        Some(f) => Some(accel::hf::read_json(&f)?),
+        None => None,
+    };
     let eos = match &generation {
         Some(g) => g.get("eos_token_id"),
         None => config.get("eos_token_id"),
     };
-    match eos {
+    Ok(match eos {
         Some(serde_json::Value::Array(all)) => all.iter().filter_map(|v| v.as_i64()).collect(),
         Some(v) => v.as_i64().into_iter().collect(),
         None => Vec::new(),
-    }
+    })
 }

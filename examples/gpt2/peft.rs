@@ -57,7 +57,7 @@ pub fn config_of(lora: &LoraConfig, base: Option<&str>) -> Value {
 
 /// A PEFT adapter directory read for a model of `config` (`--lora-from`).
 pub struct Adapter {
-    /// Its rank, alpha and init.
+    /// Its rank, alpha, init and dropout.
     pub lora: LoraConfig,
     /// The adapters under the model's names and layout (`X.lora_A`
     /// `[in, r]`, `X.lora_B` `[r, out]`, float32), every block's c_attn.
@@ -153,6 +153,7 @@ pub fn read(dir: &Path, config: &Gpt2Config) -> Result<Adapter> {
         .with_context(|| format!("reading {}", weights.display()))?;
     let (e, layers) = (config.n_embd, config.n_layer);
     let mut tensors = Vec::with_capacity(2 * layers as usize);
+    let mut wanted = Vec::with_capacity(2 * layers as usize);
     for i in 0..layers {
         let module = format!("transformer.h.{i}.attn.c_attn");
         for (which, shape) in [(LORA_A, [r, e]), (LORA_B, [3 * e, r])] {
@@ -177,13 +178,10 @@ pub fn read(dir: &Path, config: &Gpt2Config) -> Result<Adapter> {
                 format!("{module}.{which}"),
                 t.to_kind(Kind::Float).tr().contiguous(),
             ));
+            wanted.push(name);
         }
     }
-    if let Some((extra, _)) = stored.iter().find(|(n, _)| {
-        !tensors
-            .iter()
-            .any(|(m, _)| format!("{PREFIX}{m}.weight") == *n)
-    }) {
+    if let Some((extra, _)) = stored.iter().find(|(n, _)| !wanted.contains(n)) {
         bail!(
             "{}: `{extra}` is not an adapter of a c_attn of this {layers}-block model",
             weights.display()
