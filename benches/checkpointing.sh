@@ -48,8 +48,8 @@ PY
 
 : >"$out/results.jsonl"
 echo "== gpt2 6x384, block 128, batch 8 per rank, 30 AdamW steps"
-run "single" "$rel/gpt2" "${common[@]}"
-run "single, --gradient-checkpointing" "$rel/gpt2" "${common[@]}" --gradient-checkpointing
-run "FSDP FULL_SHARD, 2 ranks" "$rel/accel" launch -q --config_file "$out/fsdp.yaml" "$rel/gpt2" "${common[@]}"
+run "single" "$rel/clm" "${common[@]}"
+run "single, --gradient-checkpointing" "$rel/clm" "${common[@]}" --gradient-checkpointing
+run "FSDP FULL_SHARD, 2 ranks" "$rel/accel" launch -q --config_file "$out/fsdp.yaml" "$rel/clm" "${common[@]}"
 run "FSDP FULL_SHARD + fsdp_activation_checkpointing, 2 ranks" "$rel/accel" launch -q \
-    --config_file "$out/fsdp_ac.yaml" "$rel/gpt2" "${common[@]}"
+    --config_file "$out/fsdp_ac.yaml" "$rel/clm" "${common[@]}"

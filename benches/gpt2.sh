@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpt2 throughput and memory: accel's gpt2 example (examples/gpt2.rs) under
+# gpt2 throughput and memory: accel's clm example (examples/clm.rs) training GPT-2 under
 # one process, DDP, FSDP FULL_SHARD (GPT2Block units) and ZeRO-3 on 2 CPU
 # ranks, beside transformers' GPT2LMHeadModel under Python Accelerate
 # (tests/peers/gpt2_reference.py: one process, and torchrun with 2 gloo
@@ -73,10 +73,10 @@ PY
 
 : >"$out/results.jsonl"
 echo "== gpt2 6x384, block $block, batch $batch per rank, $steps AdamW steps"
-row "accel single" 1 "$(measure "$rel/gpt2" "$rel/gpt2" "${common[@]}")"
-row "accel DDP" 2 "$(measure "$rel/gpt2" "$rel/accel" launch -q --cpu --num_processes 2 "$rel/gpt2" "${common[@]}")"
-row "accel FSDP FULL_SHARD" 2 "$(measure "$rel/gpt2" "$rel/accel" launch -q --config_file "$out/fsdp.yaml" "$rel/gpt2" "${common[@]}")"
-row "accel ZeRO-3" 2 "$(measure "$rel/gpt2" "$rel/accel" launch -q --config_file "$out/zero3.yaml" "$rel/gpt2" "${common[@]}")"
+row "accel single" 1 "$(measure "$rel/clm" "$rel/clm" "${common[@]}")"
+row "accel DDP" 2 "$(measure "$rel/clm" "$rel/accel" launch -q --cpu --num_processes 2 "$rel/clm" "${common[@]}")"
+row "accel FSDP FULL_SHARD" 2 "$(measure "$rel/clm" "$rel/accel" launch -q --config_file "$out/fsdp.yaml" "$rel/clm" "${common[@]}")"
+row "accel ZeRO-3" 2 "$(measure "$rel/clm" "$rel/accel" launch -q --config_file "$out/zero3.yaml" "$rel/clm" "${common[@]}")"
 row "transformers + Accelerate, 1 process" 1 "$(measure "$peer" python "$peer" train "${common[@]}")"
 row "transformers + Accelerate DDP (torchrun, gloo)" 2 "$(measure "$peer" torchrun --nproc_per_node 2 --master_port 29541 "$peer" train "${common[@]}")"
 
@@ -92,7 +92,7 @@ long=(--model "$out/model1024" --data "$out/tokens.bin" --block-size $block --ba
 echo "== attention: gpt2 6x384, block $block, batch $batch, 5 AdamW steps, one process"
 for attn in sdpa eager; do
     row "accel single, $attn attention, block $block" 1 \
-        "$(measure "$rel/gpt2" "$rel/gpt2" "${long[@]}" --attn-implementation $attn)"
+        "$(measure "$rel/clm" "$rel/clm" "${long[@]}" --attn-implementation $attn)"
     row "transformers + Accelerate, 1 process, $attn attention, block $block" 1 \
         "$(measure "$peer" python "$peer" train "${long[@]}" --attn-implementation $attn)"
 done

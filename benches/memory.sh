@@ -49,8 +49,8 @@ done
 peak() {
     local cfg=$1; shift
     local tag; tag=$(printf -- '-%s' "$@" | tr -s ' -' '-')
-    peak_rss "$out/$cfg${*:+$tag}.log" "$rel/gpt2" \
-        "$rel/accel" launch -q --config_file "$out/$cfg.yaml" "$rel/gpt2" --model "$out/model" \
+    peak_rss "$out/$cfg${*:+$tag}.log" "$rel/clm" \
+        "$rel/accel" launch -q --config_file "$out/$cfg.yaml" "$rel/clm" --model "$out/model" \
         --data "$out/tokens.bin" --block-size 128 --batch-size 2 --steps 2 --lr 3e-4 "$@"
 }
 

@@ -151,7 +151,7 @@ units() { case $1 in gpt2) echo GPT2Block ;; *) echo l1,l2,l3 ;; esac; }
 run_one() {
     local w=$1 c=$2 log=$3 port=$((29600 + RANDOM % 300)) b prog=$rel/mlp extra=() log_env=()
     b=$(batch "$w")
-    [ "$w" = gpt2 ] && prog=$rel/gpt2
+    [ "$w" = gpt2 ] && prog=$rel/clm
     [ "$w" = gpt2 ] || extra=(--optimizer sgd)
     # shellcheck disable=SC2046
     case $c in

@@ -153,11 +153,11 @@ gpt2_args=(--model "$out/model" --data "$out/tokens.bin" --block-size "$block" -
 # tokens/s over RANKS ranks from a run's log.
 tokens_per_s() { "$python" -c 'import sys; s,b,k,r=map(float,sys.argv[1:]); print(round(s*b*k*r))' "$(steps_per_s "$1")" $batch $block "$2"; }
 run "gpt2, CPU fp32" "$out/gpt2_cpu.log" \
-    "$accel" launch -q --cpu --num_processes 1 "$rel/gpt2" "${gpt2_args[@]}" \
+    "$accel" launch -q --cpu --num_processes 1 "$rel/clm" "${gpt2_args[@]}" \
     --mixed-precision no --loss-log "$out/gpt2_cpu.jsonl" || true
 for prec in no bf16 fp16; do
     if run "gpt2, CUDA $prec" "$out/gpt2_cuda_$prec.log" \
-        "$accel" launch -q --num_processes 1 --gpu_ids 0 "$rel/gpt2" "${gpt2_args[@]}" \
+        "$accel" launch -q --num_processes 1 --gpu_ids 0 "$rel/clm" "${gpt2_args[@]}" \
         --mixed-precision "$prec" --loss-log "$out/gpt2_cuda_$prec.jsonl" && [ -s "$out/gpt2_cpu.jsonl" ]; then
         compare "gpt2, 1 GPU" "$prec" "$out/gpt2_cuda_$prec.jsonl" "$out/gpt2_cpu.jsonl" \
             "$(tokens_per_s "$out/gpt2_cuda_$prec.log" 1)"
@@ -181,7 +181,7 @@ if [ "$cuda_count" -ge 2 ]; then
         --mixed-precision no --loss-log "$out/mlp_nccl.jsonl" && [ -s "$out/mlp_cpu2.jsonl" ] &&
         compare "mlp, 2 GPUs (NCCL)" no "$out/mlp_nccl.jsonl" "$out/mlp_cpu2.jsonl" "-"
     run "gpt2, 2 GPU ranks (DDP over NCCL), bf16" "$out/gpt2_nccl.log" \
-        "$accel" launch -q --multi_gpu --num_processes 2 --gpu_ids 0,1 "$rel/gpt2" "${gpt2_args[@]}" \
+        "$accel" launch -q --multi_gpu --num_processes 2 --gpu_ids 0,1 "$rel/clm" "${gpt2_args[@]}" \
         --mixed-precision bf16 --loss-log "$out/gpt2_nccl.jsonl" &&
         rows+=("$(printf '%-34s %-6s %12.6f %12s %10s  %s' "gpt2, 2 GPUs (NCCL)" bf16 \
             "$(final_loss "$out/gpt2_nccl.jsonl")" "-" "$(tokens_per_s "$out/gpt2_nccl.log" 2)" "ran")")

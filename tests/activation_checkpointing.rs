@@ -186,7 +186,7 @@ fn checkpointed_gpt2_blocks_give_the_same_gradients_under_every_strategy_and_pre
             with.push("--gradient-checkpointing");
             let (out, _) = train(dir, s, &ckpt, &with);
             assert!(
-                String::from_utf8_lossy(&out.stdout).contains("gpt2: gradient checkpointing"),
+                String::from_utf8_lossy(&out.stdout).contains("clm: gradient checkpointing"),
                 "{}",
                 describe(&out)
             );
@@ -206,7 +206,7 @@ fn checkpointed_gpt2_blocks_give_the_same_gradients_under_every_strategy_and_pre
         let tag = format!("fsdp-config-ac-{precision}");
         let (out, _) = train(dir, &fsdp_ac, &tag, &args);
         assert!(
-            String::from_utf8_lossy(&out.stdout).contains("gpt2: fsdp_activation_checkpointing"),
+            String::from_utf8_lossy(&out.stdout).contains("clm: fsdp_activation_checkpointing"),
             "{}",
             describe(&out)
         );

@@ -32,14 +32,14 @@ fn generated(stdout: &[u8]) -> (Vec<i64>, Option<String>) {
     let text = String::from_utf8_lossy(stdout);
     let ids = text
         .lines()
-        .find_map(|l| l.strip_prefix("gpt2: generated ids: "))
+        .find_map(|l| l.strip_prefix("clm: generated ids: "))
         .unwrap_or_else(|| panic!("no generated ids in: {text}"))
         .split(',')
         .map(|s| s.parse().unwrap())
         .collect();
     let decoded = text
         .lines()
-        .find_map(|l| l.strip_prefix("gpt2: generated text: "))
+        .find_map(|l| l.strip_prefix("clm: generated text: "))
         .map(|quoted| serde_json::from_str::<String>(quoted).unwrap());
     (ids, decoded)
 }

@@ -142,7 +142,7 @@ fn sharded_strategies_reach_ddps_weights_with_frozen_embeddings() {
     );
 }
 
-/// As `lora_delta` of examples/gpt2/model.rs: `A @ B * scale` in f64 as a
+/// As `lora_delta` of accel-models' gpt2.rs: `A @ B * scale` in f64 as a
 /// sum of rank-1 element-wise products in order (the same bits anywhere).
 fn lora_merge(weight: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Tensor {
     let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
@@ -430,7 +430,7 @@ fn the_readme_gpt2_fsdp_example_runs_as_written() {
     let value = |line: &str| -> f64 { line.rsplit(' ').next().unwrap().parse().unwrap() };
     let accel: Vec<f64> = stdout
         .lines()
-        .filter(|l| l.starts_with("gpt2: step 6: eval_loss "))
+        .filter(|l| l.starts_with("clm: step 6: eval_loss "))
         .map(value)
         .collect();
     let transformers: Vec<f64> = stdout

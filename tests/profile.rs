@@ -205,7 +205,7 @@ fn a_gpt2_trace_under_fsdp_shows_each_block_gathered_computed_and_recomputed() {
             .arg(gpt2())
             .args(&args),
     );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("gpt2: profile"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("clm: profile"));
     for rank in 0..2 {
         let (_, spans) = read_trace(&traces.join(format!("profile_{rank}.json")));
         for block in ["transformer.h.0", "transformer.h.1"] {

@@ -1,7 +1,8 @@
 //! The seeds' FSDP example (shared/seeds/001: the config Accelerate users
-//! copy from the transformers docs), unchanged but for the layer class,
-//! trains accel's gpt2 on 4 CPU processes; with its `LlamaDecoderLayer`
-//! left in, the error says which layer classes gpt2 has.
+//! copy from the transformers docs), unchanged, trains a Llama that
+//! transformers made (its `LlamaDecoderLayer`s the FSDP units) on 4 CPU
+//! processes with the clm example; on a GPT-2 the error says which layer
+//! classes the model has.
 
 use accel_integration_tests::*;
 use std::path::Path;
@@ -37,20 +38,13 @@ fn tokens(path: &Path) {
     std::fs::write(path, bytes).unwrap();
 }
 
-fn launch(config: &Path, data: &Path, save: &Path) -> std::process::Output {
+fn launch(config: &Path, model: &[&str], data: &Path, save: &Path) -> std::process::Output {
     Command::new(accel_bin())
         .args(["launch", "-q", "--config_file"])
         .arg(config)
-        .arg(build_bin("gpt2"))
-        .args(["--n-layer", "2", "--n-embd", "64", "--n-head", "4"])
-        .args([
-            "--vocab-size",
-            "512",
-            "--n-positions",
-            "64",
-            "--block-size",
-            "32",
-        ])
+        .arg(build_bin("clm"))
+        .args(model)
+        .args(["--block-size", "32"])
         .args(["--batch-size", "2", "--steps", "4", "--data"])
         .arg(data)
         .arg("--save")
@@ -61,8 +55,24 @@ fn launch(config: &Path, data: &Path, save: &Path) -> std::process::Output {
         .unwrap()
 }
 
+/// A tiny random Llama saved by transformers (grouped-query attention).
+fn llama(dir: &Path) {
+    let config = serde_json::json!({
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    });
+    run_ok(
+        Command::new(venv_bin("python"))
+            .arg(workspace_root().join("tests/peers/models_reference.py"))
+            .arg("init")
+            .arg(dir)
+            .args(["--config", &config.to_string()]),
+    );
+}
+
 #[test]
-fn the_seeds_fsdp_config_trains_gpt2_on_4_processes() {
+fn the_seeds_fsdp_config_trains_a_llama_on_4_processes() {
     let seed =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/seeds/001_d2920c91cb52855b.txt");
     match std::fs::read_to_string(&seed) {
@@ -81,9 +91,21 @@ fn the_seeds_fsdp_config_trains_gpt2_on_4_processes() {
     tokens(&data);
     let config = dir.path().join("seed.yaml");
 
-    // As published: the Llama class gpt2 does not have.
+    // On a GPT-2, the Llama class is not there.
     std::fs::write(&config, SEED).unwrap();
-    let out = launch(&config, &data, &dir.path().join("unused"));
+    let gpt2 = [
+        "--n-layer",
+        "2",
+        "--n-embd",
+        "64",
+        "--n-head",
+        "4",
+        "--vocab-size",
+        "512",
+        "--n-positions",
+        "64",
+    ];
+    let out = launch(&config, &gpt2, &data, &dir.path().join("unused"));
     assert_failed_with(
         &out,
         &[
@@ -92,15 +114,21 @@ fn the_seeds_fsdp_config_trains_gpt2_on_4_processes() {
         ],
     );
 
-    // The one change: gpt2's layer class.
-    std::fs::write(&config, SEED.replace("LlamaDecoderLayer", "GPT2Block")).unwrap();
+    // As published, on a Llama.
+    let model = dir.path().join("llama");
+    llama(&model);
     let save = dir.path().join("out");
-    let out = launch(&config, &data, &save);
+    let out = launch(&config, &["--model", model.to_str().unwrap()], &data, &save);
     let text = describe(&out);
     assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("llama with 2 LlamaDecoderLayer layers"),
+        "{text}"
+    );
     assert!(text.contains("4 process(es), strategy fsdp"), "{text}");
+    assert!(text.contains("precision bf16"), "{text}");
     let weights = read_weights(&save.join("model.safetensors"));
     assert!(weights
         .iter()
-        .any(|(n, _)| n == "transformer.h.1.attn.c_attn.weight"));
+        .any(|(n, _)| n == "model.layers.1.self_attn.q_proj.weight"));
 }

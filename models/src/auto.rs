@@ -106,6 +106,62 @@ impl AutoConfig {
         }
     }
 
+    /// The vocabulary size.
+    pub fn vocab_size(&self) -> i64 {
+        match self {
+            Self::Gpt2(c) => c.vocab_size,
+            Self::Llama(c) => c.vocab_size,
+        }
+    }
+
+    /// The positions the model was trained for (`n_positions`,
+    /// `max_position_embeddings`): the default window length.
+    pub fn max_position_embeddings(&self) -> i64 {
+        match self {
+            Self::Gpt2(c) => c.n_positions,
+            Self::Llama(c) => c.max_position_embeddings,
+        }
+    }
+
+    /// The most positions the model can take, when it has a limit
+    /// ([`CausalLM::position_limit`]).
+    pub fn position_limit(&self) -> Option<i64> {
+        match self {
+            Self::Gpt2(c) => Some(c.n_positions),
+            Self::Llama(_) => None,
+        }
+    }
+
+    /// The `config.json` it was read from (empty for a new model).
+    pub fn raw(&self) -> &serde_json::Map<String, Value> {
+        match self {
+            Self::Gpt2(c) => &c.raw,
+            Self::Llama(c) => &c.raw,
+        }
+    }
+
+    /// Sets every dropout probability of the model to `p` (GPT-2's
+    /// `resid_pdrop`, `embd_pdrop`, `attn_pdrop`; the Llama family's
+    /// `attention_dropout`).
+    pub fn set_dropout(&mut self, p: f64) {
+        match self {
+            Self::Gpt2(c) => {
+                c.resid_pdrop = p;
+                c.embd_pdrop = p;
+                c.attn_pdrop = p;
+            }
+            Self::Llama(c) => c.attention_dropout = p,
+        }
+    }
+
+    /// transformers' `attn_implementation`.
+    pub fn set_attn_implementation(&mut self, implementation: crate::AttnImplementation) {
+        match self {
+            Self::Gpt2(c) => c.attn_implementation = implementation,
+            Self::Llama(c) => c.attn_implementation = implementation,
+        }
+    }
+
     /// The model under `root`, each parameter made by `var`
     /// ([`crate::nn::new_var`] initialises it as transformers does;
     /// `accel::accelerator::deferred_var` leaves it for a checkpoint).

@@ -10,7 +10,7 @@ Subcommands:
           [--data-seed S] [--grad-accum G] [--max-grad-norm M] [--freeze REGEX ...]
           [--loss-log FILE] [--save DIR] [--fsdp] [--comm-hook no|fp16|bf16|power_sgd] [--comm-state JSON]
           [--bucket-cap-mb X] [--attn-implementation sdpa|eager]
-        The same loop as examples/gpt2.rs. Run with plain python (one process) or
+        The same loop as examples/clm.rs. Run with plain python (one process) or
         `torchrun --nproc_per_node 2` (CPU, gloo; `accelerate launch --cpu` starts only one process).
         --fsdp: PyTorch's FSDP2 (`fully_shard`, FULL_SHARD) on every GPT2Block and the root instead
         of DDP, for the benchmarks (Accelerate falls back to DDP on a CPU-only machine and FSDP1

@@ -61,7 +61,7 @@ pub const LOGITS_ONLY: [&str; 5] = [
 
 /// The `gpt2` example program.
 pub fn gpt2() -> PathBuf {
-    build_bin("gpt2")
+    build_bin("clm")
 }
 
 /// `python tests/peers/gpt2_reference.py`, not yet run.

@@ -6,8 +6,8 @@
 //! one ([`adapters_of`], [`config_of`]); `--lora-from` reads one
 //! ([`read`]).
 
-use crate::model::{is_adapter, Gpt2Config, LoraConfig, LoraInit, LORA_A, LORA_B};
 use accel::hf;
+use accel_models::gpt2::{is_adapter, Gpt2Config, LoraConfig, LoraInit, LORA_A, LORA_B};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use std::path::Path;

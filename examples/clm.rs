@@ -1,14 +1,16 @@
-//! gpt2: train Hugging Face transformers' `GPT2LMHeadModel` — the same
-//! computation, parameter names, `config.json` and checkpoint files — on a
-//! nanoGPT token file, on one process or many under `accel launch`.
+//! clm: train a causal language model of Hugging Face transformers —
+//! GPT-2, Llama, Mistral, Qwen2 (accel-models), the same computation,
+//! parameter names, `config.json` and checkpoint files — on a nanoGPT
+//! token file, on one process or many under `accel launch`.
 //!
 //! ```text
-//! gpt2 --model DIR --data train.bin --steps 1000 --save out/          # from a HF model directory
-//! gpt2 --n-layer 2 --n-embd 64 --n-head 4 --vocab-size 512 --n-positions 64 --data t.bin
-//! accel launch --cpu --num_processes 2 gpt2 --model DIR --data train.bin --loss-log loss.jsonl
+//! clm --model DIR --data train.bin --steps 1000 --save out/          # any architecture from a HF model directory
+//! clm --n-layer 2 --n-embd 64 --n-head 4 --vocab-size 512 --n-positions 64 --data t.bin   # a new GPT-2
+//! accel launch --config_file fsdp.yaml clm --model DIR --data train.bin --loss-log loss.jsonl
 //! ```
 //!
-//! * Model: `--model DIR` reads `config.json` and `model.safetensors` (or a
+//! * Model: `--model DIR` reads `config.json` (its `model_type` picks the
+//!   architecture: gpt2, llama, mistral, qwen2) and `model.safetensors` (or a
 //!   sharded `model.safetensors.index.json`), strictly: every missing,
 //!   unexpected, mis-shaped or non-float tensor is listed (name, file,
 //!   shapes) and the run refused; `--non-strict` lists them and goes on
@@ -32,7 +34,7 @@
 //!   gradient), until `--steps` optimizer steps or `--epochs` passes.
 //!   The loss is the mean token cross-entropy of the logits against the
 //!   window's labels.
-//! * LoRA: `--lora-r R` adds rank-R adapters beside every block's `c_attn`
+//! * LoRA (GPT-2 only, for now): `--lora-r R` adds rank-R adapters beside every block's `c_attn`
 //!   (`transformer.h.<i>.attn.c_attn.lora_A` [n_embd, R], initialised as
 //!   PEFT does — kaiming-uniform, or normal(0, 1/R) with `--lora-init
 //!   gaussian` — and `lora_B` [R, 3 n_embd], zeros): `c_attn(x) + (x @ A
@@ -58,16 +60,15 @@
 //!   transformers' `generate` does, greedy or `--do-sample`
 //!   (`--temperature`, `--top-k`, `--top-p`, seeded by `--seed`).
 //! * Sharding: every module runs as a unit scope named by its path, and the
-//!   blocks `transformer.h.<i>` are declared of layer class `GPT2Block`.
+//!   decoder layers are declared of their transformers class (`GPT2Block`
+//!   for `transformer.h.<i>`, `LlamaDecoderLayer` for `model.layers.<i>`,
+//!   `MistralDecoderLayer`, `Qwen2DecoderLayer`), so
+//!   `fsdp_transformer_layer_cls_to_wrap` names them as Accelerate users do.
 //! * Memory: `--gradient-checkpointing` checkpoints every block in training
 //!   (transformers' `gradient_checkpointing_enable()`), as
 //!   `fsdp_activation_checkpointing: true` does for the units FSDP wraps.
 
-#[path = "gpt2/generate.rs"]
-mod generate;
-#[path = "gpt2/model.rs"]
-mod model;
-#[path = "gpt2/peft.rs"]
+#[path = "clm/peft.rs"]
 mod peft;
 #[path = "shared/training.rs"]
 mod training;
@@ -77,13 +78,15 @@ use accel::{
     data::{DataLoader, Dataset, TokenDtype, TokenFile},
     hf,
 };
+use accel_models::nn::{new_var, MakeVar};
+use accel_models::{
+    generate::{eos_ids, generate_with, GenerationConfig, Sampling},
+    gpt2::{is_adapter, merge_adapters, Gpt2, Gpt2Config, LoraConfig, LoraInit},
+    lm_loss, AttnImplementation, AutoConfig, CausalLM, Inputs, Scope,
+};
 use accel_sdk::{optim::OptimizerConfig, schedule::LrScheduler};
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
-use model::{
-    is_adapter, lm_loss, merge_adapters, AttnImplementation, Gpt2, Gpt2Config, LoraConfig,
-    LoraInit, BLOCK_CLASS, IGNORED_SUFFIXES, LORA_A, LORA_B,
-};
 use regex::Regex;
 use std::{
     fs::File,
@@ -102,7 +105,9 @@ enum LoraInitArg {
 }
 
 #[derive(Parser)]
-#[command(about = "Train Hugging Face's GPT2LMHeadModel on a token file with accel")]
+#[command(
+    about = "Train a Hugging Face causal LM (GPT-2, Llama, Mistral, Qwen2) on a token file with accel"
+)]
 struct Args {
     /// Hugging Face model directory: config.json plus model.safetensors or
     /// model.safetensors.index.json.
@@ -132,8 +137,8 @@ struct Args {
     /// Sets resid_pdrop, embd_pdrop and attn_pdrop (saved in config.json).
     #[arg(long)]
     dropout: Option<f64>,
-    /// transformers' attn_implementation.
-    #[arg(long = "attn-implementation", value_enum, default_value_t)]
+    /// transformers' attn_implementation: sdpa or eager.
+    #[arg(long = "attn-implementation", default_value = "sdpa")]
     attn_implementation: AttnImplementation,
     /// Token file (nanoGPT's train.bin): flat little-endian token ids.
     #[arg(long)]
@@ -301,7 +306,7 @@ fn check_ids(ids: &Tensor, vocab: i64, what: &dyn Fn() -> String) -> Result<()> 
 
 /// The model's configuration: `--model DIR`'s config.json, or a new one
 /// from the size flags; `--dropout` applies to both.
-fn configuration(args: &Args) -> Result<Gpt2Config> {
+fn configuration(args: &Args) -> Result<AutoConfig> {
     let sizes = [
         ("--n-layer", args.n_layer),
         ("--n-embd", args.n_embd),
@@ -320,8 +325,7 @@ fn configuration(args: &Args) -> Result<Gpt2Config> {
             if !dir.is_dir() {
                 bail!("--model {}: not a directory", dir.display());
             }
-            Gpt2Config::from_file(&dir.join(hf::CONFIG_NAME))
-                .with_context(|| format!("--model {}", dir.display()))?
+            AutoConfig::from_dir(dir).with_context(|| format!("--model {}", dir.display()))?
         }
         None => {
             let mut c = Gpt2Config::default();
@@ -342,24 +346,22 @@ fn configuration(args: &Args) -> Result<Gpt2Config> {
                     c.n_head
                 );
             }
-            c
+            c.validate()?;
+            AutoConfig::Gpt2(c)
         }
     };
     if let Some(p) = args.dropout {
         if !(0.0..1.0).contains(&p) {
             bail!("--dropout {p}: a probability in [0, 1)");
         }
-        c.resid_pdrop = p;
-        c.embd_pdrop = p;
-        c.attn_pdrop = p;
+        c.set_dropout(p);
     }
-    c.attn_implementation = args.attn_implementation;
-    c.validate()?;
+    c.set_attn_implementation(args.attn_implementation);
     Ok(c)
 }
 
 /// Refuses flags that cannot work, before anything is built.
-fn check_args(args: &Args, c: &Gpt2Config) -> Result<usize> {
+fn check_args(args: &Args, c: &AutoConfig) -> Result<usize> {
     if args.batch_size == 0 {
         bail!("--batch-size 0: a batch holds at least one window");
     }
@@ -428,15 +430,15 @@ fn check_args(args: &Args, c: &Gpt2Config) -> Result<usize> {
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         bail!("--top-p {}: in (0, 1]", args.top_p);
     }
-    let block = args.block_size.unwrap_or(c.n_positions as usize);
+    let block = args
+        .block_size
+        .unwrap_or(c.max_position_embeddings() as usize);
     if block == 0 {
         bail!("--block-size 0: a window holds at least one token");
     }
-    if block as i64 > c.n_positions {
+    if let Some(limit) = c.position_limit().filter(|&l| block as i64 > l) {
         bail!(
-            "--block-size {block} exceeds the model's n_positions {} (its position embeddings): use --block-size {} or less",
-            c.n_positions,
-            c.n_positions
+            "--block-size {block} exceeds the model's n_positions {limit} (its position embeddings): use --block-size {limit} or less"
         );
     }
     if args.steps > 0 && args.data.is_none() {
@@ -450,7 +452,7 @@ fn check_args(args: &Args, c: &Gpt2Config) -> Result<usize> {
 
 /// Parses the comma-separated token ids of `flag` (`--logits-input`,
 /// `--prompt-ids`).
-fn token_ids(flag: &str, text: &str, c: &Gpt2Config) -> Result<Vec<i64>> {
+fn token_ids(flag: &str, text: &str, c: &AutoConfig) -> Result<Vec<i64>> {
     let ids = text
         .split(',')
         .map(|s| {
@@ -465,18 +467,18 @@ fn token_ids(flag: &str, text: &str, c: &Gpt2Config) -> Result<Vec<i64>> {
 
 /// Refuses `ids` (of `flag`) that are empty, longer than the model's
 /// positions or outside its vocabulary.
-fn check_prompt(flag: &str, ids: &[i64], c: &Gpt2Config) -> Result<()> {
-    if ids.is_empty() || ids.len() as i64 > c.n_positions {
+fn check_prompt(flag: &str, ids: &[i64], c: &AutoConfig) -> Result<()> {
+    let limit = c.position_limit().unwrap_or(i64::MAX);
+    if ids.is_empty() || ids.len() as i64 > limit {
         bail!(
-            "{flag}: {} tokens; between 1 and n_positions {}",
+            "{flag}: {} tokens; between 1 and n_positions {limit}",
             ids.len(),
-            c.n_positions
         );
     }
-    if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= c.vocab_size) {
+    if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= c.vocab_size()) {
         bail!(
             "{flag}: token id {bad} is outside the vocabulary of {}",
-            c.vocab_size
+            c.vocab_size()
         );
     }
     Ok(())
@@ -488,7 +490,7 @@ fn check_prompt(flag: &str, ids: &[i64], c: &Gpt2Config) -> Result<()> {
 /// show the text.
 fn prompt(
     args: &Args,
-    c: &Gpt2Config,
+    c: &AutoConfig,
 ) -> Result<(Option<Vec<i64>>, Option<tokenizers::Tokenizer>)> {
     let file = args.model.as_ref().map(|m| m.join("tokenizer.json"));
     let tokenizer = match file.as_ref().filter(|f| f.is_file()) {
@@ -514,13 +516,12 @@ fn prompt(
         (None, Some(text), _) => Some(token_ids("--prompt-ids", text, c)?),
         (None, None, _) => None,
     };
-    if let Some(ids) = &ids {
-        if ids.len() + args.max_new_tokens > c.n_positions as usize {
+    if let (Some(ids), Some(limit)) = (&ids, c.position_limit()) {
+        if ids.len() + args.max_new_tokens > limit as usize {
             bail!(
-                "--max-new-tokens {}: the prompt's {} tokens and the new ones exceed n_positions {}",
+                "--max-new-tokens {}: the prompt's {} tokens and the new ones exceed n_positions {limit}",
                 args.max_new_tokens,
                 ids.len(),
-                c.n_positions
             );
         }
     }
@@ -565,7 +566,7 @@ fn freeze(vs: &nn::VarStore, patterns: &[String]) -> Result<usize> {
 /// parameters collectively); every rank gets the same value.
 fn evaluate(
     acc: &mut Accelerator,
-    model: &Gpt2,
+    model: &dyn CausalLM,
     eval: &TokenFile,
     limit: usize,
     batch: usize,
@@ -594,14 +595,18 @@ fn evaluate(
             Tensor::stack(&column, 0).to_device(device)
         };
         let (ids, labels) = (stacked("input_ids"), stacked("labels"));
-        let vocab = model.config.vocab_size;
+        let vocab = model.vocab_size();
         check_ids(&ids, vocab, &|| {
             format!("--eval-data {}", eval.path().display())
         })?;
         check_ids(&labels, vocab, &|| {
             format!("--eval-data {}", eval.path().display())
         })?;
-        let logits = tch::no_grad(|| acc.forward(|scope| model.forward(scope, &ids, false)))??;
+        let logits = tch::no_grad(|| {
+            acc.forward(|scope| {
+                model.forward(&Scope::Accelerated(scope), &Inputs::ids(&ids), None, false)
+            })
+        })??;
         if !real.is_empty() {
             let v = logits.size()[2];
             let s = tch::no_grad(|| {
@@ -640,12 +645,12 @@ fn finish_save(
     acc: &Accelerator,
     args: &Args,
     dir: &Path,
-    config: &Gpt2Config,
+    config: &serde_json::Value,
     files: &[PathBuf],
     note: &str,
 ) -> Result<()> {
     let context = || format!("--save {}", dir.display());
-    hf::save_config(dir, &config.to_json()).with_context(context)?;
+    hf::save_config(dir, config).with_context(context)?;
     let copied = match &args.model {
         Some(from) => hf::copy_companion_files(from, dir).with_context(context)?,
         None => Vec::new(),
@@ -660,7 +665,7 @@ fn finish_save(
         format!("; from --model: {}", copied.join(", "))
     };
     acc.print(format!(
-        "gpt2: saved {} ({note}{weights} weights file(s){beside})",
+        "clm: saved {} ({note}{weights} weights file(s){beside})",
         dir.display()
     ));
     Ok(())
@@ -669,7 +674,7 @@ fn finish_save(
 fn save_lora(
     acc: &mut Accelerator,
     args: &Args,
-    config: &Gpt2Config,
+    config: &serde_json::Value,
     lora: &LoraConfig,
 ) -> Result<()> {
     let state = acc.get_state_dict()?;
@@ -686,7 +691,7 @@ fn save_lora(
             hf::write_safetensors(&dir.join(peft::WEIGHTS_FILE), &adapters)
                 .with_context(context)?;
             acc.print(format!(
-                "gpt2: saved {} LoRA adapters to {} as PEFT saves them",
+                "clm: saved {} LoRA adapters to {} as PEFT saves them",
                 adapters.len(),
                 dir.display()
             ));
@@ -704,7 +709,7 @@ fn save_lora(
             hf::write_safetensors(file, &adapters)
                 .with_context(|| format!("--save-adapters {}", file.display()))?;
             acc.print(format!(
-                "gpt2: saved {} LoRA adapters to {}",
+                "clm: saved {} LoRA adapters to {}",
                 adapters.len(),
                 file.display()
             ));
@@ -733,7 +738,10 @@ fn main() -> Result<()> {
     let (prompt_ids, tokenizer) = prompt(&args, &config)?;
     // Read before training: a broken generation_config.json fails first.
     let eos_ids = match &prompt_ids {
-        Some(_) => generate::eos_ids(args.model.as_deref(), &config.raw)?,
+        Some(_) => eos_ids(
+            args.model.as_deref(),
+            &serde_json::Value::Object(config.raw().clone()),
+        )?,
         None => Vec::new(),
     };
     let logits_ids = args
@@ -776,33 +784,46 @@ fn main() -> Result<()> {
     // Loading a checkpoint without a whole copy per rank: the parameters it
     // fills hold no memory until `prepare_model_from` maps its files.
     let deferred = checkpoint.is_some() && acc.loads_efficiently();
-    let mut model = if deferred {
-        Gpt2::new_with(&vs.root(), config, &accel::accelerator::deferred_var)
+    let var: MakeVar = if deferred {
+        &accel::accelerator::deferred_var
     } else {
-        Gpt2::new(&vs.root(), config)
+        &new_var
     };
-    let adapter = args
-        .lora_from
-        .as_ref()
-        .map(|dir| {
-            peft::read(dir, &model.config).with_context(|| format!("--lora-from {}", dir.display()))
-        })
-        .transpose()?;
-    let lora = match &adapter {
-        Some(a) => Some(a.lora),
-        None => args.lora_r.map(|r| LoraConfig {
-            r,
-            alpha: args.lora_alpha.unwrap_or(2.0 * r as f64),
-            init: match args.lora_init {
-                LoraInitArg::Kaiming => LoraInit::Kaiming,
-                LoraInitArg::Gaussian => LoraInit::Gaussian,
-            },
-            dropout: args.lora_dropout,
-        }),
+    let lora_wanted = args.lora_r.is_some() || args.lora_from.is_some();
+    let (mut model, adapter, lora): (Box<dyn CausalLM>, _, _) = match config {
+        AutoConfig::Gpt2(c) => {
+            let mut gpt2 = Gpt2::new_with(&vs.root(), c, var);
+            let adapter = args
+                .lora_from
+                .as_ref()
+                .map(|dir| {
+                    peft::read(dir, &gpt2.config)
+                        .with_context(|| format!("--lora-from {}", dir.display()))
+                })
+                .transpose()?;
+            let lora = match &adapter {
+                Some(a) => Some(a.lora),
+                None => args.lora_r.map(|r| LoraConfig {
+                    r,
+                    alpha: args.lora_alpha.unwrap_or(2.0 * r as f64),
+                    init: match args.lora_init {
+                        LoraInitArg::Kaiming => LoraInit::Kaiming,
+                        LoraInitArg::Gaussian => LoraInit::Gaussian,
+                    },
+                    dropout: args.lora_dropout,
+                }),
+            };
+            if let Some(l) = &lora {
+                gpt2.add_lora(&vs.root(), l);
+            }
+            (Box::new(gpt2), adapter, lora)
+        }
+        other if lora_wanted => bail!(
+            "--lora-r / --lora-from: clm's LoRA adapts GPT-2's c_attn only; --model is a {} model",
+            other.model_type()
+        ),
+        other => (other.build(&vs.root(), var), None, None),
     };
-    if let Some(l) = &lora {
-        model.add_lora(&vs.root(), l);
-    }
     if let Some(a) = &adapter {
         // Every rank sets the same values before prepare shards or
         // broadcasts them.
@@ -829,23 +850,16 @@ fn main() -> Result<()> {
             }
         }
     }
-    acc.declare_layer_class(BLOCK_CLASS, model.block_paths())?;
+    acc.declare_layer_class(model.layer_class(), model.layer_paths())?;
     if let (Some(dir), Some(ck)) = (&args.model, &checkpoint) {
         // The checkpoint holds the base model; adapters keep their init.
         let options = hf::LoadOptions {
             strict: !args.non_strict,
-            base_model_prefix: Some("transformer".into()),
-            ignore_unexpected: IGNORED_SUFFIXES.iter().map(|s| (*s).to_owned()).collect(),
-            tied: if model.config.tie_word_embeddings {
-                vec![("lm_head.weight".into(), "transformer.wte.weight".into())]
-            } else {
-                Vec::new()
-            },
             hint: Some(format!(
                 "shapes from {}; --non-strict loads what fits",
                 dir.join(hf::CONFIG_NAME).display()
             )),
-            not_stored: [LORA_A, LORA_B].map(|n| format!(".{n}")).to_vec(),
+            ..model.load_options()
         };
         let report = acc
             .prepare_model_from(&mut vs, ck, &options)
@@ -853,7 +867,7 @@ fn main() -> Result<()> {
         if let Some(problems) = report.problems() {
             if acc.is_main_process() {
                 eprintln!(
-                    "gpt2: --non-strict: {} does not fully fit the model; going on with the model's own values where nothing fits:\n{problems}",
+                    "clm: --non-strict: {} does not fully fit the model; going on with the model's own values where nothing fits:\n{problems}",
                     ck.location().display()
                 );
             }
@@ -868,11 +882,11 @@ fn main() -> Result<()> {
     let mut scheduler = acc.prepare_scheduler(LrScheduler::new(schedule, &mut opt))?;
     let params: i64 = vs.variables().values().map(Tensor::numel).sum::<usize>() as i64;
     acc.print(format!(
-        "gpt2: {} layers, n_embd {}, {} heads, vocab {}, {} parameters ({} frozen tensors); {} process(es), strategy {}, precision {}",
-        model.config.n_layer,
-        model.config.n_embd,
-        model.config.n_head,
-        model.config.vocab_size,
+        "clm: {} with {} {} layers, vocab {}, {} parameters ({} frozen tensors); {} process(es), strategy {}, precision {}",
+        model.model_type(),
+        model.layer_paths().len(),
+        model.layer_class(),
+        model.vocab_size(),
         params,
         frozen,
         acc.num_processes(),
@@ -880,13 +894,13 @@ fn main() -> Result<()> {
         acc.precision_name()
     ));
     if args.gradient_checkpointing {
-        acc.print("gpt2: gradient checkpointing: every block keeps only its input and runs again in backward");
+        acc.print("clm: gradient checkpointing: every block keeps only its input and runs again in backward");
     } else if model
-        .block_paths()
+        .layer_paths()
         .iter()
         .all(|p| acc.activation_checkpointing(p))
     {
-        acc.print("gpt2: fsdp_activation_checkpointing: every block keeps only its input and runs again in backward");
+        acc.print("clm: fsdp_activation_checkpointing: every block keeps only its input and runs again in backward");
     }
     if let Some(l) = &lora {
         let adapters: usize = vs
@@ -896,7 +910,7 @@ fn main() -> Result<()> {
             .map(|(_, t)| t.numel())
             .sum();
         acc.print(format!(
-            "gpt2: LoRA r {} alpha {} (scale {}) beside c_attn: {adapters} trainable adapter parameters, the base frozen",
+            "clm: LoRA r {} alpha {} (scale {}) beside c_attn: {adapters} trainable adapter parameters, the base frozen",
             l.r,
             l.alpha,
             l.scale()
@@ -930,11 +944,11 @@ fn main() -> Result<()> {
             );
         }
         acc.print(format!(
-            "gpt2: {windows} windows of {block} tokens, {} batches of {} per process per epoch",
+            "clm: {windows} windows of {block} tokens, {} batches of {} per process per epoch",
             loader.len().unwrap_or(0),
             args.batch_size
         ));
-        let vocab = model.config.vocab_size;
+        let vocab = model.vocab_size();
         let epochs_done = |loader: &accel::accelerator::ShardedLoader| {
             let p = loader.position();
             p.epoch + u64::from(p.finished)
@@ -951,7 +965,9 @@ fn main() -> Result<()> {
                 check_ids(labels, vocab, &what)?;
                 let lr_used = opt.lr();
                 let micro = acc.accumulate(|acc| -> Result<_, AccelError> {
-                    let logits = acc.forward(|scope| model.forward(scope, ids, true))??;
+                    let logits = acc.forward(|scope| {
+                        model.forward(&Scope::Accelerated(scope), &Inputs::ids(ids), None, true)
+                    })??;
                     let loss = lm_loss(&logits, labels);
                     let max_norm = args.max_grad_norm;
                     backward_and_step(acc, &mut opt, &mut scheduler, &loss, max_norm, |_| Ok(()))
@@ -966,9 +982,14 @@ fn main() -> Result<()> {
                 profile.step();
                 if let (Some(every), Some(eval)) = (args.eval_every, eval.as_ref()) {
                     if step.is_multiple_of(every) {
-                        let loss =
-                            evaluate(&mut acc, &model, eval, args.eval_windows, args.batch_size)?;
-                        acc.print(format!("gpt2: step {step}: eval_loss {loss:.6}"));
+                        let loss = evaluate(
+                            &mut acc,
+                            model.as_ref(),
+                            eval,
+                            args.eval_windows,
+                            args.batch_size,
+                        )?;
+                        acc.print(format!("clm: step {step}: eval_loss {loss:.6}"));
                         if let Some(l) = eval_log.as_mut() {
                             writeln!(
                                 l,
@@ -997,20 +1018,24 @@ fn main() -> Result<()> {
     let saves_lora =
         args.save.is_some() || args.save_adapters.is_some() || args.save_peft.is_some();
     if let Some(l) = lora.filter(|_| saves_lora) {
-        save_lora(&mut acc, &args, &model.config, &l)?;
+        save_lora(&mut acc, &args, &model.config_json(), &l)?;
     } else if let Some(dir) = &args.save {
         let files = acc
             .save_model(dir, &args.max_shard_size)
             .with_context(|| format!("--save {}", dir.display()))?;
         if acc.is_main_process() {
-            finish_save(&acc, &args, dir, &model.config, &files, "")?;
+            finish_save(&acc, &args, dir, &model.config_json(), &files, "")?;
         }
     }
     if let (Some(out), Some(ids)) = (&args.logits_out, logits_ids) {
         let ids = Tensor::from_slice(&ids)
             .unsqueeze(0)
             .to_device(acc.device());
-        let logits = tch::no_grad(|| acc.forward(|scope| model.forward(scope, &ids, false)))??;
+        let logits = tch::no_grad(|| {
+            acc.forward(|scope| {
+                model.forward(&Scope::Accelerated(scope), &Inputs::ids(&ids), None, false)
+            })
+        })??;
         if acc.is_main_process() {
             hf::write_safetensors(
                 out,
@@ -1023,22 +1048,34 @@ fn main() -> Result<()> {
         }
     }
     if let Some(prompt) = &prompt_ids {
-        let sampling = args.do_sample.then_some(generate::Sampling {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-        });
-        let ids = generate::generate(
-            &mut acc,
-            &model,
-            prompt,
-            args.max_new_tokens,
-            &eos_ids,
-            sampling.as_ref(),
-            args.seed,
+        let generation = GenerationConfig {
+            max_new_tokens: args.max_new_tokens,
+            eos_token_ids: eos_ids.clone(),
+            sampling: args.do_sample.then_some(Sampling {
+                temperature: args.temperature,
+                top_k: args.top_k,
+                top_p: args.top_p,
+            }),
+            seed: Some(args.seed),
+            ..GenerationConfig::default()
+        };
+        // Every rank runs it (a sharded model's forward gathers
+        // collectively) and gets the same ids.
+        let device = acc.device();
+        let new = generate_with(
+            model.as_ref(),
+            std::slice::from_ref(prompt),
+            &generation,
+            device,
+            &mut |model, inputs, cache| {
+                acc.forward(|scope| {
+                    model.forward(&Scope::Accelerated(scope), inputs, cache, false)
+                })?
+            },
         )?;
+        let ids: Vec<i64> = prompt.iter().chain(&new[0]).copied().collect();
         let text: Vec<String> = ids.iter().map(i64::to_string).collect();
-        acc.print(format!("gpt2: generated ids: {}", text.join(",")));
+        acc.print(format!("clm: generated ids: {}", text.join(",")));
         if let Some(t) = &tokenizer {
             let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
             let text = t
@@ -1046,7 +1083,7 @@ fn main() -> Result<()> {
                 .map_err(|e| anyhow::anyhow!("decoding the generated ids: {e}"))?;
             // A JSON string: one line whatever the text holds.
             acc.print(format!(
-                "gpt2: generated text: {}",
+                "clm: generated text: {}",
                 serde_json::Value::from(text)
             ));
         }
@@ -1054,7 +1091,7 @@ fn main() -> Result<()> {
     acc.end_training()?;
     if step > 0 {
         acc.print(format!(
-            "gpt2: {step} steps, loss {:.6} -> {:.6}, {:.3} steps/s",
+            "clm: {step} steps, loss {:.6} -> {:.6}, {:.3} steps/s",
             report.first.unwrap_or(f64::NAN),
             report.last,
             step as f64 / secs.max(1e-9)
