@@ -761,7 +761,7 @@ fn gpt2_with_a_communication_hook_trains_as_accelerate_with_it() {
                     "--master_port",
                     &free_port().to_string(),
                 ])
-                .arg(workspace_root().join("tests/peers/gpt2_reference.py"))
+                .arg(workspace_root().join("tests/peers/clm_reference.py"))
                 .arg("train")
                 .args(&args)
                 .args(["--comm-hook", hook, "--comm-state", state.unwrap_or("{}")])

@@ -1,5 +1,5 @@
 //! The gpt2 example against Hugging Face transformers' `GPT2LMHeadModel`
-//! trained by Accelerate (`tests/peers/gpt2_reference.py`): per-step
+//! trained by Accelerate (`tests/peers/clm_reference.py`): per-step
 //! losses on 1 and 2 processes, logits of the saved model loaded by
 //! `from_pretrained`, a sharded checkpoint's round trip, and the refusals
 //! of a checkpoint that does not fit and of bad flags.
@@ -106,7 +106,7 @@ fn parity(dir: &Path, init: &Path, tokens: &Path, n: u32, steps: u64, extra: &[&
     } else {
         let mut c = Command::new(venv_bin("torchrun"));
         c.args(["--standalone", "--nproc_per_node", &n.to_string()])
-            .arg(workspace_root().join("tests/peers/gpt2_reference.py"));
+            .arg(workspace_root().join("tests/peers/clm_reference.py"));
         c
     };
     run_ok(

@@ -1,5 +1,5 @@
 //! What the gpt2 tests share: the example program, the Python reference
-//! (`tests/peers/gpt2_reference.py`), the tiny model and its token file.
+//! (`tests/peers/clm_reference.py`), the tiny model and its token file.
 
 use crate::{build_bin, read_weights, run_ok, venv_bin, workspace_root};
 use std::{
@@ -64,10 +64,10 @@ pub fn gpt2() -> PathBuf {
     build_bin("clm")
 }
 
-/// `python tests/peers/gpt2_reference.py`, not yet run.
+/// `python tests/peers/clm_reference.py`, not yet run.
 pub fn peer() -> Command {
     let mut cmd = Command::new(venv_bin("python"));
-    cmd.arg(workspace_root().join("tests/peers/gpt2_reference.py"));
+    cmd.arg(workspace_root().join("tests/peers/clm_reference.py"));
     cmd
 }
 

@@ -1,4 +1,5 @@
-"""Reference for accel's gpt2 example: transformers' GPT2LMHeadModel trained with Accelerate.
+"""Reference for accel's clm example: transformers' causal LMs (AutoModelForCausalLM: GPT-2, Llama,
+Mistral, Qwen2) trained with Accelerate.
 
 Subcommands:
 
@@ -12,7 +13,8 @@ Subcommands:
           [--bucket-cap-mb X] [--attn-implementation sdpa|eager]
         The same loop as examples/clm.rs. Run with plain python (one process) or
         `torchrun --nproc_per_node 2` (CPU, gloo; `accelerate launch --cpu` starts only one process).
-        --fsdp: PyTorch's FSDP2 (`fully_shard`, FULL_SHARD) on every GPT2Block and the root instead
+        --fsdp: PyTorch's FSDP2 (`fully_shard`, FULL_SHARD) on every decoder layer (the model's
+        `_no_split_modules`: GPT2Block, LlamaDecoderLayer, ...) and the root instead
         of DDP, for the benchmarks (Accelerate falls back to DDP on a CPU-only machine and FSDP1
         needs an accelerator, so torch shards the model and Accelerate prepares the rest).
         --comm-hook: DDP's communication hook, DistributedDataParallelKwargs(comm_hook=...) (PyTorch's
@@ -40,7 +42,7 @@ Training setup, matching accel's gpt2:
 * Data: the nanoGPT token file as windows k -> input_ids t[k*B : k*B+B], labels t[k*B+1 : k*B+B+1]
   (int64), DataLoader(ds, batch_size, shuffle=True) prepared by
   Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=S)).
-* Model: from_pretrained(DIR, attn_implementation=A) (accel's --attn-implementation: sdpa, transformers'
+* Model: AutoModelForCausalLM.from_pretrained(DIR, attn_implementation=A) (accel's --attn-implementation: sdpa, transformers'
   default, unless given), train() mode;
   the parity runs use dropout 0.
 * Loss: F.cross_entropy(logits.view(-1, V), labels.view(-1)) (the labels are already shifted).
@@ -174,7 +176,7 @@ def cmd_train(a):
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
     from transformers import (
-        GPT2LMHeadModel,
+        AutoModelForCausalLM,
         get_constant_schedule_with_warmup,
         get_cosine_schedule_with_warmup,
         get_linear_schedule_with_warmup,
@@ -193,7 +195,7 @@ def cmd_train(a):
             )
         ],
     )
-    model = GPT2LMHeadModel.from_pretrained(a.model, attn_implementation=a.attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation=a.attn_implementation)
     model.train()
     for name, p in model.named_parameters():
         if any(re.search(f, name) for f in a.freeze):
@@ -203,7 +205,8 @@ def cmd_train(a):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cuda" if a.cuda else "cpu", (acc.num_processes,))
-        for unit in [*model.transformer.h, model]:
+        layers = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
+        for unit in [*layers, model]:
             fully_shard(unit, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
     total = a.steps * acc.num_processes
