@@ -17,6 +17,15 @@ Subcommands:
         max_new_tokens=N, ...); prints one JSON line: {"new": [[ids after each prompt], ...]} (each row up
         to and including its first eos id).
 
+    tokenizer DIR [--vocab-size 400]
+        A byte-level BPE trained by Python's tokenizers on a few English sentences, its first token
+        `<|endoftext|>`, written to DIR/tokenizer.json.
+
+    generate DIR --prompt TEXT [--prompt TEXT ...] [the options above]
+        The prompts tokenized by DIR/tokenizer.json (tokenizers' encode, special tokens added) instead
+        of --ids; the JSON line also holds "text": each row's new tokens decoded with
+        skip_special_tokens.
+
     batch
         Each line of stdin is a JSON list: the arguments of one of the commands above, run in turn in this
         one process (Python and transformers start once).
@@ -76,10 +85,30 @@ def cmd_logits(a):
     )
 
 
+def cmd_tokenizer(a):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = ["the cat sat on the mat", "a dog ran to the park", "accel trains models"] * 30
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=a.vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text, trainer)
+    os.makedirs(a.dir, exist_ok=True)
+    tok.save(os.path.join(a.dir, "tokenizer.json"))
+
+
 def cmd_generate(a):
     import transformers
 
     model = load(a)
+    tokenizer = None
+    if a.prompt:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(os.path.join(a.dir, "tokenizer.json"))
+        a.ids = ";".join(",".join(map(str, tokenizer.encode(p).ids)) for p in a.prompt)
     pad = model.generation_config.pad_token_id
     eos = model.generation_config.eos_token_id
     eos = [] if eos is None else (eos if isinstance(eos, list) else [eos])
@@ -97,7 +126,10 @@ def cmd_generate(a):
     for row in out[:, ids.shape[1]:].tolist():
         cut = next((i for i, t in enumerate(row) if t in eos), None)
         new.append(row if cut is None else row[: cut + 1])
-    print(json.dumps({"new": new}))
+    result = {"new": new}
+    if tokenizer is not None:
+        result["text"] = [tokenizer.decode(row, skip_special_tokens=True) for row in new]
+    print(json.dumps(result))
 
 
 def parser():
@@ -114,7 +146,7 @@ def parser():
         s.add_argument("dir")
         if name == "logits":
             s.add_argument("out")
-        s.add_argument("--ids", required=True)
+        s.add_argument("--ids", required=(name == "logits"))
         s.add_argument("--dtype", default="float32", choices=list(DTYPES))
         s.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
     g = sub.choices["generate"]
@@ -126,6 +158,10 @@ def parser():
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-cache", action="store_true")
+    g.add_argument("--prompt", action="append", default=[])
+    t = sub.add_parser("tokenizer")
+    t.add_argument("dir")
+    t.add_argument("--vocab-size", type=int, default=400)
     sub.add_parser("batch")
     return p
 
@@ -137,7 +173,8 @@ def main(argv):
             if line.strip():
                 main(json.loads(line))
         return
-    {"init": cmd_init, "logits": cmd_logits, "generate": cmd_generate}[a.cmd](a)
+    commands = {"init": cmd_init, "logits": cmd_logits, "generate": cmd_generate, "tokenizer": cmd_tokenizer}
+    commands[a.cmd](a)
     sys.stdout.flush()
 
 
