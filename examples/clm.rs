@@ -34,19 +34,22 @@
 //!   gradient), until `--steps` optimizer steps or `--epochs` passes.
 //!   The loss is the mean token cross-entropy of the logits against the
 //!   window's labels.
-//! * LoRA (GPT-2 only, for now): `--lora-r R` adds rank-R adapters beside every block's `c_attn`
-//!   (`transformer.h.<i>.attn.c_attn.lora_A` [n_embd, R], initialised as
-//!   PEFT does — kaiming-uniform, or normal(0, 1/R) with `--lora-init
-//!   gaussian` — and `lora_B` [R, 3 n_embd], zeros): `c_attn(x) + (x @ A
-//!   @ B) * alpha / R`, `--lora-alpha` defaulting to 2R. Every base
-//!   parameter is frozen; only the adapters train. `--save DIR` writes the
-//!   merged model (each c_attn weight plus A·B·alpha/R, computed in f64
-//!   and rounded once) that `GPT2LMHeadModel.from_pretrained` loads;
-//!   `--save-adapters FILE` writes the adapters alone (safetensors), and
-//!   `--save-peft DIR` as PEFT saves them (`PeftModel.from_pretrained`).
-//!   `--lora-from DIR` starts from adapters PEFT saved instead (its
-//!   `adapter_config.json` gives R, alpha and init): to evaluate, merge or
-//!   train them further.
+//! * LoRA, on any architecture, as PEFT computes it: `--lora-r R` adds
+//!   rank-R adapters beside every linear layer `--lora-target-modules`
+//!   names (PEFT's `target_modules`, comma-separated; default PEFT's for
+//!   the model type: `c_attn` for GPT-2, `q_proj,v_proj` for the Llama
+//!   family): `X.lora_A.weight` [R, in] (kaiming-uniform, or normal(0, 1/R)
+//!   with `--lora-init gaussian`) and `X.lora_B.weight` [out, R] (zeros),
+//!   `X(x) + B(A(dropout(x))) * alpha / R`, `--lora-alpha` defaulting to
+//!   2R, `--lora-dropout`, `--lora-bias none|all|lora_only` (PEFT's `bias`:
+//!   which biases train). Every other base parameter is frozen. `--save
+//!   DIR` writes the merged model (each adapted weight plus B·A·alpha/R,
+//!   computed in f64 and rounded once) that `from_pretrained` loads;
+//!   `--save-adapters FILE` writes the adapters alone (safetensors, the
+//!   model's names), and `--save-peft DIR` as PEFT saves them
+//!   (`PeftModel.from_pretrained`). `--lora-from DIR` starts from adapters
+//!   PEFT saved instead (its `adapter_config.json` gives R, alpha, dropout,
+//!   init, bias and the targets): to evaluate, merge or train them further.
 //! * Output: `--loss-log FILE` (one JSON line per optimizer step: `step`
 //!   from 1, `loss` averaged over the step's micro-batches and the ranks,
 //!   `lr`, `grad_norm` with --max-grad-norm); `--eval-every N` with
@@ -68,8 +71,6 @@
 //!   (transformers' `gradient_checkpointing_enable()`), as
 //!   `fsdp_activation_checkpointing: true` does for the units FSDP wraps.
 
-#[path = "clm/peft.rs"]
-mod peft;
 #[path = "shared/training.rs"]
 mod training;
 
@@ -81,8 +82,10 @@ use accel::{
 use accel_models::nn::{new_var, MakeVar};
 use accel_models::{
     generate::{eos_ids, generate_with, GenerationConfig, Sampling},
-    gpt2::{is_adapter, merge_adapters, Gpt2, Gpt2Config, LoraConfig, LoraInit},
-    lm_loss, AttnImplementation, AutoConfig, CausalLM, Inputs, Scope,
+    gpt2::Gpt2Config,
+    lm_loss,
+    lora::{default_targets, is_adapter, merge_adapters, LoraBias, LoraConfig, LoraInit},
+    peft, AttnImplementation, AutoConfig, CausalLM, Inputs, Scope,
 };
 use accel_sdk::{optim::OptimizerConfig, schedule::LrScheduler};
 use anyhow::{bail, Context, Result};
@@ -182,11 +185,20 @@ struct Args {
     /// Freeze the parameters whose name matches this regex (repeatable).
     #[arg(long)]
     freeze: Vec<String>,
-    /// LoRA: train rank-R adapters beside every block's c_attn
-    /// (`transformer.h.<i>.attn.c_attn.lora_A` [n_embd, R], `lora_B`
-    /// [R, 3 n_embd]); every base parameter is frozen.
+    /// LoRA: train rank-R adapters beside every linear layer
+    /// --lora-target-modules names (`X.lora_A.weight` [R, in],
+    /// `X.lora_B.weight` [out, R]); every other base parameter is frozen.
     #[arg(long = "lora-r")]
     lora_r: Option<i64>,
+    /// LoRA: the modules to adapt, comma-separated, matched as PEFT's
+    /// target_modules (a name or its last parts: `q_proj` is every layer's
+    /// `self_attn.q_proj`); default c_attn for GPT-2, q_proj,v_proj for
+    /// the Llama family.
+    #[arg(long = "lora-target-modules", value_delimiter = ',')]
+    lora_target_modules: Vec<String>,
+    /// LoRA: which biases train, as PEFT's bias: none, all or lora_only.
+    #[arg(long = "lora-bias", default_value = "none")]
+    lora_bias: String,
     /// LoRA's alpha: the adapters' update is scaled by alpha / R (default 2R).
     #[arg(long = "lora-alpha")]
     lora_alpha: Option<f64>,
@@ -197,19 +209,20 @@ struct Args {
     #[arg(long = "lora-dropout", default_value_t = 0.0)]
     lora_dropout: f64,
     /// LoRA from the adapters PEFT saved in this directory
-    /// (adapter_config.json + adapter_model.safetensors, rank and alpha
-    /// from its config), on every block's c_attn; every base parameter is
-    /// frozen.
-    #[arg(long = "lora-from", conflicts_with_all = ["lora_r", "lora_alpha", "lora_init", "lora_dropout"])]
+    /// (adapter_config.json + adapter_model.safetensors: rank, alpha,
+    /// dropout, init, bias and targets from its config); every other base
+    /// parameter is frozen.
+    #[arg(long = "lora-from", conflicts_with_all = ["lora_r", "lora_alpha", "lora_init", "lora_dropout", "lora_target_modules", "lora_bias"])]
     lora_from: Option<PathBuf>,
-    /// Write the LoRA adapters alone to this safetensors file (names as the
-    /// model's, `transformer.h.<i>.attn.c_attn.lora_A`/`lora_B`, stored
-    /// [in, out]); --save still writes the merged model when given.
+    /// Write the LoRA adapters (and the biases --lora-bias trains) alone to
+    /// this safetensors file, by the model's names (`X.lora_A.weight` [R,
+    /// in], `X.lora_B.weight` [out, R]); --save still writes the merged
+    /// model when given.
     #[arg(long = "save-adapters")]
     save_adapters: Option<PathBuf>,
     /// Write the LoRA adapters to this directory as PEFT saves them
     /// (adapter_config.json + adapter_model.safetensors):
-    /// `PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(BASE), DIR)`
+    /// `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), DIR)`
     /// loads them onto the base model.
     #[arg(long = "save-peft")]
     save_peft: Option<PathBuf>,
@@ -406,6 +419,15 @@ fn check_args(args: &Args, c: &AutoConfig) -> Result<usize> {
     }
     if args.lora_dropout > 0.0 && args.lora_r.is_none() {
         bail!("--lora-dropout needs --lora-r");
+    }
+    if !args.lora_target_modules.is_empty() && args.lora_r.is_none() {
+        bail!("--lora-target-modules needs --lora-r");
+    }
+    if LoraBias::parse(&args.lora_bias).is_none() {
+        bail!("--lora-bias {}: none, all or lora_only", args.lora_bias);
+    }
+    if args.lora_bias != "none" && args.lora_r.is_none() {
+        bail!("--lora-bias needs --lora-r");
     }
     let lora = args.lora_r.is_some() || args.lora_from.is_some();
     if args.save_adapters.is_some() && !lora {
@@ -671,35 +693,34 @@ fn finish_save(
     Ok(())
 }
 
-fn save_lora(
-    acc: &mut Accelerator,
-    args: &Args,
-    config: &serde_json::Value,
-    lora: &LoraConfig,
-) -> Result<()> {
+/// Writes a LoRA run's outputs: `--save-peft DIR` as PEFT saves adapters,
+/// `--save-adapters FILE` the adapters alone, `--save DIR` the merged
+/// model (every adapted weight plus its adapters' update, the adapters
+/// dropped) in Hugging Face's layout. Every rank gathers; the main process
+/// writes.
+fn save_lora(acc: &mut Accelerator, args: &Args, model: &dyn CausalLM, lora: &Lora) -> Result<()> {
     let state = acc.get_state_dict()?;
     if acc.is_main_process() {
         if let Some(dir) = &args.save_peft {
-            let context = || format!("--save-peft {}", dir.display());
             let base = args.model.as_ref().map(|m| m.display().to_string());
-            hf::write_json(
-                &dir.join(peft::CONFIG_FILE),
-                &peft::config_of(lora, base.as_deref()),
+            let n = peft::write(
+                dir,
+                &lora.config,
+                model.fan_in_fan_out(),
+                base.as_deref(),
+                &state,
+                &lora.adapted,
             )
-            .with_context(context)?;
-            let adapters = peft::adapters_of(&state);
-            hf::write_safetensors(&dir.join(peft::WEIGHTS_FILE), &adapters)
-                .with_context(context)?;
+            .with_context(|| format!("--save-peft {}", dir.display()))?;
             acc.print(format!(
-                "clm: saved {} LoRA adapters to {} as PEFT saves them",
-                adapters.len(),
+                "clm: saved {n} LoRA tensors to {} as PEFT saves them",
                 dir.display()
             ));
         }
         if let Some(file) = &args.save_adapters {
             let adapters: Vec<(String, Tensor)> = state
                 .iter()
-                .filter(|(n, _)| is_adapter(n))
+                .filter(|(n, _)| peft::saved_with_adapters(n, lora.config.bias, &lora.adapted))
                 .map(|(n, t)| (n.clone(), t.shallow_clone()))
                 .collect();
             if let Some(parent) = file.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -709,22 +730,60 @@ fn save_lora(
             hf::write_safetensors(file, &adapters)
                 .with_context(|| format!("--save-adapters {}", file.display()))?;
             acc.print(format!(
-                "clm: saved {} LoRA adapters to {}",
+                "clm: saved {} LoRA tensors to {}",
                 adapters.len(),
                 file.display()
             ));
         }
         if let Some(dir) = &args.save {
-            let merged = merge_adapters(state, lora.scale())?;
+            let merged = merge_adapters(state, lora.config.scale(), model.fan_in_fan_out())?;
             let max = parse_size(&args.max_shard_size)
                 .map_err(|e| anyhow::anyhow!("--max-shard-size: {e}"))?;
             let files =
                 hf::save(dir, &merged, max).with_context(|| format!("--save {}", dir.display()))?;
-            finish_save(acc, args, dir, config, &files, "LoRA merged into c_attn; ")?;
+            finish_save(
+                acc,
+                args,
+                dir,
+                &model.config_json(),
+                &files,
+                "LoRA merged; ",
+            )?;
         }
     }
     acc.wait_for_everyone()?;
     Ok(())
+}
+
+/// A run's LoRA: its settings and the modules it adapted.
+struct Lora {
+    config: LoraConfig,
+    adapted: Vec<String>,
+}
+
+/// The LoRA settings of `--lora-r` and its flags, or of `--lora-from`'s
+/// adapter_config.json, for a model of `model_type`.
+fn lora_config(args: &Args, model_type: &str) -> Result<Option<LoraConfig>> {
+    if let Some(dir) = &args.lora_from {
+        return Ok(Some(
+            peft::read_config(dir).with_context(|| format!("--lora-from {}", dir.display()))?,
+        ));
+    }
+    Ok(args.lora_r.map(|r| LoraConfig {
+        r,
+        alpha: args.lora_alpha.unwrap_or(2.0 * r as f64),
+        dropout: args.lora_dropout,
+        init: match args.lora_init {
+            LoraInitArg::Kaiming => LoraInit::Kaiming,
+            LoraInitArg::Gaussian => LoraInit::Gaussian,
+        },
+        target_modules: if args.lora_target_modules.is_empty() {
+            default_targets(model_type)
+        } else {
+            args.lora_target_modules.clone()
+        },
+        bias: LoraBias::parse(&args.lora_bias).unwrap_or(LoraBias::None),
+    }))
 }
 
 fn main() -> Result<()> {
@@ -789,47 +848,30 @@ fn main() -> Result<()> {
     } else {
         &new_var
     };
-    let lora_wanted = args.lora_r.is_some() || args.lora_from.is_some();
-    let (mut model, adapter, lora): (Box<dyn CausalLM>, _, _) = match config {
-        AutoConfig::Gpt2(c) => {
-            let mut gpt2 = Gpt2::new_with(&vs.root(), c, var);
-            let adapter = args
-                .lora_from
-                .as_ref()
-                .map(|dir| {
-                    peft::read(dir, &gpt2.config)
-                        .with_context(|| format!("--lora-from {}", dir.display()))
-                })
-                .transpose()?;
-            let lora = match &adapter {
-                Some(a) => Some(a.lora),
-                None => args.lora_r.map(|r| LoraConfig {
-                    r,
-                    alpha: args.lora_alpha.unwrap_or(2.0 * r as f64),
-                    init: match args.lora_init {
-                        LoraInitArg::Kaiming => LoraInit::Kaiming,
-                        LoraInitArg::Gaussian => LoraInit::Gaussian,
-                    },
-                    dropout: args.lora_dropout,
-                }),
-            };
-            if let Some(l) = &lora {
-                gpt2.add_lora(&vs.root(), l);
-            }
-            (Box::new(gpt2), adapter, lora)
+    let mut model = config.build(&vs.root(), var);
+    let lora = match lora_config(&args, model.model_type())? {
+        Some(config) => {
+            let adapted = model
+                .add_lora(&vs.root(), &config)
+                .context("--lora-target-modules")?;
+            Some(Lora { config, adapted })
         }
-        other if lora_wanted => bail!(
-            "--lora-r / --lora-from: clm's LoRA adapts GPT-2's c_attn only; --model is a {} model",
-            other.model_type()
-        ),
-        other => (other.build(&vs.root(), var), None, None),
+        None => None,
     };
-    if let Some(a) = &adapter {
+    if let (Some(dir), Some(l)) = (&args.lora_from, &lora) {
         // Every rank sets the same values before prepare shards or
         // broadcasts them.
         let vars = vs.variables();
+        let mut wanted: Vec<(String, Vec<i64>)> = vars
+            .iter()
+            .filter(|(n, _)| peft::saved_with_adapters(n, l.config.bias, &l.adapted))
+            .map(|(n, t)| (n.clone(), t.size()))
+            .collect();
+        wanted.sort();
+        let tensors = peft::read_tensors(dir, &wanted)
+            .with_context(|| format!("--lora-from {}", dir.display()))?;
         tch::no_grad(|| {
-            for (name, t) in &a.tensors {
+            for (name, t) in &tensors {
                 vars[name].shallow_clone().copy_(t);
             }
         });
@@ -838,11 +880,12 @@ fn main() -> Result<()> {
         model.gradient_checkpointing_enable();
     }
     let mut frozen = freeze(&vs, &args.freeze)?;
-    if lora.is_some() {
-        // LoRA: the base model is frozen; only the adapters train.
+    if let Some(l) = &lora {
+        // LoRA: the base model is frozen; only the adapters (and the
+        // biases --lora-bias names) train.
         frozen = 0;
         for (name, t) in vs.variables() {
-            if !is_adapter(&name) {
+            if !peft::saved_with_adapters(&name, l.config.bias, &l.adapted) {
                 let _ = t.set_requires_grad(false);
             }
             if !t.requires_grad() {
@@ -859,7 +902,7 @@ fn main() -> Result<()> {
                 "shapes from {}; --non-strict loads what fits",
                 dir.join(hf::CONFIG_NAME).display()
             )),
-            ..model.load_options()
+            ..model.base_load_options()
         };
         let report = acc
             .prepare_model_from(&mut vs, ck, &options)
@@ -910,10 +953,13 @@ fn main() -> Result<()> {
             .map(|(_, t)| t.numel())
             .sum();
         acc.print(format!(
-            "clm: LoRA r {} alpha {} (scale {}) beside c_attn: {adapters} trainable adapter parameters, the base frozen",
-            l.r,
-            l.alpha,
-            l.scale()
+            "clm: LoRA r {} alpha {} (scale {}) beside {} modules ({}): {adapters} trainable adapter parameters, the base frozen (bias {})",
+            l.config.r,
+            l.config.alpha,
+            l.config.scale(),
+            l.adapted.len(),
+            l.config.target_modules.join(","),
+            l.config.bias.name()
         ));
     }
 
@@ -1017,8 +1063,8 @@ fn main() -> Result<()> {
     }
     let saves_lora =
         args.save.is_some() || args.save_adapters.is_some() || args.save_peft.is_some();
-    if let Some(l) = lora.filter(|_| saves_lora) {
-        save_lora(&mut acc, &args, &model.config_json(), &l)?;
+    if let Some(l) = lora.as_ref().filter(|_| saves_lora) {
+        save_lora(&mut acc, &args, model.as_ref(), l)?;
     } else if let Some(dir) = &args.save {
         let files = acc
             .save_model(dir, &args.max_shard_size)

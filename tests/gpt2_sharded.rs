@@ -142,16 +142,17 @@ fn sharded_strategies_reach_ddps_weights_with_frozen_embeddings() {
     );
 }
 
-/// As `lora_delta` of accel-models' gpt2.rs: `A @ B * scale` in f64 as a
-/// sum of rank-1 element-wise products in order (the same bits anywhere).
+/// As `lora_delta` of accel-models' lora.rs: `B @ A * scale` in f64 as a
+/// sum of rank-1 element-wise products in order (the same bits anywhere),
+/// transposed onto a Conv1D weight `[in, out]`.
 fn lora_merge(weight: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Tensor {
     let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
-    let (n, r, m) = (a.size()[0], a.size()[1], b.size()[1]);
+    let (r, n, m) = (a.size()[0], b.size()[0], a.size()[1]);
     let mut delta = Tensor::zeros([n, m], (Kind::Double, a.device()));
     for k in 0..r {
-        delta += a.narrow(1, k, 1) * b.narrow(0, k, 1);
+        delta += b.narrow(1, k, 1) * a.narrow(0, k, 1);
     }
-    (weight.to_kind(Kind::Double) + delta * scale).to_kind(weight.kind())
+    (weight.to_kind(Kind::Double) + (delta * scale).tr()).to_kind(weight.kind())
 }
 
 /// What a LoRA run left: the merged model, the adapters, accel's logits
@@ -254,10 +255,10 @@ fn lora_trains_the_adapters_only_and_the_merged_model_and_peft_load_them() {
             match n.strip_suffix(".weight") {
                 Some(module) if module.ends_with(".attn.c_attn") => {
                     // W + A·B·alpha/r with W the init's: the base did not move.
-                    let a = tensor(&adapters, &format!("{module}.lora_A"));
-                    let b = tensor(&adapters, &format!("{module}.lora_B"));
-                    assert_eq!(a.size(), [64, r]);
-                    assert_eq!(b.size(), [r, 192]);
+                    let a = tensor(&adapters, &format!("{module}.lora_A.weight"));
+                    let b = tensor(&adapters, &format!("{module}.lora_B.weight"));
+                    assert_eq!(a.size(), [r, 64]);
+                    assert_eq!(b.size(), [192, r]);
                     assert!(
                         b.abs().max().double_value(&[]) > 0.0,
                         "{name}: `{module}.lora_B` is still zero"
@@ -607,11 +608,11 @@ fn lora_from_reads_the_adapters_peft_saved() {
         ),
         (
             edited("targets", &|c| c["target_modules"] = serde_json::json!(["c_attn", "c_proj"])),
-            "key `target_modules`: [\"c_attn\",\"c_proj\"]",
+            "no `base_model.model.transformer.h.0.attn.c_proj.lora_A.weight`",
         ),
         (
             edited("ia3", &|c| c["peft_type"] = "IA3".into()),
-            "key `peft_type`: \"IA3\": accel's gpt2 reads LoRA adapters only",
+            "key `peft_type`: \"IA3\": accel reads LoRA adapters only",
         ),
         (
             edited("pissa", &|c| c["init_lora_weights"] = "pissa".into()),

@@ -6,7 +6,9 @@
 //! within 1e-4 under DDP, under FSDP with seed 001's `fsdp_config` (its
 //! `LlamaDecoderLayer` units, fsdp_version 2, SHARDED_STATE_DICT, RAM
 //! efficient loading; 2 processes, float32) against both the reference's
-//! DDP and its FSDP2, and under ZeRO-3.
+//! DDP and its FSDP2, and under ZeRO-3. LoRA adapters PEFT made on
+//! `q_proj,v_proj` train (`--lora-from`) to the losses PEFT's own training
+//! of them gives, under DDP and FSDP.
 
 use accel_integration_tests::{
     accel_bin, gpt2::write_tokens, loss_log, run_ok, venv_bin, workspace_root, write_config,
@@ -98,10 +100,9 @@ fn loss_diff(a: &Path, b: &Path) -> f64 {
         .fold(0.0, f64::max)
 }
 
-#[test]
-fn llama_losses_equal_transformers_and_accelerate_under_ddp_fsdp_and_zero3() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
+/// A tiny Llama transformers made in `d/llama` and the token file
+/// `d/tokens.bin`.
+fn llama_and_tokens(d: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
     let model = d.join("llama");
     let config = serde_json::json!({
         "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
@@ -117,6 +118,14 @@ fn llama_losses_equal_transformers_and_accelerate_under_ddp_fsdp_and_zero3() {
     );
     let tokens = d.join("tokens.bin");
     write_tokens(&tokens);
+    (model, tokens)
+}
+
+#[test]
+fn llama_losses_equal_transformers_and_accelerate_under_ddp_fsdp_and_zero3() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (model, tokens) = llama_and_tokens(d);
     let args = common(model.to_str().unwrap(), tokens.to_str().unwrap());
 
     let (py_ddp, py_fsdp) = (d.join("py_ddp.jsonl"), d.join("py_fsdp.jsonl"));
@@ -160,4 +169,46 @@ fn llama_losses_equal_transformers_and_accelerate_under_ddp_fsdp_and_zero3() {
         last < first - 0.5,
         "the loss should fall: {first} -> {last}"
     );
+}
+
+#[test]
+fn llama_lora_on_q_and_v_proj_trains_as_peft_under_ddp_and_fsdp() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (model, tokens) = llama_and_tokens(d);
+    let adapters = d.join("adapters");
+    run_ok(
+        Command::new(venv_bin("python"))
+            .arg(workspace_root().join("tests/peers/clm_reference.py"))
+            .arg("peft-init")
+            .arg(&model)
+            .arg(&adapters)
+            .args([
+                "--r",
+                "4",
+                "--alpha",
+                "8",
+                "--seed",
+                "3",
+                "--targets",
+                "q_proj,v_proj",
+            ]),
+    );
+    let mut args = common(model.to_str().unwrap(), tokens.to_str().unwrap());
+    let py = d.join("py_lora.jsonl");
+    reference_run(&args, &["--peft", adapters.to_str().unwrap()], &py);
+    args.extend(["--lora-from", adapters.to_str().unwrap()]);
+    for (name, config) in [
+        ("ddp", write_config(d, "ddp.yaml", "MULTI_CPU", 2, "")),
+        ("fsdp", write_config(d, "fsdp.yaml", "FSDP", 2, SEED_FSDP)),
+    ] {
+        let log = d.join(format!("accel_lora_{name}.jsonl"));
+        accel_run(&config, &args, &log);
+        let diff = loss_diff(&log, &py);
+        eprintln!("llama_train: LoRA q_proj,v_proj, accel {name} vs PEFT + accelerate DDP: max |Δloss| {diff:e}");
+        assert!(
+            diff <= 1e-4,
+            "LoRA {name}: losses differ from PEFT's by {diff}"
+        );
+    }
 }

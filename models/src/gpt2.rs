@@ -2,6 +2,7 @@
 //! names, its `config.json` and its initialisation.
 
 use crate::config::{Activation, AttnImplementation};
+use crate::lora::{self, Lora, LoraConfig};
 use crate::nn::{dropout, finfo_min, KvCache, LayerNorm, MakeVar, Mask};
 use crate::{CausalLM, Inputs, Scope};
 use accel::accelerator::AccelError;
@@ -297,6 +298,8 @@ impl Gpt2Config {
 struct Conv1d {
     weight: Tensor,
     bias: Tensor,
+    /// LoRA adapters beside it ([`crate::lora`]).
+    lora: Option<Lora>,
 }
 
 impl Conv1d {
@@ -312,6 +315,7 @@ impl Conv1d {
                 },
             ),
             bias: var(&p, "bias", &[nf], Init::Const(0.0)),
+            lora: None,
         }
     }
 
@@ -319,170 +323,25 @@ impl Conv1d {
         Self {
             weight: self.weight.shallow_clone(),
             bias: self.bias.shallow_clone(),
+            lora: self.lora.as_ref().map(Lora::shallow_clone),
         }
     }
 
-    /// `torch.addmm(bias, x.view(-1, nx), weight).view(..., nf)`, as Conv1D.
-    fn forward(&self, x: &Tensor) -> Tensor {
+    /// `torch.addmm(bias, x.view(-1, nx), weight).view(..., nf)`, as
+    /// Conv1D, plus the adapters' update when it has them.
+    fn forward(&self, x: &Tensor, train: bool) -> Tensor {
         let mut out: Vec<i64> = x.size();
         let nx = *out.last().expect("a Conv1D input has a last dimension");
         *out.last_mut().expect("checked") = self.weight.size()[1];
-        self.bias
+        let y = self
+            .bias
             .addmm(&x.reshape([-1, nx]), &self.weight)
-            .view(out.as_slice())
-    }
-}
-
-/// How the adapters start, as PEFT's `init_lora_weights` (`lora_B` starts
-/// at zero but for [`LoraInit::Random`], so the adapted model starts as the
-/// base model).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LoraInit {
-    /// PEFT's default (`True`): `kaiming_uniform_(a=sqrt(5))` of the
-    /// `[r, in]` Linear weight, i.e. uniform(±1/sqrt(n_embd)).
-    Kaiming,
-    /// PEFT's `"gaussian"`: normal(0, 1/r).
-    Gaussian,
-    /// PEFT's `False`: both adapters keep `nn.Linear`'s init (lora_A as
-    /// [`LoraInit::Kaiming`], lora_B uniform(±1/sqrt(r))), so they change
-    /// the model from the start. Read from a PEFT adapter's config
-    /// (`--lora-from`), not offered by `--lora-init`.
-    Random,
-}
-
-/// LoRA adapters of every block's `c_attn` (`--lora-r`, `--lora-alpha`).
-#[derive(Debug, Clone, Copy)]
-pub struct LoraConfig {
-    /// The rank r.
-    pub r: i64,
-    /// lora_alpha; the update is scaled by alpha / r.
-    pub alpha: f64,
-    pub init: LoraInit,
-    /// PEFT's `lora_dropout`: dropout on the adapters' input in training.
-    pub dropout: f64,
-}
-
-impl LoraConfig {
-    /// alpha / r, PEFT's `scaling`.
-    pub fn scale(&self) -> f64 {
-        self.alpha / self.r as f64
-    }
-}
-
-/// The suffixes of the adapters beside `c_attn`: `transformer.h.<i>.attn.c_attn.lora_A`
-/// `[n_embd, r]` and `.lora_B` `[r, 3 n_embd]` (stored `[in, out]` as Conv1D's weight).
-pub const LORA_A: &str = "lora_A";
-pub const LORA_B: &str = "lora_B";
-
-/// Whether a parameter name is a LoRA adapter's.
-pub fn is_adapter(name: &str) -> bool {
-    name.ends_with(&format!(".{LORA_A}")) || name.ends_with(&format!(".{LORA_B}"))
-}
-
-/// A rank-r update beside a Conv1D: `(x @ A @ B) * alpha / r`.
-struct Lora {
-    a: Tensor,
-    b: Tensor,
-    scale: f64,
-    dropout: f64,
-}
-
-impl Lora {
-    fn new(p: nn::Path, nx: i64, nf: i64, c: &LoraConfig) -> Self {
-        // nn.Linear's init: kaiming_uniform_(a=sqrt(5)), uniform(±1/sqrt(fan_in)).
-        let linear = |fan_in: i64| {
-            let bound = 1.0 / (fan_in as f64).sqrt();
-            Init::Uniform {
-                lo: -bound,
-                up: bound,
-            }
-        };
-        let (a_init, b_init) = match c.init {
-            LoraInit::Kaiming => (linear(nx), Init::Const(0.0)),
-            LoraInit::Gaussian => (
-                Init::Randn {
-                    mean: 0.0,
-                    stdev: 1.0 / c.r as f64,
-                },
-                Init::Const(0.0),
-            ),
-            LoraInit::Random => (linear(nx), linear(c.r)),
-        };
-        Self {
-            a: p.var(LORA_A, &[nx, c.r], a_init),
-            b: p.var(LORA_B, &[c.r, nf], b_init),
-            scale: c.scale(),
-            dropout: c.dropout,
+            .view(out.as_slice());
+        match &self.lora {
+            Some(l) => y + l.forward(x, train),
+            None => y,
         }
     }
-
-    fn shallow_clone(&self) -> Self {
-        Self {
-            a: self.a.shallow_clone(),
-            b: self.b.shallow_clone(),
-            scale: self.scale,
-            dropout: self.dropout,
-        }
-    }
-
-    /// PEFT's `lora_B(lora_A(dropout(x))) * scaling`.
-    fn forward(&self, x: &Tensor, train: bool) -> Tensor {
-        dropout(x.shallow_clone(), self.dropout, train)
-            .matmul(&self.a)
-            .matmul(&self.b)
-            * self.scale
-    }
-}
-
-/// The update `A @ B * scale` a merge adds to the base weight, in f64:
-/// the rank-1 terms summed in order, each an element-wise product, so the
-/// result is the same bits on every machine and thread count (a reader can
-/// recompute it exactly).
-pub fn lora_delta(a: &Tensor, b: &Tensor, scale: f64) -> Tensor {
-    let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
-    let (n, r, m) = (a.size()[0], a.size()[1], b.size()[1]);
-    let mut delta = Tensor::zeros([n, m], (Kind::Double, a.device()));
-    for k in 0..r {
-        delta += a.narrow(1, k, 1) * b.narrow(0, k, 1);
-    }
-    delta * scale
-}
-
-/// `weight + lora_delta(a, b, scale)`, added in f64 and rounded once to
-/// the weight's precision.
-pub fn lora_merge(weight: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Tensor {
-    (weight.to_kind(Kind::Double) + lora_delta(a, b, scale)).to_kind(weight.kind())
-}
-
-/// A state dict with adapters (names and order of the model's variables)
-/// as the merged model's: every `X.weight` with adapters `X.lora_A`,
-/// `X.lora_B` becomes `weight + A @ B * scale`; the adapters are dropped.
-pub fn merge_adapters(state: Vec<(String, Tensor)>, scale: f64) -> Result<Vec<(String, Tensor)>> {
-    let find = |name: &str| {
-        state
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, t)| t.shallow_clone())
-    };
-    let mut merged = Vec::with_capacity(state.len());
-    for (name, t) in &state {
-        if is_adapter(name) {
-            continue;
-        }
-        let t = match name.strip_suffix(".weight") {
-            Some(module) => match (
-                find(&format!("{module}.{LORA_A}")),
-                find(&format!("{module}.{LORA_B}")),
-            ) {
-                (Some(a), Some(b)) => lora_merge(t, &a, &b, scale),
-                (None, None) => t.shallow_clone(),
-                _ => bail!("`{module}` has one of its two LoRA adapters only"),
-            },
-            None => t.shallow_clone(),
-        };
-        merged.push((name.clone(), t));
-    }
-    Ok(merged)
 }
 
 /// One `GPT2Block`: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
@@ -502,8 +361,6 @@ struct Block {
     reorder_and_upcast_attn: bool,
     resid_pdrop: f64,
     activation: Activation,
-    /// LoRA adapters beside `c_attn` (`--lora-r`).
-    lora: Option<Lora>,
 }
 
 impl Block {
@@ -533,7 +390,6 @@ impl Block {
             reorder_and_upcast_attn: c.reorder_and_upcast_attn,
             resid_pdrop: c.resid_pdrop,
             activation: c.activation,
-            lora: None,
         }
     }
 
@@ -554,7 +410,6 @@ impl Block {
             reorder_and_upcast_attn: self.reorder_and_upcast_attn,
             resid_pdrop: self.resid_pdrop,
             activation: self.activation,
-            lora: self.lora.as_ref().map(Lora::shallow_clone),
         }
     }
 
@@ -567,10 +422,7 @@ impl Block {
     ) -> Tensor {
         let (b, t, e) = x.size3().expect("hidden states are [B, T, E]");
         let d = e / self.n_head;
-        let qkv = match &self.lora {
-            Some(l) => self.c_attn.forward(x) + l.forward(x, train),
-            None => self.c_attn.forward(x),
-        };
+        let qkv = self.c_attn.forward(x, train);
         let qkv = qkv.split(e, 2);
         let heads = |t_: &Tensor| t_.view([b, t, self.n_head, d]).transpose(1, 2);
         let (q, k, v) = (heads(&qkv[0]), heads(&qkv[1]), heads(&qkv[2]));
@@ -606,7 +458,11 @@ impl Block {
             }
         };
         let out = out.transpose(1, 2).reshape([b, t, e]);
-        dropout(self.attn_c_proj.forward(&out), self.resid_pdrop, train)
+        dropout(
+            self.attn_c_proj.forward(&out, train),
+            self.resid_pdrop,
+            train,
+        )
     }
 
     /// The scores `[B, H, T, T]` of `_upcast_and_reordered_attn`: one
@@ -634,8 +490,8 @@ impl Block {
         train: bool,
     ) -> Tensor {
         let h = self.attention(&self.ln_1.forward(x), mask, cache, train) + x;
-        let m = self.c_fc.forward(&self.ln_2.forward(&h));
-        let m = self.mlp_c_proj.forward(&self.activation.apply(&m));
+        let m = self.c_fc.forward(&self.ln_2.forward(&h), train);
+        let m = self.mlp_c_proj.forward(&self.activation.apply(&m), train);
         dropout(m, self.resid_pdrop, train) + h
     }
 }
@@ -722,17 +578,6 @@ impl Gpt2 {
         self.gradient_checkpointing = true;
     }
 
-    /// Adds LoRA adapters beside every block's `c_attn` under `root`
-    /// (`transformer.h.<i>.attn.c_attn.lora_A` / `lora_B`), drawn after the
-    /// base model's initialisation (which they leave as it was).
-    pub fn add_lora(&mut self, root: &nn::Path, lora: &LoraConfig) {
-        let e = self.config.n_embd;
-        for (i, block) in self.blocks.iter_mut().enumerate() {
-            let p = root / "transformer" / "h" / i / "attn" / "c_attn";
-            block.lora = Some(Lora::new(p, e, 3 * e, lora));
-        }
-    }
-
     /// The module paths of the blocks (`transformer.h.<i>`), the units of
     /// class [`BLOCK_CLASS`].
     pub fn block_paths(&self) -> Vec<String> {
@@ -778,6 +623,38 @@ impl CausalLM for Gpt2 {
         KvCache::new(self.blocks.len(), capacity)
     }
 
+    fn add_lora(&mut self, root: &nn::Path, lora: &LoraConfig) -> Result<Vec<String>, AccelError> {
+        let mut modules = Vec::new();
+        for (i, block) in self.blocks.iter_mut().enumerate() {
+            let Block {
+                c_attn,
+                attn_c_proj,
+                c_fc,
+                mlp_c_proj,
+                ..
+            } = block;
+            for (name, conv) in [
+                ("attn.c_attn", c_attn),
+                ("attn.c_proj", attn_c_proj),
+                ("mlp.c_fc", c_fc),
+                ("mlp.c_proj", mlp_c_proj),
+            ] {
+                let s = conv.weight.size();
+                modules.push((
+                    format!("transformer.h.{i}.{name}"),
+                    s[0],
+                    s[1],
+                    &mut conv.lora,
+                ));
+            }
+        }
+        lora::attach(root, lora, modules)
+    }
+
+    fn fan_in_fan_out(&self) -> bool {
+        true
+    }
+
     fn config_json(&self) -> Value {
         self.config.to_json()
     }
@@ -791,7 +668,6 @@ impl CausalLM for Gpt2 {
             } else {
                 Vec::new()
             },
-            not_stored: [LORA_A, LORA_B].map(|n| format!(".{n}")).to_vec(),
             ..LoadOptions::default()
         }
     }

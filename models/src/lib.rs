@@ -29,8 +29,10 @@ pub mod config;
 pub mod generate;
 pub mod gpt2;
 pub mod llama;
+pub mod lora;
 pub mod mistral;
 pub mod nn;
+pub mod peft;
 pub mod pretrained;
 pub mod qwen2;
 mod scope;
@@ -103,12 +105,39 @@ pub trait CausalLM {
     /// An empty key/value cache for `capacity` positions.
     fn new_cache(&self, capacity: i64) -> KvCache;
 
+    /// Adds LoRA adapters under `root` beside every linear layer whose
+    /// name `lora` targets, drawn as PEFT draws them, in the model's module
+    /// order; returns the adapted modules' names. Call it before the model
+    /// is prepared. An error when a target names no linear layer.
+    fn add_lora(
+        &mut self,
+        root: &tch::nn::Path,
+        lora: &lora::LoraConfig,
+    ) -> Result<Vec<String>, AccelError>;
+
+    /// Whether the linear weights are stored `[in, out]` (GPT-2's Conv1D;
+    /// PEFT's `fan_in_fan_out`) rather than `[out, in]`.
+    fn fan_in_fan_out(&self) -> bool {
+        false
+    }
+
     /// The `config.json` `save_pretrained` writes for this model.
     fn config_json(&self) -> Value;
 
     /// How a transformers checkpoint maps onto the parameters (base model
     /// prefix, tied head, buffers older checkpoints hold).
     fn load_options(&self) -> LoadOptions;
+
+    /// [`CausalLM::load_options`] for a checkpoint of the base model
+    /// only: LoRA adapters keep the values the program gave them.
+    fn base_load_options(&self) -> LoadOptions {
+        LoadOptions {
+            not_stored: [lora::LORA_A, lora::LORA_B]
+                .map(|n| format!(".{n}.weight"))
+                .to_vec(),
+            ..self.load_options()
+        }
+    }
 
     /// Logits `[B, T, vocab]` (the last `logits_to_keep` positions) of
     /// `inputs`, each module run in `scope`; `cache`, when given, holds the

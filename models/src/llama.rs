@@ -5,6 +5,7 @@
 //! their own configuration: a sliding window, q/k/v biases.
 
 use crate::config::{Activation, AttnImplementation, ConfigFile};
+use crate::lora::{self, LoraConfig};
 use crate::nn::{
     apply_rotary, attend, dropout, new_var, normal, GatedMlp, KvCache, Linear, MakeVar, Mask,
     RmsNorm, RopeScaling, Rotary,
@@ -450,7 +451,7 @@ impl DecoderLayer {
         let (b, t, _) = x.size3().expect("hidden states are [B, T, hidden]");
         let h = self.input_layernorm.forward(x);
         let heads = |proj: &Linear, n: i64| {
-            proj.forward(&h)
+            proj.forward(&h, train)
                 .view([b, t, n, self.head_dim])
                 .transpose(1, 2)
         };
@@ -477,8 +478,10 @@ impl DecoderLayer {
         let out = out
             .transpose(1, 2)
             .reshape([b, t, self.heads * self.head_dim]);
-        let h = self.o_proj.forward(&out) + x;
-        self.mlp.forward(&self.post_attention_layernorm.forward(&h)) + h
+        let h = self.o_proj.forward(&out, train) + x;
+        self.mlp
+            .forward(&self.post_attention_layernorm.forward(&h), train)
+            + h
     }
 }
 
@@ -588,6 +591,40 @@ impl CausalLM for Llama {
 
     fn new_cache(&self, capacity: i64) -> KvCache {
         KvCache::new(self.layers.len(), capacity)
+    }
+
+    fn add_lora(&mut self, root: &nn::Path, lora: &LoraConfig) -> Result<Vec<String>, AccelError> {
+        let mut modules = Vec::new();
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let at = |m: &str| format!("model.layers.{i}.{m}");
+            let DecoderLayer {
+                q_proj,
+                k_proj,
+                v_proj,
+                o_proj,
+                mlp,
+                ..
+            } = layer;
+            let GatedMlp {
+                gate_proj,
+                up_proj,
+                down_proj,
+                ..
+            } = mlp;
+            for (name, linear) in [
+                ("self_attn.q_proj", q_proj),
+                ("self_attn.k_proj", k_proj),
+                ("self_attn.v_proj", v_proj),
+                ("self_attn.o_proj", o_proj),
+                ("mlp.gate_proj", gate_proj),
+                ("mlp.up_proj", up_proj),
+                ("mlp.down_proj", down_proj),
+            ] {
+                let (fan_in, fan_out) = linear.features();
+                modules.push((at(name), fan_in, fan_out, &mut linear.lora));
+            }
+        }
+        lora::attach(root, lora, modules)
     }
 
     fn config_json(&self) -> Value {

@@ -10,7 +10,7 @@ Subcommands:
           [--epochs E] [--lr 6e-4] [--weight-decay 0.01] [--scheduler constant|linear|cosine] [--warmup W]
           [--data-seed S] [--grad-accum G] [--max-grad-norm M] [--freeze REGEX ...]
           [--loss-log FILE] [--save DIR] [--fsdp] [--comm-hook no|fp16|bf16|power_sgd] [--comm-state JSON]
-          [--bucket-cap-mb X] [--attn-implementation sdpa|eager]
+          [--bucket-cap-mb X] [--attn-implementation sdpa|eager] [--peft ADAPTERS]
         The same loop as examples/clm.rs. Run with plain python (one process) or
         `torchrun --nproc_per_node 2` (CPU, gloo; `accelerate launch --cpu` starts only one process).
         --fsdp: PyTorch's FSDP2 (`fully_shard`, FULL_SHARD) on every decoder layer (the model's
@@ -32,9 +32,10 @@ Subcommands:
         do_sample=..., ...) (the prompt tokenized by DIR's tokenizer.json through PreTrainedTokenizerFast);
         prints one JSON line: {"ids": [...], "text": decoded (with a tokenizer)}.
 
-    peft-init BASE DIR --r R --alpha A [--dropout P] [--seed S]
-        torch.manual_seed(S); get_peft_model(GPT2LMHeadModel.from_pretrained(BASE),
-        LoraConfig(r=R, lora_alpha=A, lora_dropout=P, target_modules=["c_attn"], fan_in_fan_out=True,
+    peft-init BASE DIR --r R --alpha A [--dropout P] [--seed S] [--targets a,b] [--bias none|all|lora_only]
+        torch.manual_seed(S); get_peft_model(AutoModelForCausalLM.from_pretrained(BASE),
+        LoraConfig(r=R, lora_alpha=A, lora_dropout=P, target_modules=TARGETS (PEFT's default for the model
+        type: c_attn, or q_proj,v_proj), fan_in_fan_out=(GPT-2), bias=BIAS,
         init_lora_weights=False)).save_pretrained(DIR): adapters PEFT made, lora_B random (not zero),
         so they change the model, for accel's `--lora-from`.
 
@@ -158,18 +159,21 @@ def cmd_generate(a):
 
 def cmd_peft_init(a):
     from peft import LoraConfig, get_peft_model
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(a.seed)
+    base = AutoModelForCausalLM.from_pretrained(a.base)
+    gpt2 = base.config.model_type == "gpt2"
     config = LoraConfig(
         r=a.r,
         lora_alpha=a.alpha,
         lora_dropout=a.dropout,
-        target_modules=["c_attn"],
-        fan_in_fan_out=True,
+        target_modules=a.targets.split(",") if a.targets else (["c_attn"] if gpt2 else ["q_proj", "v_proj"]),
+        fan_in_fan_out=gpt2,
+        bias=a.bias,
         init_lora_weights=False,
     )
-    get_peft_model(GPT2LMHeadModel.from_pretrained(a.base), config).save_pretrained(a.dir)
+    get_peft_model(base, config).save_pretrained(a.dir)
 
 
 def cmd_train(a):
@@ -196,6 +200,10 @@ def cmd_train(a):
         ],
     )
     model = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation=a.attn_implementation)
+    if a.peft:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, a.peft, is_trainable=True)
     model.train()
     for name, p in model.named_parameters():
         if any(re.search(f, name) for f in a.freeze):
@@ -308,6 +316,7 @@ def main(argv):
     t.add_argument("--comm-state", default="{}")
     t.add_argument("--bucket-cap-mb", type=float)
     t.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    t.add_argument("--peft", help="train the PEFT adapters in this directory (PeftModel, is_trainable)")
     lg = sub.add_parser("logits")
     lg.add_argument("--ids", required=True)
     lg.add_argument("--model", nargs=2, action="append", default=[], metavar=("DIR", "FILE"))
@@ -329,6 +338,8 @@ def main(argv):
     pi.add_argument("--alpha", type=float, required=True)
     pi.add_argument("--dropout", type=float, default=0.0)
     pi.add_argument("--seed", type=int, default=0)
+    pi.add_argument("--targets", default="")
+    pi.add_argument("--bias", default="none", choices=["none", "all", "lora_only"])
     a = p.parse_args(argv)
     {
         "init": cmd_init,

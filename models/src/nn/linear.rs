@@ -1,6 +1,7 @@
 //! `nn.Linear`: `y = x Wᵀ + b`, the weight stored `[out, in]`.
 
 use super::{normal, MakeVar};
+use crate::lora::Lora;
 use tch::{nn, nn::Init, Tensor};
 
 /// A linear layer as `torch.nn.Linear` stores and computes it.
@@ -9,6 +10,8 @@ pub struct Linear {
     pub weight: Tensor,
     /// `[out_features]`, when the layer has a bias.
     pub bias: Option<Tensor>,
+    /// LoRA adapters beside it ([`crate::lora`]).
+    pub lora: Option<Lora>,
 }
 
 impl Linear {
@@ -25,6 +28,7 @@ impl Linear {
         Self {
             weight: var(p, "weight", &[out_features, in_features], normal(std)),
             bias: bias.then(|| var(p, "bias", &[out_features], Init::Const(0.0))),
+            lora: None,
         }
     }
 
@@ -33,11 +37,23 @@ impl Linear {
         Self {
             weight: self.weight.shallow_clone(),
             bias: self.bias.as_ref().map(Tensor::shallow_clone),
+            lora: self.lora.as_ref().map(Lora::shallow_clone),
         }
     }
 
-    /// `x @ weightᵀ + bias`.
-    pub fn forward(&self, x: &Tensor) -> Tensor {
-        x.linear(&self.weight, self.bias.as_ref())
+    /// `(in_features, out_features)`.
+    pub fn features(&self) -> (i64, i64) {
+        let s = self.weight.size();
+        (s[1], s[0])
+    }
+
+    /// `x @ weightᵀ + bias`, plus the adapters' update when it has them
+    /// (their dropout on when `train`).
+    pub fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+        let y = x.linear(&self.weight, self.bias.as_ref());
+        match &self.lora {
+            Some(l) => y + l.forward(x, train),
+            None => y,
+        }
     }
 }

@@ -44,9 +44,10 @@ impl GatedMlp {
         }
     }
 
-    /// `down(act(gate(x)) * up(x))`.
-    pub fn forward(&self, x: &Tensor) -> Tensor {
-        let gated = self.act.apply(&self.gate_proj.forward(x)) * self.up_proj.forward(x);
-        self.down_proj.forward(&gated)
+    /// `down(act(gate(x)) * up(x))`; `train` turns the adapters' dropout on.
+    pub fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+        let gated =
+            self.act.apply(&self.gate_proj.forward(x, train)) * self.up_proj.forward(x, train);
+        self.down_proj.forward(&gated, train)
     }
 }
