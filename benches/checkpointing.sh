@@ -13,7 +13,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cargo build --release -q -p accel -p accel-fsdp -p accel-examples
 rel=$PWD/target/release
 
-[ -d "$out/model" ] || python tests/peers/gpt2_reference.py init "$out/model" --n-layer 6 \
+[ -d "$out/model" ] || python tests/peers/clm_reference.py init "$out/model" --n-layer 6 \
     --n-embd 384 --n-head 6 --vocab-size 8192 --n-positions 256 --seed 0
 [ -f "$out/tokens.bin" ] || python - "$out/tokens.bin" <<'PY'
 import sys, numpy as np

@@ -2,7 +2,7 @@
 # gpt2 throughput and memory: accel's clm example (examples/clm.rs) training GPT-2 under
 # one process, DDP, FSDP FULL_SHARD (GPT2Block units) and ZeRO-3 on 2 CPU
 # ranks, beside transformers' GPT2LMHeadModel under Python Accelerate
-# (tests/peers/gpt2_reference.py: one process, and torchrun with 2 gloo
+# (tests/peers/clm_reference.py: one process, and torchrun with 2 gloo
 # ranks = DDP) on the same model, data, order and optimizer.
 #
 # Model: GPT-2 with 6 layers, n_embd 384, 6 heads, vocab 8192, block 128;
@@ -16,7 +16,7 @@ source "$(dirname "$0")/common.sh" target/bench-results/gpt2 "${1:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cargo build --release -q -p accel -p accel-ddp -p accel-fsdp -p accel-zero -p accel-examples
 rel=$PWD/target/release
-peer=tests/peers/gpt2_reference.py
+peer=tests/peers/clm_reference.py
 
 [ -d "$out/model" ] || python "$peer" init "$out/model" --n-layer 6 --n-embd 384 --n-head 6 \
     --vocab-size 8192 --n-positions 256 --seed 0

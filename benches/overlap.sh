@@ -17,7 +17,7 @@ rel=$PWD/target/release
 
 mkdir -p "$out/mlp"
 python benches/peers/make_inputs.py "$out/mlp" 1024 16384
-peer=tests/peers/gpt2_reference.py
+peer=tests/peers/clm_reference.py
 [ -d "$out/model" ] || python "$peer" init "$out/model" --n-layer 6 --n-embd 384 --n-head 6 \
     --vocab-size 8192 --n-positions 256 --seed 0
 [ -f "$out/tokens.bin" ] || python - "$out/tokens.bin" <<'PY'

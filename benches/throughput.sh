@@ -57,7 +57,7 @@ workloads=${WORKLOADS:-mlp_small mlp_big gpt2}
 cargo build --release -q -p accel -p accel-ddp -p accel-fsdp -p accel-zero -p accel-examples
 rel=$PWD/target/release
 mlp_peer=benches/peers/accelerate_mlp.py
-gpt2_peer=tests/peers/gpt2_reference.py
+gpt2_peer=tests/peers/clm_reference.py
 
 # --- inputs -------------------------------------------------------------------
 for h in 128 1024; do

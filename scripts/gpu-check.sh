@@ -16,7 +16,7 @@
 #     world size 1, against the CPU; with 2 GPUs or more, also trains both on
 #     2 ranks with --multi_gpu (NCCL) and compares with 2 CPU ranks (DDP over MPI);
 #  4. reports gpt2 tokens/s beside transformers + Python Accelerate on the
-#     same GPU, model, data and precision (tests/peers/gpt2_reference.py).
+#     same GPU, model, data and precision (tests/peers/clm_reference.py).
 # It prints a table, and exits 1 when a loss is outside its tolerance or a
 # run fails.
 set -euo pipefail
@@ -140,7 +140,7 @@ for prec in no bf16 fp16; do
         compare "mlp, 1 GPU" "$prec" "$out/mlp_cuda_$prec.jsonl" "$out/mlp_cpu.jsonl" "-"
 done
 
-peer=tests/peers/gpt2_reference.py
+peer=tests/peers/clm_reference.py
 batch=8 block=128
 [ -d "$out/model" ] || "$python" "$peer" init "$out/model" --n-layer 4 --n-embd 256 --n-head 4 \
     --vocab-size 8192 --n-positions 256 --seed 0

@@ -6,7 +6,7 @@
 //! the wrong type, a tensor of the wrong shape, a truncated safetensors
 //! file) exit 1 with a message naming the file and the key, never a panic.
 
-use accel_integration_tests::{accel_bin, describe, run_ok, venv_bin, workspace_root};
+use accel_integration_tests::{accel_bin, describe, venv_bin, workspace_root};
 use serde_json::{json, Value};
 use std::path::Path;
 use std::process::{Command, Output};
@@ -19,16 +19,44 @@ fn peer() -> Command {
     c
 }
 
-/// A model transformers made from `config` in `dir`, with a tokenizer of
+/// Runs the reference once over `jobs` (the arguments of one command
+/// each); returns the JSON lines it printed.
+fn batch(jobs: &[Vec<String>]) -> Vec<Value> {
+    let mut child = peer()
+        .arg("batch")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let stdin = child.stdin.as_mut().unwrap();
+        for job in jobs {
+            writeln!(stdin, "{}", serde_json::to_string(job).unwrap()).unwrap();
+        }
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", describe(&out));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn s(parts: &[&str]) -> Vec<String> {
+    parts.iter().map(|p| (*p).to_owned()).collect()
+}
+
+/// The jobs that make a model from `config` in `dir` with a tokenizer of
 /// its vocabulary.
-fn model(dir: &Path, config: Value) {
-    run_ok(
-        peer()
-            .arg("init")
-            .arg(dir)
-            .args(["--config", &config.to_string()]),
-    );
-    run_ok(peer().arg("tokenizer").arg(dir));
+fn model_jobs(dir: &Path, config: &Value) -> Vec<Vec<String>> {
+    let d = dir.to_str().unwrap();
+    vec![
+        s(&["init", d, "--config", &config.to_string()]),
+        s(&["tokenizer", d]),
+    ]
 }
 
 fn generate(dir: &Path, args: &[&str]) -> Output {
@@ -48,15 +76,18 @@ fn lines(out: &Output) -> Vec<String> {
         .collect()
 }
 
-fn reference(dir: &Path, args: &[&str]) -> (Vec<Vec<i64>>, Vec<String>) {
-    let mut c = peer();
-    c.arg("generate").arg(dir);
+/// The reference's `generate` job on `dir` for [`PROMPTS`].
+fn reference_job(dir: &Path, args: &[&str]) -> Vec<String> {
+    let mut job = s(&["generate", dir.to_str().unwrap()]);
     for p in PROMPTS {
-        c.args(["--prompt", p]);
+        job.extend(s(&["--prompt", p]));
     }
-    let out = run_ok(c.args(args));
-    let line = String::from_utf8_lossy(&out.stdout);
-    let v: Value = serde_json::from_str(line.lines().last().unwrap()).unwrap();
+    job.extend(s(args));
+    job
+}
+
+/// A `generate` job's new ids and texts.
+fn new_and_text(v: &Value) -> (Vec<Vec<i64>>, Vec<String>) {
     (
         serde_json::from_value(v["new"].clone()).unwrap(),
         serde_json::from_value(v["text"].clone()).unwrap(),
@@ -125,29 +156,40 @@ fn generate_prints_transformers_completions() {
         "--seed",
         "11",
     ];
-    for (name, config) in models {
-        let d = dir.path().join(name);
-        model(&d, config);
-        let greedy_ids = ids_of(&lines(&generate(&d, &["--max_new_tokens", "10", "--ids"])));
-        let greedy_text = lines(&generate(&d, &["--max-new-tokens", "10"]));
-        let (ids, texts) = reference(&d, &["--max-new-tokens", "10"]);
+    let dashed: Vec<String> = sampled.iter().map(|a| a.replace('_', "-")).collect();
+    let dashed: Vec<&str> = dashed.iter().map(String::as_str).collect();
+    let dirs: Vec<_> = models.iter().map(|(n, _)| dir.path().join(n)).collect();
+    let made: Vec<Vec<String>> = models
+        .iter()
+        .zip(&dirs)
+        .flat_map(|((_, c), d)| model_jobs(d, c))
+        .collect();
+    batch(&made);
+    let jobs: Vec<Vec<String>> = dirs
+        .iter()
+        .flat_map(|d| {
+            [
+                reference_job(d, &["--max-new-tokens", "10"]),
+                reference_job(d, &dashed),
+            ]
+        })
+        .collect();
+    let theirs = batch(&jobs);
+    for (i, ((name, _), d)) in models.iter().zip(&dirs).enumerate() {
+        let greedy_ids = ids_of(&lines(&generate(d, &["--max_new_tokens", "10", "--ids"])));
+        let greedy_text = lines(&generate(d, &["--max-new-tokens", "10"]));
+        let (ids, texts) = new_and_text(&theirs[2 * i]);
         assert_eq!(greedy_ids, ids, "{name}: greedy ids");
         let texts: Vec<String> = texts.iter().map(|t| one_line(t)).collect();
         assert_eq!(greedy_text, texts, "{name}: greedy text");
         let mut ours = sampled.to_vec();
         ours.push("--ids");
-        let sampled_ids = ids_of(&lines(&generate(&d, &ours)));
-        let theirs: Vec<String> = sampled.iter().map(|a| a.replace('_', "-")).collect();
-        let theirs: Vec<&str> = theirs.iter().map(String::as_str).collect();
-        let (ids, _) = reference(&d, &theirs);
+        let sampled_ids = ids_of(&lines(&generate(d, &ours)));
+        let (ids, _) = new_and_text(&theirs[2 * i + 1]);
         assert_eq!(sampled_ids, ids, "{name}: sampled ids");
-        // Without the cache, the same ids.
-        let uncached = ids_of(&lines(&generate(
-            &d,
-            &["--max_new_tokens", "10", "--ids", "--no_cache"],
-        )));
-        assert_eq!(uncached, greedy_ids, "{name}: the uncached ids");
-        let out = generate(&d, &["--max_new_tokens", "10"]);
+        // Without the cache, the same ids; the speed on stderr.
+        let out = generate(d, &["--max_new_tokens", "10", "--ids", "--no_cache"]);
+        assert_eq!(ids_of(&lines(&out)), greedy_ids, "{name}: the uncached ids");
         assert!(
             String::from_utf8_lossy(&out.stderr).contains("tokens/s"),
             "{}",
@@ -173,11 +215,11 @@ fn refused(dir: &Path, expect: &[&str]) {
 fn broken_model_directories_are_refused_by_file_and_key() {
     let dir = tempfile::tempdir().unwrap();
     let good = dir.path().join("good");
-    model(
+    batch(&model_jobs(
         &good,
-        json!({"model_type": "llama", "vocab_size": 400, "hidden_size": 32, "intermediate_size": 48,
+        &json!({"model_type": "llama", "vocab_size": 400, "hidden_size": 32, "intermediate_size": 48,
             "num_hidden_layers": 1, "num_attention_heads": 2}),
-    );
+    ));
     let copy = |name: &str, edit: &dyn Fn(&mut Value)| {
         let d = dir.path().join(name);
         std::fs::create_dir_all(&d).unwrap();

@@ -163,6 +163,36 @@ fn llama_losses_equal_transformers_and_accelerate_under_ddp_fsdp_and_zero3() {
             assert!(diff <= 1e-4, "fsdp: losses differ from FSDP2's by {diff}");
         }
     }
+    // Activation checkpointing (per LlamaDecoderLayer: the flag, and the
+    // FSDP config's) recomputes the same losses.
+    let ac = d.join("accel_ddp_ac.jsonl");
+    let mut checkpointed = args.clone();
+    checkpointed.push("--gradient-checkpointing");
+    accel_run(&runs[0].1, &checkpointed, &ac);
+    let diff = loss_diff(&ac, &d.join("accel_ddp.jsonl"));
+    eprintln!("llama_train: --gradient-checkpointing changes the DDP losses by {diff:e}");
+    assert!(
+        diff <= 1e-6,
+        "--gradient-checkpointing: losses move by {diff}"
+    );
+    let fsdp_ac = write_config(
+        d,
+        "fsdp_ac.yaml",
+        "FSDP",
+        2,
+        &SEED_FSDP.replace(
+            "fsdp_activation_checkpointing: false",
+            "fsdp_activation_checkpointing: true",
+        ),
+    );
+    let ac = d.join("accel_fsdp_ac.jsonl");
+    accel_run(&fsdp_ac, &args, &ac);
+    let diff = loss_diff(&ac, &d.join("accel_fsdp.jsonl"));
+    eprintln!("llama_train: fsdp_activation_checkpointing changes the FSDP losses by {diff:e}");
+    assert!(
+        diff <= 1e-6,
+        "fsdp_activation_checkpointing: losses move by {diff}"
+    );
     let first = loss_log(&py_ddp)[0].1;
     let last = loss_log(&py_ddp).last().unwrap().1;
     assert!(

@@ -92,7 +92,7 @@ impl ConfigFile {
         &self.path
     }
 
-    /// An error about `key`: `<file>: `<key>` <message>`.
+    /// An error about `key`: "FILE: `KEY` MESSAGE".
     pub fn error(&self, key: &str, message: impl std::fmt::Display) -> AccelError {
         AccelError::Usage(format!("{}: `{key}` {message}", self.path.display()))
     }
@@ -266,5 +266,32 @@ impl std::str::FromStr for AttnImplementation {
             "eager" => Ok(Self::Eager),
             other => Err(format!("`{other}`: sdpa or eager")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn keys_nobody_read_are_named_and_bookkeeping_is_not() {
+        let path = Path::new("dir/config.json");
+        let file = ConfigFile::from_value(
+            path,
+            json!({"hidden_size": 8, "eos_token_id": 2, "use_qk_norm": true, "flux": 1}),
+        )
+        .unwrap();
+        assert_eq!(file.int("hidden_size", 1).unwrap(), 8);
+        assert_eq!(file.unused(), ["flux", "use_qk_norm"]);
+        let e = file.int("eos_token_id", 0).unwrap();
+        assert_eq!(e, 2);
+        let bad = ConfigFile::from_value(path, json!({"hidden_size": "8"})).unwrap();
+        let err = bad.int("hidden_size", 1).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "dir/config.json: `hidden_size` is \"8\", not an integer"
+        );
+        assert!(ConfigFile::from_value(path, json!([1])).is_err());
     }
 }

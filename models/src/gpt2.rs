@@ -506,7 +506,7 @@ pub struct Gpt2 {
     /// Only without tie_word_embeddings; tied, the head is `wte`.
     lm_head: Option<Tensor>,
     /// Every block checkpointed in training
-    /// ([`Gpt2::gradient_checkpointing_enable`]).
+    /// ([`CausalLM::gradient_checkpointing_enable`]).
     gradient_checkpointing: bool,
 }
 
@@ -569,13 +569,6 @@ impl Gpt2 {
             lm_head,
             gradient_checkpointing: false,
         }
-    }
-
-    /// transformers' `gradient_checkpointing_enable()`: in training, every
-    /// block keeps only its input and runs again in backward
-    /// ([`ForwardScope::checkpoint`]); the gradients stay the same.
-    pub fn gradient_checkpointing_enable(&mut self) {
-        self.gradient_checkpointing = true;
     }
 
     /// The module paths of the blocks (`transformer.h.<i>`), the units of

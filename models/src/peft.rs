@@ -2,7 +2,7 @@
 //! architecture: a directory with `adapter_config.json` (a `LoraConfig`)
 //! and `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`
 //! `[r, in]`, `.lora_B.weight` `[out, r]`, and the trained biases when
-//! `bias` is `all` or `lora_only`). [`write`] makes one; [`read_config`]
+//! `bias` is `all` or `lora_only`). [`write()`] makes one; [`read_config`]
 //! and [`read_tensors`] read one back.
 
 use crate::lora::{is_adapter, LoraBias, LoraConfig, LoraInit};
