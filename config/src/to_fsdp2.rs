@@ -9,8 +9,11 @@
 //!   `HYBRID_SHARD_ZERO2` and `NO_SHARD` → `false` (any other value is kept);
 //!   an FSDP1-style `fsdp_reshard_after_forward: FULL_SHARD` is mapped the
 //!   same way;
-//! - every other key is kept as it is (Accelerate logs that keys such as
-//!   `fsdp_sync_module_states` were removed in FSDP2, but keeps them);
+//! - `fsdp_backward_prefetch`, `fsdp_sync_module_states` and
+//!   `fsdp_use_orig_params` are dropped ("removed in FSDP2") and
+//!   `fsdp_forward_prefetch` too ("not yet implemented in FSDP2"), each
+//!   with Accelerate's warning (Accelerate 1.16; earlier releases kept them);
+//! - every other key is kept as it is;
 //! - a config without `fsdp_config`, or already at `fsdp_version: 2`, is
 //!   written unchanged (with a warning for the latter).
 //!
@@ -53,29 +56,43 @@ fn reshard_after_forward(strategy: &Value) -> Option<bool> {
     }
 }
 
-/// The converted config, and a warning when there was nothing to convert.
-pub fn convert(config: &Config) -> Result<(Config, Option<String>), String> {
+/// The FSDP1 keys Accelerate's conversion drops, and why.
+const DROPPED: &[(&str, &str)] = &[
+    ("fsdp_backward_prefetch", "has been removed in FSDP2"),
+    ("fsdp_forward_prefetch", "is not yet implemented in FSDP2"),
+    ("fsdp_sync_module_states", "has been removed in FSDP2"),
+    ("fsdp_use_orig_params", "has been removed in FSDP2"),
+];
+
+/// The converted config, and the warnings Accelerate gives: nothing to
+/// convert, or each key dropped.
+pub fn convert(config: &Config) -> Result<(Config, Vec<String>), String> {
     let mut map = config.to_json();
     let Some(Value::Object(fsdp)) = map.get("fsdp_config").cloned() else {
         return Ok((
             config.clone(),
-            Some("No FSDP config found in the config file, skipping conversion...".into()),
+            vec!["No FSDP config found in the config file, skipping conversion...".into()],
         ));
     };
     if fsdp.is_empty() {
         return Ok((
             config.clone(),
-            Some("No FSDP config found in the config file, skipping conversion...".into()),
+            vec!["No FSDP config found in the config file, skipping conversion...".into()],
         ));
     }
     if fsdp.get("fsdp_version").and_then(Value::as_i64) == Some(2) {
         return Ok((
             config.clone(),
-            Some("Config already specifies FSDP2, skipping conversion... If the config doesn't use new argument names, change `fsdp_version` to `1` and rerun the command.".into()),
+            vec!["Config already specifies FSDP2, skipping conversion... If the config doesn't use new argument names, change `fsdp_version` to `1` and rerun the command.".into()],
         ));
     }
     let mut converted = serde_json::Map::new();
+    let mut warnings = Vec::new();
     for (key, value) in fsdp {
+        if let Some((_, why)) = DROPPED.iter().find(|(k, _)| *k == key) {
+            warnings.push(format!("Argument {key} {why}, skipping this key..."));
+            continue;
+        }
         match key.as_str() {
             "fsdp_sharding_strategy" | "fsdp_reshard_after_forward" => {
                 let v = reshard_after_forward(&value).map_or(value, Value::Bool);
@@ -89,7 +106,7 @@ pub fn convert(config: &Config) -> Result<(Config, Option<String>), String> {
     converted.insert("fsdp_version".into(), 2.into());
     map.insert("fsdp_config".into(), Value::Object(converted));
     let config = Config::from_json(map).map_err(|e| e.to_string())?;
-    Ok((config, None))
+    Ok((config, warnings))
 }
 
 /// Runs `accel to-fsdp2`; returns the exit status. `extra_distributed_types`
@@ -139,7 +156,7 @@ pub fn run(
             return 1;
         }
     };
-    let (config, warning) = match convert(&loaded.config) {
+    let (config, warnings) = match convert(&loaded.config) {
         Ok(c) => c,
         Err(e) => {
             return fail(
@@ -151,7 +168,7 @@ pub fn run(
             )
         }
     };
-    if let Some(w) = warning {
+    for w in warnings {
         let _ = writeln!(stderr, "accel to-fsdp2: warning: {w}");
     }
     let format = Format::from_path(&output);
@@ -181,23 +198,26 @@ mod tests {
         let c: Config = "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_sync_module_states: true\n"
             .parse()
             .unwrap();
-        let (out, warning) = convert(&c).unwrap();
-        assert!(warning.is_none());
+        let (out, warnings) = convert(&c).unwrap();
+        assert_eq!(
+            warnings,
+            ["Argument fsdp_sync_module_states has been removed in FSDP2, skipping this key..."]
+        );
         let fsdp = out.section("fsdp_config").unwrap();
         assert_eq!(fsdp["fsdp_reshard_after_forward"], Value::Bool(false));
         assert_eq!(fsdp["fsdp_version"], 2);
         assert!(fsdp.get("fsdp_sharding_strategy").is_none());
-        // Kept, as Accelerate keeps it.
-        assert_eq!(fsdp["fsdp_sync_module_states"], Value::Bool(true));
+        // Dropped, as Accelerate 1.16 drops it.
+        assert!(fsdp.get("fsdp_sync_module_states").is_none());
     }
 
     #[test]
     fn fsdp2_and_fsdp_less_configs_are_left_alone() {
         let c: Config = "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n".parse().unwrap();
-        let (out, warning) = convert(&c).unwrap();
+        let (out, warnings) = convert(&c).unwrap();
         assert_eq!(out, c);
-        assert!(warning.unwrap().contains("already specifies FSDP2"));
+        assert!(warnings[0].contains("already specifies FSDP2"));
         let c: Config = "distributed_type: MULTI_CPU\n".parse().unwrap();
-        assert!(convert(&c).unwrap().1.unwrap().contains("No FSDP config"));
+        assert!(convert(&c).unwrap().1[0].contains("No FSDP config"));
     }
 }
