@@ -242,3 +242,110 @@ fn llama_lora_on_q_and_v_proj_trains_as_peft_under_ddp_and_fsdp() {
         );
     }
 }
+
+/// The README's worked example (the bash block after its marker), run as
+/// written except: no `cargo build --release` (the test's own build of the
+/// same programs), PATH to those and to the project's venv, and 6 steps
+/// instead of 200. accel's eval losses must be transformers' (and PEFT's)
+/// on the saved models, and `accel generate` must print a completion.
+#[test]
+fn the_readme_llama_example_runs_as_written() {
+    let readme = std::fs::read_to_string(workspace_root().join("README.md")).unwrap();
+    let marker = "<!-- tests/llama_train.rs runs the next block -->";
+    let at = readme
+        .find(marker)
+        .expect("the README marks its Llama example")
+        + marker.len();
+    let body = readme[at..]
+        .trim_start()
+        .strip_prefix("```bash\n")
+        .expect("a ```bash block follows the marker");
+    let block = &body[..body.find("\n```").expect("the block ends")];
+    let clm = accel_integration_tests::build_bin("clm");
+    let bins = clm.parent().unwrap().to_path_buf();
+    assert_eq!(accel_bin().parent().unwrap(), bins, "accel beside clm");
+    let venv = venv_bin("python").parent().unwrap().to_path_buf();
+    let mut script = vec!["set -euo pipefail".to_owned()];
+    let (mut built, mut path) = (false, false);
+    for line in block.lines() {
+        if line.starts_with("cargo build --release") {
+            built = true;
+        } else if line.starts_with("export PATH=") {
+            path = true;
+            script.push(format!(
+                "export PATH=\"{}:{}:$PATH\"",
+                bins.display(),
+                venv.display()
+            ));
+        } else {
+            script.push(line.to_owned());
+        }
+    }
+    assert!(built && path, "the block builds and sets PATH:\n{block}");
+    let mut script = script.join("\n") + "\n";
+    for (from, to) in [
+        ("--steps 200", "--steps 6"),
+        ("--eval-every 200", "--eval-every 6"),
+    ] {
+        assert_eq!(
+            script.matches(from).count(),
+            2,
+            "`{from}` twice in:\n{block}"
+        );
+        script = script.replace(from, to);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_ok(
+        Command::new("bash")
+            .arg("-c")
+            .arg(&script)
+            .current_dir(dir.path())
+            .env("HF_HUB_OFFLINE", "1")
+            .env("RUST_BACKTRACE", "0"),
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let text = accel_integration_tests::describe(&out);
+    let value = |line: &str| -> f64 { line.rsplit(' ').next().unwrap().parse().unwrap() };
+    let accel: Vec<f64> = stdout
+        .lines()
+        .filter(|l| l.starts_with("clm: step 6: eval_loss "))
+        .map(value)
+        .collect();
+    let theirs = |name: &str| -> f64 {
+        stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("transformers: {name} eval_loss ")))
+            .map(value)
+            .unwrap_or_else(|| panic!("no {name} loss: {text}"))
+    };
+    assert_eq!(accel.len(), 2, "{text}");
+    for (a, t) in [
+        (accel[0], theirs("llama-tuned")),
+        (accel[1], theirs("llama-lora")),
+        (accel[1], theirs("peft")),
+    ] {
+        assert!(
+            (a - t).abs() <= 1e-4,
+            "accel {a} vs transformers {t}: {text}"
+        );
+    }
+    let run = dir.path().join("runs/llama-fsdp");
+    for file in [
+        "llama-tuned/model.safetensors",
+        "llama-tuned/config.json",
+        "llama-tuned/tokenizer.json",
+        "llama-lora/model.safetensors",
+        "llama-adapters/adapter_model.safetensors",
+        "lora-adapters.safetensors",
+    ] {
+        assert!(run.join(file).is_file(), "no {file}: {text}");
+    }
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("accel generate: "),
+        "{text}"
+    );
+    assert!(
+        !stdout.lines().last().unwrap_or("").trim().is_empty(),
+        "no completion: {text}"
+    );
+}
