@@ -344,8 +344,13 @@ fn the_readme_llama_example_runs_as_written() {
         String::from_utf8_lossy(&out.stderr).contains("accel generate: "),
         "{text}"
     );
-    assert!(
-        !stdout.lines().last().unwrap_or("").trim().is_empty(),
-        "no completion: {text}"
-    );
+    // One completion line after transformers' losses (after 6 steps it may
+    // be blanks: the model has not learnt much).
+    let after: Vec<&str> = stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("transformers: peft "))
+        .skip(1)
+        .collect();
+    assert_eq!(after.len(), 1, "one completion: {text}");
+    assert!(!after[0].is_empty(), "an empty completion: {text}");
 }
