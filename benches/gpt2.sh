@@ -14,7 +14,7 @@
 # Usage: bash benches/gpt2.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
 source "$(dirname "$0")/common.sh" target/bench-results/gpt2 "${1:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-cargo build --release -q -p accel -p accel-ddp -p accel-fsdp -p accel-zero -p accel-examples
+cargo build --release -q -p accel-cli -p accel-ddp -p accel-fsdp -p accel-zero -p accel-examples
 rel=$PWD/target/release
 peer=tests/peers/clm_reference.py
 

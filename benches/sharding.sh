@@ -27,7 +27,7 @@ steps=${STEPS:-30}
 ranks=${RANKS:-4}
 repeats=${REPEATS:-3}
 mkdir -p "$out/sharding"
-cargo build --release -q -p accel -p accel-ddp -p accel-zero -p accel-fsdp -p accel-examples
+cargo build --release -q -p accel-cli -p accel-ddp -p accel-zero -p accel-fsdp -p accel-examples
 rel=target/release
 cfgdir="$out/sharding"
 

@@ -787,6 +787,8 @@ fn lora_config(args: &Args, model_type: &str) -> Result<Option<LoraConfig>> {
 }
 
 fn main() -> Result<()> {
+    // Before the model's config.json is read: its warnings are logged.
+    accel::init_logging();
     let args = Args::parse();
     let config = configuration(&args)?;
     let block = check_args(&args, &config)?;

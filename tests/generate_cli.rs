@@ -237,6 +237,16 @@ fn broken_model_directories_are_refused_by_file_and_key() {
         std::fs::write(d.join("config.json"), c.to_string()).unwrap();
         d
     };
+    // A key the model does not implement is a warning naming it.
+    let extra = copy("extra", &|c| c["use_qk_norm"] = json!(true));
+    let out = generate(&extra, &["--max_new_tokens", "2"]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("extra/config.json: LlamaForCausalLM does not implement `use_qk_norm`"),
+        "{}",
+        describe(&out)
+    );
     let unknown = copy("unknown", &|c| c["model_type"] = json!("bert"));
     refused(
         &unknown,

@@ -14,8 +14,8 @@ Subcommands:
     generate DIR --ids "1,2,3;4,5" [--max-new-tokens N] [--do-sample] [--temperature T] [--top-k K]
              [--top-p P] [--repetition-penalty R] [--seed S] [--no-cache]
         transformers.set_seed(S); the left-padded batch through model.generate(input_ids, attention_mask,
-        max_new_tokens=N, ...); prints one JSON line: {"new": [[ids after each prompt], ...]} (each row up
-        to and including its first eos id).
+        max_new_tokens=N, ...); prints one JSON line: {"new": [[ids after each prompt], ...], "seconds":
+        the generate call's} (each row up to and including its first eos id).
 
     tokenizer DIR [--vocab-size 400]
         A byte-level BPE trained by Python's tokenizers on a few English sentences, its first token
@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import warnings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -120,13 +121,15 @@ def cmd_generate(a):
                   use_cache=not a.no_cache, repetition_penalty=a.repetition_penalty)
     if a.do_sample:
         kwargs.update(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
+    started = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, **kwargs)
+    seconds = time.perf_counter() - started
     new = []
     for row in out[:, ids.shape[1]:].tolist():
         cut = next((i for i, t in enumerate(row) if t in eos), None)
         new.append(row if cut is None else row[: cut + 1])
-    result = {"new": new}
+    result = {"new": new, "seconds": seconds}
     if tokenizer is not None:
         result["text"] = [tokenizer.decode(row, skip_special_tokens=True) for row in new]
     print(json.dumps(result))
