@@ -1002,7 +1002,7 @@ fn main() -> Result<()> {
             p.epoch + u64::from(p.finished)
         };
         // Drawn on the local main process's terminal only (accel::progress).
-        let bar = acc.progress_bar(args.steps, "gpt2");
+        let bar = acc.progress_bar(args.steps, "clm");
         let mut profile = RunProfile::start(&acc, args.profile_dir.as_deref())?;
         'training: while step < args.steps && args.epochs.is_none_or(|e| epochs_done(&loader) < e) {
             for batch in loader.iter()? {
@@ -1054,7 +1054,7 @@ fn main() -> Result<()> {
         }
         report.flush(&mut acc)?;
         bar.finish();
-        profile.finish(&acc, "gpt2")?;
+        profile.finish(&acc, "clm")?;
     }
     let secs = started.elapsed().as_secs_f64();
     if let Some(mut l) = report.log.take() {
