@@ -8,7 +8,8 @@
 #   steps on 2 CPU ranks under DDP and FSDP (LlamaDecoderLayer units):
 #   tokens/s and the peak RSS per rank, for accel and for
 #   tests/peers/clm_reference.py under torchrun (gloo; --fsdp: FSDP2 on
-#   the decoder layers).
+#   the decoder layers); and accel DDP with activation checkpointing of
+#   every decoder layer (its peak RSS against DDP's).
 # * Generation: 64 new tokens, greedy, batch 1 and 8, with the key/value
 #   cache and without, `accel generate` against transformers' `generate`
 #   (tests/peers/models_reference.py), tokens/s of the generate call.
@@ -71,6 +72,7 @@ PY
 echo "== Llama 4x256 (GQA 4/2), vocab 8192, sequence $block, batch $batch per rank, $steps AdamW steps, 2 ranks"
 train_row "accel DDP" "$rel/clm" "$rel/accel" launch -q --config_file "$out/ddp.yaml" "$rel/clm" "${common[@]}"
 train_row "accel FSDP (LlamaDecoderLayer)" "$rel/clm" "$rel/accel" launch -q --config_file "$out/fsdp.yaml" "$rel/clm" "${common[@]}"
+train_row "accel DDP, --gradient-checkpointing" "$rel/clm" "$rel/accel" launch -q --config_file "$out/ddp.yaml" "$rel/clm" "${common[@]}" --gradient-checkpointing
 train_row "transformers + Accelerate DDP (torchrun, gloo)" "$train_peer" \
     torchrun --nproc_per_node 2 --master_port 29543 "$train_peer" train "${common[@]}"
 train_row "transformers + Accelerate, FSDP2 (torchrun, gloo)" "$train_peer" \
