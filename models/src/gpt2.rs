@@ -4,7 +4,7 @@
 use crate::config::{Activation, AttnImplementation};
 use crate::lora::{self, Lora, LoraConfig};
 use crate::nn::{dropout, finfo_min, KvCache, LayerNorm, MakeVar, Mask};
-use crate::{CausalLM, Inputs, Scope};
+use crate::{decoder, CausalLM, Inputs, Scope};
 use accel::accelerator::AccelError;
 use accel::hf::LoadOptions;
 use accel_sdk::shim::AutocastGuard;
@@ -496,6 +496,23 @@ impl Block {
     }
 }
 
+impl decoder::Layer for Block {
+    fn shallow(&self) -> Self {
+        self.shallow_clone()
+    }
+
+    fn run(
+        &self,
+        x: &Tensor,
+        _: &[Tensor],
+        mask: &Mask,
+        cache: Option<(&mut KvCache, usize)>,
+        train: bool,
+    ) -> Tensor {
+        self.forward(x, mask, cache, train)
+    }
+}
+
 /// `GPT2LMHeadModel`.
 pub struct Gpt2 {
     pub config: Gpt2Config,
@@ -673,7 +690,7 @@ impl CausalLM for Gpt2 {
         &self,
         scope: &Scope,
         inputs: &Inputs,
-        mut cache: Option<&mut KvCache>,
+        cache: Option<&mut KvCache>,
         train: bool,
     ) -> Result<Tensor, AccelError> {
         let ids = inputs.input_ids;
@@ -683,45 +700,26 @@ impl CausalLM for Gpt2 {
         let embeds = scope.unit("transformer.wte", || {
             Tensor::embedding(&self.wte, ids, -1, false, false)
         })?;
-        let positions = match inputs.position_ids {
-            Some(p) => p.shallow_clone(),
-            None => (Tensor::arange(t, (Kind::Int64, device)) + past).unsqueeze(0),
-        };
+        let positions = decoder::positions(inputs, t, past, device);
         let pos = scope.unit("transformer.wpe", || {
             Tensor::embedding(&self.wpe, &positions, -1, false, false)
         })?;
         let mask = Mask::new(inputs.attention_mask, past, t, None, device);
-        let mut h = dropout(embeds + pos, self.config.embd_pdrop, train);
-        for (i, block) in self.blocks.iter().enumerate() {
-            let path = format!("transformer.h.{i}");
-            h = match cache.as_deref_mut() {
-                Some(c) => scope.unit(&path, || block.forward(&h, &mask, Some((c, i)), train))?,
-                None => {
-                    let block = block.shallow_clone();
-                    let pattern = mask.shallow_clone();
-                    let mut inputs = vec![&h];
-                    if let Some(m) = mask.tensor() {
-                        inputs.push(m);
-                    }
-                    let layer = move |xs: &[Tensor]| {
-                        let mask = match xs.get(1) {
-                            Some(m) => Mask::Allowed(m.shallow_clone()),
-                            None => pattern.shallow_clone(),
-                        };
-                        block.forward(&xs[0], &mask, None, train)
-                    };
-                    scope.layer(&path, &inputs, self.gradient_checkpointing && train, layer)?
-                }
-            };
-        }
-        if let Some(c) = cache {
-            c.advance(t);
-        }
+        let h = dropout(embeds + pos, self.config.embd_pdrop, train);
+        let masks = vec![&mask; self.blocks.len()];
+        let h = decoder::run_layers(
+            scope,
+            &self.blocks,
+            |i| format!("transformer.h.{i}"),
+            h,
+            &[],
+            &masks,
+            cache,
+            self.gradient_checkpointing && train,
+            train,
+        )?;
         let h = scope.unit("transformer.ln_f", || self.ln_f.forward(&h))?;
-        let h = match inputs.logits_to_keep {
-            0 => h,
-            n => h.narrow(1, t - n.min(t), n.min(t)),
-        };
+        let h = decoder::kept(h, inputs);
         match &self.lm_head {
             None => scope.unit("transformer.wte", || h.linear::<Tensor>(&self.wte, None)),
             Some(w) => scope.unit("lm_head", || h.linear::<Tensor>(w, None)),

@@ -26,6 +26,7 @@
 
 pub mod auto;
 pub mod config;
+mod decoder;
 pub mod generate;
 pub mod gpt2;
 pub mod llama;

@@ -7,14 +7,14 @@
 use crate::config::{Activation, AttnImplementation, ConfigFile};
 use crate::lora::{self, LoraConfig};
 use crate::nn::{
-    apply_rotary, attend, dropout, new_var, normal, GatedMlp, KvCache, Linear, MakeVar, Mask,
-    RmsNorm, RopeScaling, Rotary,
+    apply_rotary, attend, new_var, normal, GatedMlp, KvCache, Linear, MakeVar, Mask, RmsNorm,
+    RopeScaling, Rotary,
 };
-use crate::{CausalLM, Inputs, Scope};
+use crate::{decoder, CausalLM, Inputs, Scope};
 use accel::accelerator::AccelError;
 use accel::hf::LoadOptions;
 use serde_json::{json, Map, Value};
-use tch::{nn, Kind, Tensor};
+use tch::{nn, Tensor};
 
 /// The architectures of the Llama family accel runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -485,6 +485,23 @@ impl DecoderLayer {
     }
 }
 
+impl decoder::Layer for DecoderLayer {
+    fn shallow(&self) -> Self {
+        self.shallow_clone()
+    }
+
+    fn run(
+        &self,
+        x: &Tensor,
+        extra: &[Tensor],
+        mask: &Mask,
+        cache: Option<(&mut KvCache, usize)>,
+        train: bool,
+    ) -> Tensor {
+        self.forward(x, &extra[0], &extra[1], mask, cache, train)
+    }
+}
+
 /// `LlamaForCausalLM` (and Mistral's, Qwen2's): `model.embed_tokens`,
 /// `model.layers.<i>`, `model.norm`, `lm_head` (absent when tied).
 pub struct Llama {
@@ -650,7 +667,7 @@ impl CausalLM for Llama {
         &self,
         scope: &Scope,
         inputs: &Inputs,
-        mut cache: Option<&mut KvCache>,
+        cache: Option<&mut KvCache>,
         train: bool,
     ) -> Result<Tensor, AccelError> {
         let ids = inputs.input_ids;
@@ -659,10 +676,7 @@ impl CausalLM for Llama {
             .map_err(|e| AccelError::Usage(format!("input_ids: {e}")))?;
         let device = ids.device();
         let past = cache.as_ref().map_or(0, |c| c.len());
-        let positions = match inputs.position_ids {
-            Some(p) => p.shallow_clone(),
-            None => (Tensor::arange(t, (Kind::Int64, device)) + past).unsqueeze(0),
-        };
+        let positions = decoder::positions(inputs, t, past, device);
         let embeds = scope.unit("model.embed_tokens", || {
             Tensor::embedding(&self.embed_tokens, ids, -1, false, false)
         })?;
@@ -699,40 +713,23 @@ impl CausalLM for Llama {
                 })
                 .collect()
         };
-        let mut h = dropout(embeds, 0.0, train);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let path = format!("model.layers.{i}");
-            let mask = windowed[i].as_ref().unwrap_or(&full);
-            h = match cache.as_deref_mut() {
-                Some(c) => scope.unit(&path, || {
-                    layer.forward(&h, &cos, &sin, mask, Some((c, i)), train)
-                })?,
-                None => {
-                    let layer = layer.shallow_clone();
-                    let pattern = mask.shallow_clone();
-                    let mut inputs = vec![&h, &cos, &sin];
-                    if let Some(m) = mask.tensor() {
-                        inputs.push(m);
-                    }
-                    let run = move |xs: &[Tensor]| {
-                        let mask = match xs.get(3) {
-                            Some(m) => Mask::Allowed(m.shallow_clone()),
-                            None => pattern.shallow_clone(),
-                        };
-                        layer.forward(&xs[0], &xs[1], &xs[2], &mask, None, train)
-                    };
-                    scope.layer(&path, &inputs, self.gradient_checkpointing && train, run)?
-                }
-            };
-        }
-        if let Some(c) = cache {
-            c.advance(t);
-        }
+        let masks: Vec<&Mask> = windowed
+            .iter()
+            .map(|w| w.as_ref().unwrap_or(&full))
+            .collect();
+        let h = decoder::run_layers(
+            scope,
+            &self.layers,
+            |i| format!("model.layers.{i}"),
+            embeds,
+            &[&cos, &sin],
+            &masks,
+            cache,
+            self.gradient_checkpointing && train,
+            train,
+        )?;
         let h = scope.unit("model.norm", || self.norm.forward(&h))?;
-        let h = match inputs.logits_to_keep {
-            0 => h,
-            n => h.narrow(1, t - n.min(t), n.min(t)),
-        };
+        let h = decoder::kept(h, inputs);
         match &self.lm_head {
             None => scope.unit("model.embed_tokens", || {
                 h.linear::<Tensor>(&self.embed_tokens, None)
