@@ -79,7 +79,14 @@ impl AutoConfig {
             Ok(Self::Llama(c))
         };
         match kind.as_deref() {
-            Some("gpt2") => Ok(Self::Gpt2(Gpt2Config::from_file(path)?)),
+            Some("gpt2") => {
+                let c = Gpt2Config::from_file(path)?;
+                for key in crate::gpt2::CONFIG_KEYS {
+                    file.get(key);
+                }
+                file.warn_unused("GPT2LMHeadModel");
+                Ok(Self::Gpt2(c))
+            }
             Some("llama") => family(Family::Llama),
             Some("mistral") => family(Family::Mistral),
             Some("qwen2") => family(Family::Qwen2),

@@ -32,6 +32,33 @@ pub const BLOCK_CLASS: &str = "GPT2Block";
 /// the causal-mask buffers old checkpoints hold.
 pub const IGNORED_SUFFIXES: &[&str] = &[".attn.bias", ".attn.masked_bias"];
 
+/// The `config.json` keys GPT-2 reads, and those of `GPT2Config` that
+/// change nothing in `GPT2LMHeadModel` (`n_ctx`, the sequence-summary
+/// head's `summary_*` of `GPT2DoubleHeadsModel`).
+pub const CONFIG_KEYS: &[&str] = &[
+    "vocab_size",
+    "n_positions",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_inner",
+    "activation_function",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "layer_norm_epsilon",
+    "scale_attn_weights",
+    "scale_attn_by_inverse_layer_idx",
+    "reorder_and_upcast_attn",
+    "tie_word_embeddings",
+    "n_ctx",
+    "summary_type",
+    "summary_use_proj",
+    "summary_activation",
+    "summary_proj_to_labels",
+    "summary_first_dropout",
+];
+
 /// A field of [`Gpt2Config`] that a `config.json` key of one JSON type sets.
 enum Slot<'a> {
     Int(&'a mut i64),
