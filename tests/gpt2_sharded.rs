@@ -11,7 +11,7 @@ use accel_integration_tests::{
         gpt2, logits, max_diff, on_tokens, peer, peer_model_and_tokens, save_tiny_model,
         write_tokens, ACCUMULATED, LOGITS_INPUT, LOGITS_ONLY, SIZES,
     },
-    loss_log, max_abs_diff, read_weights, run_ok, venv_bin, workspace_root, write_config,
+    loss_log, max_abs_diff, read_weights, run_ok, write_config,
 };
 use std::{
     path::{Path, PathBuf},
