@@ -281,3 +281,82 @@ pub fn eos_ids(dir: Option<&Path>, config: &serde_json::Value) -> Result<Vec<i64
         None => Vec::new(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpt2::{Gpt2, Gpt2Config};
+
+    fn tiny() -> (tch::nn::VarStore, Gpt2) {
+        tch::manual_seed(0);
+        let vs = tch::nn::VarStore::new(Device::Cpu);
+        let config = Gpt2Config {
+            vocab_size: 50,
+            n_positions: 64,
+            n_embd: 16,
+            n_layer: 1,
+            n_head: 2,
+            initializer_range: 0.5,
+            ..Gpt2Config::default()
+        };
+        let model = Gpt2::new(&vs.root(), config);
+        (vs, model)
+    }
+
+    #[test]
+    fn a_row_stops_at_the_first_of_several_eos_ids_and_rows_pad_apart() {
+        let (_vs, model) = tiny();
+        let prompts = vec![vec![1, 2, 3], vec![4]];
+        let free = GenerationConfig {
+            max_new_tokens: 8,
+            ..GenerationConfig::default()
+        };
+        let all = generate(&model, &prompts, &free, Device::Cpu).unwrap();
+        assert!(all.iter().all(|r| r.len() == 8), "{all:?}");
+        // Two eos ids: row 0 stops at whichever of them comes first.
+        let (late, early) = (all[0][5], all[0][2]);
+        let first = all[0]
+            .iter()
+            .position(|t| *t == late || *t == early)
+            .unwrap();
+        let stopping = GenerationConfig {
+            eos_token_ids: vec![late, early],
+            ..free.clone()
+        };
+        let stopped = generate(&model, &prompts, &stopping, Device::Cpu).unwrap();
+        assert_eq!(stopped[0], all[0][..=first]);
+        // The other row goes on as far as its own eos (or the end).
+        let own = all[1]
+            .iter()
+            .position(|t| *t == late || *t == early)
+            .map_or(all[1].len(), |i| i + 1);
+        assert_eq!(stopped[1], all[1][..own]);
+    }
+
+    #[test]
+    fn bad_settings_and_prompts_are_refused() {
+        let (_vs, model) = tiny();
+        let ok = GenerationConfig::default();
+        let err = |prompts: &[Vec<i64>], c: &GenerationConfig| {
+            generate(&model, prompts, c, Device::Cpu)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(&[vec![]], &ok).contains("at least one token"));
+        assert!(err(&[vec![50]], &ok).contains("outside the model's vocabulary of 50"));
+        let long = GenerationConfig {
+            max_new_tokens: 64,
+            ..ok.clone()
+        };
+        assert!(err(&[vec![1]], &long).contains("exceed the model's 64 positions"));
+        let hot = GenerationConfig {
+            sampling: Some(Sampling {
+                temperature: 0.0,
+                top_k: 0,
+                top_p: 1.0,
+            }),
+            ..ok
+        };
+        assert!(err(&[vec![1]], &hot).contains("temperature 0"));
+    }
+}
