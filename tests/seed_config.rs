@@ -93,19 +93,7 @@ fn the_seeds_fsdp_config_trains_a_llama_on_4_processes() {
 
     // On a GPT-2, the Llama class is not there.
     std::fs::write(&config, SEED).unwrap();
-    let gpt2 = [
-        "--n-layer",
-        "2",
-        "--n-embd",
-        "64",
-        "--n-head",
-        "4",
-        "--vocab-size",
-        "512",
-        "--n-positions",
-        "64",
-    ];
-    let out = launch(&config, &gpt2, &data, &dir.path().join("unused"));
+    let out = launch(&config, gpt2::SIZES, &data, &dir.path().join("unused"));
     assert_failed_with(
         &out,
         &[
