@@ -153,6 +153,35 @@ pub trait CausalLM {
     ) -> Result<Tensor, AccelError>;
 }
 
+/// transformers' `ForCausalLMLoss`: the cross-entropy of `logits`
+/// `[B, T, V]` (in float32) against `labels` `[B, T]` shifted one to the
+/// left (a position's target is the next label; -100 and the last
+/// position are ignored), with `label_smoothing` as torch's; summed and
+/// divided by `num_items` when given (the Trainer's tokens of the whole
+/// accumulation window), else the mean over the targets.
+pub fn causal_lm_loss(
+    logits: &Tensor,
+    labels: &Tensor,
+    num_items: Option<f64>,
+    label_smoothing: f64,
+) -> Tensor {
+    let v = logits.size()[2];
+    let (b, t) = (labels.size()[0], labels.size()[1]);
+    let ignored = Tensor::full([b, 1], -100, (Kind::Int64, labels.device()));
+    let shifted = Tensor::cat(&[labels.narrow(1, 1, t - 1), ignored], 1);
+    let flat = logits.to_kind(Kind::Float).view([-1, v]);
+    let reduction = if num_items.is_some() {
+        tch::Reduction::Sum
+    } else {
+        tch::Reduction::Mean
+    };
+    let loss = flat.cross_entropy_loss::<Tensor>(&shifted.view([-1]), None, reduction, -100, label_smoothing);
+    match num_items {
+        Some(n) => loss / n,
+        None => loss,
+    }
+}
+
 /// Mean token cross-entropy of `logits` `[B, T, V]` against `labels`
 /// `[B, T]` (already shifted: the label of a position is the next token;
 /// -100 is ignored), in float32.

@@ -74,6 +74,210 @@ pub enum Schedule {
         /// `warmup_type: log` (else `linear`).
         log: bool,
     },
+    /// One of transformers' other `lr_scheduler_type`s, by its multiplier.
+    Transformers(TransformersSchedule),
+}
+
+/// The shape of a warmup or decay phase of `warmup_stable_decay`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ramp {
+    /// A straight line.
+    Linear,
+    /// Half a cosine wave.
+    Cosine,
+    /// `1 - sqrt`.
+    OneMinusSqrt,
+}
+
+/// transformers' schedules beyond [`Schedule::Constant`],
+/// [`Schedule::Linear`] and [`Schedule::Cosine`]: their `lr_lambda`s in
+/// `transformers/optimization.py`, step for step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TransformersSchedule {
+    /// `cosine` with `num_cycles`, and `cosine_with_min_lr`: the wave
+    /// scaled into [`min_lr_rate`, 1].
+    Cosine {
+        /// Warmup steps.
+        warmup: u64,
+        /// Training steps.
+        total: u64,
+        /// `num_cycles` (0.5: half a wave down to the minimum).
+        cycles: f64,
+        /// The floor, as a fraction of the base rate.
+        min_lr_rate: f64,
+    },
+    /// `cosine_warmup_with_min_lr`: as `Cosine`, with transformers' shifted
+    /// warmup (`(step + 1) / warmup`, or from `warmup_lr_rate`).
+    CosineWarmupMinLr {
+        /// Warmup steps.
+        warmup: u64,
+        /// Training steps.
+        total: u64,
+        /// `num_cycles`.
+        cycles: f64,
+        /// The floor, as a fraction of the base rate.
+        min_lr_rate: f64,
+        /// `warmup_lr_rate`: where the warmup starts.
+        warmup_lr_rate: Option<f64>,
+    },
+    /// `cosine_with_restarts`: `cycles` hard restarts of half a wave.
+    CosineHardRestarts {
+        /// Warmup steps.
+        warmup: u64,
+        /// Training steps.
+        total: u64,
+        /// `num_cycles` (default 1).
+        cycles: f64,
+    },
+    /// `polynomial`: from the base rate to `lr_end` as `remaining^power`.
+    Polynomial {
+        /// Warmup steps.
+        warmup: u64,
+        /// Training steps.
+        total: u64,
+        /// The final rate (absolute; default 1e-7).
+        lr_end: f64,
+        /// The exponent (default 1).
+        power: f64,
+        /// The optimizer's initial rate.
+        lr_init: f64,
+    },
+    /// `inverse_sqrt`: `1 / sqrt((step + timescale - warmup) / timescale)`.
+    InverseSqrt {
+        /// Warmup steps.
+        warmup: u64,
+        /// `timescale` (default: warmup, or 10,000).
+        timescale: u64,
+    },
+    /// `warmup_stable_decay`: warmup, a stable phase at the base rate,
+    /// then the decay to `min_lr_ratio`.
+    WarmupStableDecay {
+        /// Warmup steps.
+        warmup: u64,
+        /// Stable steps.
+        stable: u64,
+        /// Decay steps.
+        decay: u64,
+        /// `warmup_type`.
+        warmup_ramp: Ramp,
+        /// `decay_type`.
+        decay_ramp: Ramp,
+        /// `min_lr_ratio`.
+        min_lr_ratio: f64,
+        /// `num_cycles` of a cosine decay.
+        cycles: f64,
+    },
+}
+
+impl TransformersSchedule {
+    /// The multiplier of the base rate after `step` steps.
+    pub fn factor(&self, step: u64) -> f64 {
+        use std::f64::consts::PI;
+        let s = step as f64;
+        let ramp_up = |warmup: u64| s / (warmup.max(1) as f64);
+        let progress =
+            |warmup: u64, total: u64| (s - warmup as f64) / (total.saturating_sub(warmup).max(1) as f64);
+        match *self {
+            Self::Cosine {
+                warmup,
+                total,
+                cycles,
+                min_lr_rate,
+            } => {
+                if step < warmup {
+                    return ramp_up(warmup);
+                }
+                let f = 0.5 * (1.0 + (PI * cycles * 2.0 * progress(warmup, total)).cos());
+                (f * (1.0 - min_lr_rate) + min_lr_rate).max(0.0)
+            }
+            Self::CosineWarmupMinLr {
+                warmup,
+                total,
+                cycles,
+                min_lr_rate,
+                warmup_lr_rate,
+            } => {
+                let w = warmup as f64;
+                if s < w {
+                    return match warmup_lr_rate {
+                        None => (s + 1.0) / w.max(1.0),
+                        Some(r) => r + (1.0 - r) * s / (warmup.saturating_sub(1).max(1) as f64),
+                    };
+                }
+                let p = (s - w + 1.0) / (total as f64 - w).max(1.0);
+                let f = 0.5 * (1.0 + (PI * cycles * 2.0 * p).cos());
+                (f * (1.0 - min_lr_rate) + min_lr_rate).max(0.0)
+            }
+            Self::CosineHardRestarts {
+                warmup,
+                total,
+                cycles,
+            } => {
+                if step < warmup {
+                    return ramp_up(warmup);
+                }
+                let p = progress(warmup, total);
+                if p >= 1.0 {
+                    return 0.0;
+                }
+                (0.5 * (1.0 + (PI * ((cycles * p) % 1.0)).cos())).max(0.0)
+            }
+            Self::Polynomial {
+                warmup,
+                total,
+                lr_end,
+                power,
+                lr_init,
+            } => {
+                if step < warmup {
+                    return ramp_up(warmup);
+                }
+                if step > total {
+                    return lr_end / lr_init;
+                }
+                let remaining = 1.0 - (s - warmup as f64) / (total - warmup) as f64;
+                ((lr_init - lr_end) * remaining.powf(power) + lr_end) / lr_init
+            }
+            Self::InverseSqrt { warmup, timescale } => {
+                if step < warmup {
+                    return ramp_up(warmup);
+                }
+                let shift = timescale as f64 - warmup as f64;
+                1.0 / ((s + shift) / timescale as f64).sqrt()
+            }
+            Self::WarmupStableDecay {
+                warmup,
+                stable,
+                decay,
+                warmup_ramp,
+                decay_ramp,
+                min_lr_ratio,
+                cycles,
+            } => {
+                let scaled = |f: f64| (f * (1.0 - min_lr_ratio) + min_lr_ratio).max(0.0);
+                if step < warmup {
+                    let p = ramp_up(warmup);
+                    return scaled(match warmup_ramp {
+                        Ramp::Linear => p,
+                        Ramp::Cosine => 0.5 * (1.0 - (PI * p).cos()),
+                        Ramp::OneMinusSqrt => 1.0 - (1.0 - p).sqrt(),
+                    });
+                }
+                if step < warmup + stable {
+                    return 1.0;
+                }
+                if step < warmup + stable + decay {
+                    let p = (s - (warmup + stable) as f64) / decay.max(1) as f64;
+                    return scaled(match decay_ramp {
+                        Ramp::Linear => 1.0 - p,
+                        Ramp::Cosine => 0.5 * (1.0 + (PI * cycles * 2.0 * p).cos()),
+                        Ramp::OneMinusSqrt => 1.0 - p.sqrt(),
+                    });
+                }
+                min_lr_ratio
+            }
+        }
+    }
 }
 
 /// DeepSpeed's warmup fraction at iteration `i` (0-based) of `warmup`.
@@ -165,6 +369,7 @@ impl Schedule {
                 let wave = (1.0 + (std::f64::consts::PI * done.min(1.0)).cos()) / 2.0;
                 return (cos_min_ratio + (1.0 - cos_min_ratio) * wave).max(0.0);
             }
+            Schedule::Transformers(t) => return t.factor(step),
         };
         if step < warmup {
             return step as f64 / warmup.max(1) as f64;
@@ -178,7 +383,9 @@ impl Schedule {
                 let progress = (step - warmup) as f64 / total.saturating_sub(warmup).max(1) as f64;
                 (0.5 * (1.0 + (std::f64::consts::PI * 0.5 * 2.0 * progress).cos())).max(0.0)
             }
-            Schedule::DeepSpeedWarmup { .. } | Schedule::DeepSpeedWarmupCosine { .. } => {
+            Schedule::DeepSpeedWarmup { .. }
+            | Schedule::DeepSpeedWarmupCosine { .. }
+            | Schedule::Transformers(_) => {
                 unreachable!("returned above")
             }
         }

@@ -629,6 +629,21 @@ impl Accelerator {
         f(self)
     }
 
+    /// Runs `f` as one micro-step of an accumulation window the program
+    /// cuts itself (transformers' Trainer prefetches each window to count
+    /// its tokens first): the gradients sync, and the optimizer steps, when
+    /// `sync` (the window's last micro-batch). Build the Accelerator with
+    /// `gradient_accumulation_steps(1)` and scale the loss yourself: the
+    /// backward then divides by nothing.
+    pub fn micro_step<R>(&mut self, sync: bool, f: impl FnOnce(&mut Self) -> R) -> R {
+        self.micro_step = 0;
+        self.state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .sync_gradients = sync;
+        f(self)
+    }
+
     /// Backpropagates `loss` (divided by the accumulation steps, scaled by
     /// the precision policy), then lets the strategy sync the gradients
     /// (skipped on accumulation micro-steps). With several models, each

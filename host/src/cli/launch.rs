@@ -196,6 +196,12 @@ pub struct LaunchArgs {
 }
 
 impl LaunchArgs {
+    /// The program every rank runs and its arguments (none with
+    /// `--print-config`).
+    pub fn program(&self) -> Option<(&str, &[String])> {
+        self.program.as_deref().map(|p| (p, self.args.as_slice()))
+    }
+
     /// The flags the user typed, as `(flag, value)` for the resolver.
     fn explicit_flags(&self) -> Vec<(String, String)> {
         let mut flags: Vec<(String, String)> = Vec::new();

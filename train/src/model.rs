@@ -1,0 +1,303 @@
+//! What the Trainer trains: a [`TrainModel`] — forward to a loss — either a
+//! causal language model of accel-models ([`LanguageModel`]) or a user's
+//! own tch module ([`Module`]).
+
+use accel::accelerator::{Accelerator, ForwardScope};
+use accel::hf;
+use accel_data::Batch;
+use accel_models::{
+    causal_lm_loss,
+    lora::{is_adapter, merge_adapters, LoraConfig},
+    peft, AutoConfig, CausalLM, Inputs, Scope,
+};
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+use tch::{nn, Tensor};
+
+/// A model the Trainer can train.
+pub trait TrainModel {
+    /// Creates the parameters on the Accelerator's device and prepares
+    /// them (`prepare_model`, or loading a checkpoint into the strategy's
+    /// layout). Called once, before the optimizer is made.
+    fn prepare(&mut self, acc: &mut Accelerator) -> Result<()>;
+
+    /// The loss of `batch` in `scope`: summed over its items and divided by
+    /// `num_items` when given (see [`TrainModel::count_items`]), else the
+    /// batch's mean.
+    fn loss(
+        &self,
+        scope: &ForwardScope,
+        batch: &Batch,
+        num_items: Option<f64>,
+        train: bool,
+    ) -> Result<Tensor>;
+
+    /// How many items (tokens) `batch`'s loss sums over, when the model's
+    /// loss can be normalized over a whole accumulation window
+    /// (transformers' `model_accepts_loss_kwargs`); `None`: a per-batch mean.
+    fn count_items(&self, batch: &Batch) -> Option<i64> {
+        let _ = batch;
+        None
+    }
+
+    /// Writes the model to `dir` (every rank calls; the main process writes).
+    fn save(&self, acc: &mut Accelerator, dir: &Path) -> Result<Vec<PathBuf>> {
+        Ok(acc.save_model(dir, "50GB")?)
+    }
+
+    /// Writes what a checkpoint needs beside the weights to be a model
+    /// directory (`config.json`, the tokenizer); every rank calls.
+    fn save_config(&self, acc: &mut Accelerator, dir: &Path) -> Result<()> {
+        let _ = (acc, dir);
+        Ok(())
+    }
+
+    /// Checkpoints every block in training (gradient checkpointing).
+    fn gradient_checkpointing_enable(&mut self) {}
+}
+
+/// A user's own tch module: its variables and a closure from a batch to its
+/// mean loss, running its layers as units of the forward scope (which
+/// sharding strategies gather and checkpoint).
+///
+/// ```no_run
+/// use accel_train::Module;
+/// use tch::nn::{self, Module as _};
+/// let vs = nn::VarStore::new(tch::Device::Cpu);
+/// let net = nn::linear(vs.root() / "fc", 4, 1, Default::default());
+/// let model = Module::new(vs, move |scope, batch| {
+///     let y = scope.unit("fc", || net.forward(&batch["x"]))?;
+///     Ok(y.mse_loss(&batch["y"], tch::Reduction::Mean))
+/// });
+/// ```
+pub struct Module<F> {
+    vs: nn::VarStore,
+    loss: F,
+}
+
+impl<F> Module<F>
+where
+    F: Fn(&ForwardScope, &Batch) -> Result<Tensor>,
+{
+    /// `vs`'s variables, `loss` giving a batch's mean loss.
+    pub fn new(vs: nn::VarStore, loss: F) -> Self {
+        Self { vs, loss }
+    }
+}
+
+impl<F> TrainModel for Module<F>
+where
+    F: Fn(&ForwardScope, &Batch) -> Result<Tensor>,
+{
+    fn prepare(&mut self, acc: &mut Accelerator) -> Result<()> {
+        self.vs.set_device(acc.device());
+        acc.prepare_model(&mut self.vs)?;
+        Ok(())
+    }
+
+    fn loss(&self, scope: &ForwardScope, batch: &Batch, _: Option<f64>, _: bool) -> Result<Tensor> {
+        (self.loss)(scope, batch)
+    }
+}
+
+/// Where a [`LanguageModel`]'s weights come from.
+enum Weights {
+    /// A Hugging Face model directory.
+    Pretrained(PathBuf),
+    /// A new model, initialised as transformers does from the seed.
+    New,
+}
+
+/// A causal language model of accel-models: loaded from a Hugging Face
+/// directory (or new from a configuration), optionally with LoRA adapters;
+/// its loss is transformers' `ForCausalLMLoss` over `labels`.
+pub struct LanguageModel {
+    config: AutoConfig,
+    weights: Weights,
+    lora: Option<LoraConfig>,
+    label_smoothing: f64,
+    checkpointing: bool,
+    built: Option<Built>,
+}
+
+struct Built {
+    /// Owns the variables the model's layers hold.
+    _vs: nn::VarStore,
+    model: Box<dyn CausalLM>,
+}
+
+impl LanguageModel {
+    /// The model of `dir` (config.json and its safetensors).
+    pub fn from_pretrained(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config = AutoConfig::from_dir(dir).with_context(|| format!("{}", dir.display()))?;
+        // Opened now: a missing or damaged checkpoint fails before training.
+        hf::Checkpoint::open(dir).with_context(|| format!("{}", dir.display()))?;
+        Ok(Self::with(config, Weights::Pretrained(dir.to_path_buf())))
+    }
+
+    /// A new model of `config`.
+    pub fn new(config: AutoConfig) -> Self {
+        Self::with(config, Weights::New)
+    }
+
+    fn with(config: AutoConfig, weights: Weights) -> Self {
+        Self {
+            config,
+            weights,
+            lora: None,
+            label_smoothing: 0.0,
+            checkpointing: false,
+            built: None,
+        }
+    }
+
+    /// Trains LoRA adapters (PEFT's) instead of the base weights.
+    pub fn lora(mut self, config: LoraConfig) -> Self {
+        self.lora = Some(config);
+        self
+    }
+
+    /// transformers' `label_smoothing_factor`.
+    pub fn label_smoothing(mut self, factor: f64) -> Self {
+        self.label_smoothing = factor;
+        self
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &AutoConfig {
+        &self.config
+    }
+
+    /// The built model (after [`TrainModel::prepare`]).
+    pub fn model(&self) -> Option<&dyn CausalLM> {
+        self.built.as_ref().map(|b| b.model.as_ref())
+    }
+}
+
+impl TrainModel for LanguageModel {
+    fn prepare(&mut self, acc: &mut Accelerator) -> Result<()> {
+        let mut vs = nn::VarStore::new(acc.device());
+        let checkpoint = match &self.weights {
+            Weights::Pretrained(dir) => Some((dir.clone(), hf::Checkpoint::open(dir)?)),
+            Weights::New => None,
+        };
+        let deferred = checkpoint.is_some() && acc.loads_efficiently();
+        let var: accel_models::nn::MakeVar = if deferred {
+            &accel::accelerator::deferred_var
+        } else {
+            &accel_models::nn::new_var
+        };
+        let mut model = self.config.clone().build(&vs.root(), var);
+        if let Some(l) = &self.lora {
+            let adapted = model
+                .add_lora(&vs.root(), l)
+                .context("lora_target_modules")?;
+            for (name, t) in vs.variables() {
+                if !peft::saved_with_adapters(&name, l.bias, &adapted) {
+                    let _ = t.set_requires_grad(false);
+                }
+            }
+        }
+        if self.checkpointing {
+            model.gradient_checkpointing_enable();
+        }
+        acc.declare_layer_class(model.layer_class(), model.layer_paths())?;
+        match &checkpoint {
+            Some((dir, ck)) => {
+                let options = model.base_load_options();
+                acc.prepare_model_from(&mut vs, ck, &options)
+                    .with_context(|| format!("--model_name_or_path {}", dir.display()))?;
+            }
+            None => {
+                acc.prepare_model(&mut vs)?;
+            }
+        }
+        self.built = Some(Built { _vs: vs, model });
+        Ok(())
+    }
+
+    fn loss(
+        &self,
+        scope: &ForwardScope,
+        batch: &Batch,
+        num_items: Option<f64>,
+        train: bool,
+    ) -> Result<Tensor> {
+        let b = self.built.as_ref().context("the model is not prepared")?;
+        let ids = batch.get("input_ids")?;
+        let labels = match batch.get("labels") {
+            Ok(l) => l.shallow_clone(),
+            Err(_) => ids.shallow_clone(),
+        };
+        let mask = batch.get("attention_mask").ok();
+        let inputs = Inputs {
+            input_ids: ids,
+            attention_mask: mask,
+            position_ids: None,
+            logits_to_keep: 0,
+        };
+        let logits = b
+            .model
+            .forward(&Scope::Accelerated(scope), &inputs, None, train)?;
+        Ok(causal_lm_loss(
+            &logits,
+            &labels,
+            num_items,
+            self.label_smoothing,
+        ))
+    }
+
+    fn count_items(&self, batch: &Batch) -> Option<i64> {
+        let labels = batch
+            .get("labels")
+            .or_else(|_| batch.get("input_ids"))
+            .ok()?;
+        let t = labels.size()[1];
+        Some(
+            labels
+                .narrow(1, 1, t - 1)
+                .ne(-100)
+                .sum(tch::Kind::Int64)
+                .int64_value(&[]),
+        )
+    }
+
+    fn save(&self, acc: &mut Accelerator, dir: &Path) -> Result<Vec<PathBuf>> {
+        let b = self.built.as_ref().context("the model is not prepared")?;
+        let files = match &self.lora {
+            None => acc.save_model(dir, "50GB")?,
+            Some(l) => {
+                // The merged weights, as `merge_and_unload` leaves them.
+                let state = acc.get_state_dict()?;
+                let mut files = Vec::new();
+                if acc.is_main_process() {
+                    let merged = merge_adapters(state, l.scale(), b.model.fan_in_fan_out())?;
+                    let merged: Vec<(String, Tensor)> =
+                        merged.into_iter().filter(|(n, _)| !is_adapter(n)).collect();
+                    files = hf::save(dir, &merged, u64::MAX)?;
+                }
+                acc.wait_for_everyone()?;
+                files
+            }
+        };
+        self.save_config(acc, dir)?;
+        Ok(files)
+    }
+
+    fn save_config(&self, acc: &mut Accelerator, dir: &Path) -> Result<()> {
+        let b = self.built.as_ref().context("the model is not prepared")?;
+        if acc.is_main_process() {
+            hf::save_config(dir, &b.model.config_json())?;
+            if let Weights::Pretrained(from) = &self.weights {
+                hf::copy_companion_files(from, dir)?;
+            }
+        }
+        acc.wait_for_everyone()?;
+        Ok(())
+    }
+
+    fn gradient_checkpointing_enable(&mut self) {
+        self.checkpointing = true;
+    }
+}

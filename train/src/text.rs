@@ -1,0 +1,173 @@
+//! run_clm's data: text files tokenized with the model's `tokenizer.json`,
+//! concatenated and cut into blocks ([`TextBlocks`]).
+//!
+//! As `run_clm.py` reads them: a `.txt` file is one example per line
+//! (empty lines too), each keeping its line break (`keep_linebreaks`,
+//! run_clm's default); a `.jsonl`/`.json` file is one JSON object per line
+//! whose `"text"` is the example. Each example is tokenized as the
+//! tokenizer's `__call__` does (special tokens added), all are
+//! concatenated, and cut into blocks of `block_size` tokens, the remainder
+//! dropped (`group_texts`); a block's labels are its ids. The token ids are
+//! cached beside the file (`.<name>.<key>.tokens`, keyed by the file, its
+//! size and time, and the tokenizer), so the next run skips tokenizing.
+
+use accel_data::{DataError, Dataset, Sample};
+use anyhow::{bail, Context, Result};
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+use tch::Tensor;
+use tokenizers::Tokenizer;
+
+/// Blocks of `block_size` token ids: `input_ids`, `attention_mask` (ones)
+/// and `labels` (the ids), int64.
+#[derive(Debug)]
+pub struct TextBlocks {
+    ids: Vec<i64>,
+    block: usize,
+}
+
+impl TextBlocks {
+    /// Blocks of `ids` (the remainder dropped).
+    pub fn new(ids: Vec<i64>, block_size: usize) -> Self {
+        Self {
+            ids,
+            block: block_size,
+        }
+    }
+
+    /// Tokenizes `file` with `tokenizer` (or reads the cache) into blocks.
+    /// `flag` names the argument in errors (`--train_file`).
+    pub fn from_file(
+        file: &Path,
+        tokenizer: &Path,
+        block_size: usize,
+        flag: &str,
+        show_progress: bool,
+    ) -> Result<Self> {
+        let ids = tokenize_cached(file, tokenizer, flag, show_progress)?;
+        if ids.len() < block_size {
+            bail!(
+                "{flag} {}: {} tokens, fewer than one block of --block_size {block_size}",
+                file.display(),
+                ids.len()
+            );
+        }
+        Ok(Self::new(ids, block_size))
+    }
+
+    /// The first `n` blocks at most (run_clm's `max_train_samples`).
+    pub fn truncated(mut self, n: usize) -> Self {
+        self.ids.truncate(n.min(self.len()) * self.block);
+        self
+    }
+
+    /// Tokens in all (before grouping).
+    pub fn tokens(&self) -> usize {
+        self.ids.len()
+    }
+}
+
+impl Dataset for TextBlocks {
+    fn len(&self) -> usize {
+        self.ids.len() / self.block
+    }
+
+    fn get(&self, index: usize) -> Result<Sample, DataError> {
+        DataError::check_index(index, self.len(), || "text blocks".to_owned())?;
+        let ids = Tensor::from_slice(&self.ids[index * self.block..(index + 1) * self.block]);
+        Ok(Sample::new()
+            .with("input_ids", ids.shallow_clone())
+            .with("attention_mask", ids.ones_like())
+            .with("labels", ids))
+    }
+}
+
+/// The examples of `file`: lines of text (with their line breaks), or the
+/// `"text"` of JSON lines.
+fn examples(file: &Path, flag: &str) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("{flag} {}: cannot be read", file.display()))?;
+    let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("");
+    match ext {
+        "txt" | "text" | "raw" => Ok(text.split_inclusive('\n').map(str::to_owned).collect()),
+        "json" | "jsonl" => text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+            .map(|(i, l)| {
+                let v: serde_json::Value = serde_json::from_str(l).with_context(|| {
+                    format!("{flag} {} line {}: not JSON", file.display(), i + 1)
+                })?;
+                v.get("text")
+                    .and_then(serde_json::Value::as_str)
+                    .map(str::to_owned)
+                    .with_context(|| {
+                        format!(
+                            "{flag} {} line {}: no \"text\" string",
+                            file.display(),
+                            i + 1
+                        )
+                    })
+            })
+            .collect(),
+        other => bail!(
+            "{flag} {}: a .txt or .jsonl file (run_clm's text and json formats), not `.{other}`",
+            file.display()
+        ),
+    }
+}
+
+fn cache_path(file: &Path, tokenizer: &Path) -> Result<PathBuf> {
+    let meta = std::fs::metadata(file)?;
+    let tok = std::fs::read(tokenizer)?;
+    let mut h = DefaultHasher::new();
+    file.canonicalize()?.hash(&mut h);
+    meta.len().hash(&mut h);
+    meta.modified().ok().hash(&mut h);
+    tok.hash(&mut h);
+    let name = file.file_name().unwrap_or_default().to_string_lossy();
+    Ok(file.with_file_name(format!(".{name}.{:016x}.tokens", h.finish())))
+}
+
+/// The token ids of `file`, from the cache or tokenized (and cached).
+fn tokenize_cached(file: &Path, tokenizer: &Path, flag: &str, show: bool) -> Result<Vec<i64>> {
+    if !file.is_file() {
+        bail!("{flag} {}: no such file", file.display());
+    }
+    let cache =
+        cache_path(file, tokenizer).with_context(|| format!("{flag} {}", file.display()))?;
+    if let Ok(bytes) = std::fs::read(&cache) {
+        if bytes.len() % 4 == 0 {
+            return Ok(bytes
+                .chunks_exact(4)
+                .map(|c| i64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .collect());
+        }
+    }
+    let t = Tokenizer::from_file(tokenizer)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", tokenizer.display()))?;
+    let examples = examples(file, flag)?;
+    let bar = accel::progress::ProgressBar::steps(examples.len() as u64, "tokenizing", show);
+    let mut ids = Vec::new();
+    for chunk in examples.chunks(1024) {
+        let enc = t
+            .encode_batch(chunk.to_vec(), true)
+            .map_err(|e| anyhow::anyhow!("{flag} {}: tokenizing: {e}", file.display()))?;
+        for e in enc {
+            ids.extend(e.get_ids().iter().map(|&i| i64::from(i)));
+        }
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    let bytes: Vec<u8> = ids.iter().flat_map(|&i| (i as u32).to_le_bytes()).collect();
+    let tmp = cache.with_extension("tokens.tmp");
+    // A cache that cannot be written is no error: the next run tokenizes again.
+    if std::fs::write(&tmp, bytes)
+        .and_then(|()| std::fs::rename(&tmp, &cache))
+        .is_err()
+    {
+        tracing::warn!("could not write the token cache {}", cache.display());
+    }
+    Ok(ids)
+}
