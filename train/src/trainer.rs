@@ -286,6 +286,12 @@ impl<M: TrainModel> Trainer<M> {
         let session = self.session.as_mut().expect("made above");
         let acc = &mut session.acc;
         let world = u64::from(acc.num_processes());
+        acc.print(format!(
+            "train: {max_steps} steps ({num_train_epochs} epoch(s) of {steps_in_epoch} batches of {} per process, accumulating {ga}); {world} process(es), strategy {}, precision {}",
+            a.per_device_train_batch_size,
+            acc.strategy_name(),
+            acc.precision_name()
+        ));
         let mut opt = acc.prepare_optimizer_with(optim::config(&a), optim::hyper_for)?;
         let mut sched = LrScheduler::new(schedule::schedule(&a, max_steps)?, &mut opt);
         let mut state = TrainerState {

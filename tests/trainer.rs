@@ -1,0 +1,481 @@
+//! `accel train` (accel-train's Trainer) against transformers' Trainer as
+//! run_clm.py drives it (`tests/peers/run_clm_reference.py` under torchrun,
+//! 2 gloo ranks): a tiny Llama transformers made (GQA, untied head) and
+//! the same text. Also seed 001's Accelerate config and its
+//! TrainingArguments form, a resume after `kill -9` of a rank, and bad
+//! arguments refused before any rank starts.
+
+use accel_integration_tests::{
+    accel_bin, assert_failed_with, describe, output_of, run_ok, venv_bin, workspace_root,
+};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// A tiny Llama (transformers' init, seed 0), its byte-level BPE
+/// tokenizer, train.txt and valid.txt: made once per test binary.
+fn fixture() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap().keep();
+        let model = dir.join("model");
+        let config = r#"{"model_type":"llama","vocab_size":400,"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":128,"tie_word_embeddings":false}"#;
+        let batch = format!(
+            "{}\n{}\n",
+            serde_json::json!(["init", model, "--config", config, "--seed", "0"]),
+            serde_json::json!(["tokenizer", model, "--vocab-size", "400"])
+        );
+        let mut child = Command::new(venv_bin("python"))
+            .arg(workspace_root().join("tests/peers/models_reference.py"))
+            .arg("batch")
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(batch.as_bytes()).unwrap();
+        assert!(child.wait().unwrap().success());
+        let words: Vec<&str> = "the quick brown fox jumps over a lazy dog and then runs into the forest where birds sing".split(' ').collect();
+        let mut state = 7u32;
+        let mut next = |n: u32| {
+            state = state.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            (state >> 16) % n
+        };
+        for (name, lines) in [("train.txt", 200), ("valid.txt", 40)] {
+            let text: String = (0..lines)
+                .map(|_| {
+                    let n = 3 + next(12);
+                    let line: Vec<&str> = (0..n).map(|_| words[next(words.len() as u32) as usize]).collect();
+                    line.join(" ") + "\n"
+                })
+                .collect();
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+        dir
+    })
+}
+
+/// The arguments both sides take (seed 001's Trainer page: logging every
+/// step, a warmup ratio, cosine, accumulation 2, eval every 10 steps,
+/// saves every 20, 2 epochs).
+fn common(out: &Path) -> Vec<String> {
+    let f = fixture();
+    let s = |p: &str| f.join(p).display().to_string();
+    let mut v: Vec<String> = vec![
+        "--model_name_or_path".into(),
+        s("model"),
+        "--train_file".into(),
+        s("train.txt"),
+        "--validation_file".into(),
+        s("valid.txt"),
+        "--output_dir".into(),
+        out.display().to_string(),
+    ];
+    v.extend(
+        "--block_size 32 --per_device_train_batch_size 2 --gradient_accumulation_steps 2 --logging_steps 1 \
+         --warmup_steps 0.1 --lr_scheduler_type cosine --eval_strategy steps --eval_steps 10 --save_steps 20 \
+         --num_train_epochs 2 --learning_rate 1e-3 --weight_decay 0.1 --report_to none --use_cpu"
+            .split_whitespace()
+            .map(str::to_owned),
+    );
+    v
+}
+
+fn accel_train(launch: &[&str], args: &[String]) -> std::process::Output {
+    run_ok(
+        Command::new(accel_bin())
+            .arg("launch")
+            .args(launch)
+            .arg(accel_bin())
+            .arg("train")
+            .args(args),
+    )
+}
+
+fn history(dir: &Path) -> Vec<serde_json::Map<String, Value>> {
+    let text = std::fs::read_to_string(dir.join("trainer_state.json"))
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let v: Value = serde_json::from_str(&text).unwrap();
+    v["log_history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_object().unwrap().clone())
+        .collect()
+}
+
+fn checkpoint_names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("checkpoint-"))
+        .collect();
+    names.sort();
+    names
+}
+
+/// Timings and counters that are not the computation's.
+const NOT_COMPARED: &[&str] = &[
+    "train_runtime",
+    "train_samples_per_second",
+    "train_steps_per_second",
+    "eval_runtime",
+    "eval_samples_per_second",
+    "eval_steps_per_second",
+    "total_flos",
+];
+
+#[test]
+fn trainer_equals_transformers_trainer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ours, theirs) = (tmp.path().join("accel"), tmp.path().join("transformers"));
+    accel_train(&["-q", "--cpu", "--num_processes", "2"], &common(&ours));
+    run_ok(
+        Command::new(venv_bin("torchrun"))
+            .args(["--standalone", "--nproc_per_node", "2"])
+            .arg(workspace_root().join("tests/peers/run_clm_reference.py"))
+            .args(common(&theirs))
+            .env("OMP_NUM_THREADS", "1"),
+    );
+    let (a, b) = (history(&ours), history(&theirs));
+    assert_eq!(
+        a.len(),
+        b.len(),
+        "log entries: accel {a:?}\ntransformers {b:?}"
+    );
+    let mut evals = 0;
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x["step"], y["step"]);
+        for (k, v) in y {
+            if NOT_COMPARED.contains(&k.as_str()) {
+                continue;
+            }
+            let mine = x
+                .get(k)
+                .unwrap_or_else(|| panic!("step {}: accel logged no {k}: {x:?}", y["step"]));
+            let (p, q) = (mine.as_f64().unwrap(), v.as_f64().unwrap());
+            assert!(
+                (p - q).abs() <= 1e-4,
+                "step {}: {k} accel {p} transformers {q}",
+                y["step"]
+            );
+        }
+        evals += usize::from(y.contains_key("eval_loss"));
+    }
+    assert_eq!(evals, 6, "evaluations every 10 of 58 steps and at the end");
+    assert_eq!(checkpoint_names(&ours), checkpoint_names(&theirs));
+    assert_eq!(
+        checkpoint_names(&ours).len(),
+        3,
+        "saves at 20, 40 and the end"
+    );
+    for file in [
+        "all_results.json",
+        "train_results.json",
+        "eval_results.json",
+    ] {
+        let read = |d: &Path| -> Value {
+            serde_json::from_str(&std::fs::read_to_string(d.join(file)).unwrap()).unwrap()
+        };
+        let (x, y) = (read(&ours), read(&theirs));
+        for (k, v) in y.as_object().unwrap() {
+            if NOT_COMPARED.contains(&k.as_str()) {
+                continue;
+            }
+            let mine = x[k]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{file}: no {k} in {x}"));
+            assert!(
+                (mine - v.as_f64().unwrap()).abs() <= 1e-4 * v.as_f64().unwrap().abs().max(1.0),
+                "{file} {k}: {mine} vs {v}"
+            );
+        }
+    }
+    // What accel saved loads in transformers (a causal LM directory).
+    let check = Command::new(venv_bin("python"))
+        .args(["-c", "import sys; from transformers import AutoModelForCausalLM as A; [A.from_pretrained(d) for d in sys.argv[1:]]"])
+        .arg(&ours)
+        .arg(ours.join("checkpoint-20"))
+        .output()
+        .unwrap();
+    assert!(check.status.success(), "{}", describe(&check));
+}
+
+/// seed 001's Accelerate config file, unchanged.
+const SEED: &str = "compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_reshard_after_forward: true
+  fsdp_cpu_offload: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_activation_checkpointing: false
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+mixed_precision: bf16
+num_machines: 1
+num_processes: 4
+";
+
+fn losses(dir: &Path) -> Vec<f64> {
+    history(dir)
+        .iter()
+        .filter_map(|e| e.get("loss").and_then(Value::as_f64))
+        .collect()
+}
+
+fn falls(dir: &Path) {
+    let l = losses(dir);
+    assert!(l.len() >= 10, "{l:?}");
+    let (first, last) = (
+        l[..3].iter().sum::<f64>() / 3.0,
+        l[l.len() - 3..].iter().sum::<f64>() / 3.0,
+    );
+    assert!(last < first - 0.3, "the loss did not fall: {l:?}");
+}
+
+#[test]
+fn seed_001_config_and_its_training_arguments_train() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("seed001.yaml");
+    std::fs::write(&config, SEED).unwrap();
+    let quick = |out: &Path| -> Vec<String> {
+        let mut a = common(out);
+        a.extend(
+            [
+                "--save_strategy",
+                "no",
+                "--eval_strategy",
+                "no",
+                "--num_train_epochs",
+                "1",
+                "--learning_rate",
+                "3e-3",
+            ]
+            .map(str::to_owned),
+        );
+        a
+    };
+    let out = tmp.path().join("seed");
+    let run = accel_train(&["--config_file", config.to_str().unwrap()], &quick(&out));
+    let text = describe(&run);
+    assert!(
+        text.contains("4 process(es), strategy fsdp") && text.contains("precision bf16"),
+        "{text}"
+    );
+    falls(&out);
+    // The same through TrainingArguments, the JSON keys as the seed's page writes them.
+    let fsdp = tmp.path().join("fsdp.json");
+    std::fs::write(
+        &fsdp,
+        r#"{"fsdp_version": 2, "fsdp_reshard_after_forward": true, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "fsdp_cpu_ram_efficient_loading": true, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}"#,
+    )
+    .unwrap();
+    let out = tmp.path().join("args");
+    let mut args = quick(&out);
+    args.extend([
+        "--fsdp".into(),
+        "full_shard auto_wrap".into(),
+        "--fsdp_config".into(),
+        fsdp.display().to_string(),
+        "--bf16".into(),
+        "--accelerator_config".into(),
+        r#"{"non_blocking": true}"#.into(),
+        "--dataloader_pin_memory".into(),
+        "true".into(),
+    ]);
+    let run = accel_train(&["--cpu", "--num_processes", "4"], &args);
+    let text = describe(&run);
+    assert!(
+        text.contains("4 process(es), strategy fsdp") && text.contains("precision bf16"),
+        "{text}"
+    );
+    falls(&out);
+}
+
+#[test]
+fn resume_after_kill_is_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let whole = tmp.path().join("whole");
+    let args = |out: &Path| -> Vec<String> {
+        let mut a = common(out);
+        a.extend(
+            [
+                "--eval_strategy",
+                "no",
+                "--save_steps",
+                "10",
+                "--max_steps",
+                "40",
+                "--dataloader_num_workers",
+                "1",
+            ]
+            .map(str::to_owned),
+        );
+        a
+    };
+    accel_train(&["-q", "--cpu", "--num_processes", "2"], &args(&whole));
+    // The same run, its ranks paused in the third save and one killed.
+    let cut = tmp.path().join("cut");
+    let mut child = Command::new(accel_bin())
+        .args(["launch", "-q", "--cpu", "--num_processes", "2"])
+        .arg(accel_bin())
+        .arg("train")
+        .args(args(&cut))
+        .env("ACCEL_TEST_PAUSE_IN_SAVE", "tmp-checkpoint-30")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    // save_state writes the third checkpoint into `.tmp-checkpoint-30.<token>.partial`.
+    let pausing = || {
+        std::fs::read_dir(&cut)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(".tmp-checkpoint-30.")
+            })
+    };
+    while !pausing()
+        || !cut
+            .join("checkpoint-20")
+            .join("trainer_state.json")
+            .exists()
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the run did not reach its third save"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let rank = Command::new("pgrep")
+        .args(["-f", "-n", &format!("train .*{}", cut.display())])
+        .output()
+        .unwrap();
+    let pid = String::from_utf8_lossy(&rank.stdout).trim().to_owned();
+    assert!(!pid.is_empty(), "no rank process found");
+    assert!(Command::new("kill")
+        .args(["-9", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the killed run reported success");
+    assert_eq!(checkpoint_names(&cut), ["checkpoint-10", "checkpoint-20"]);
+    let mut again = args(&cut);
+    again.extend(["--resume_from_checkpoint".into(), "true".into()]);
+    accel_train(&["-q", "--cpu", "--num_processes", "2"], &again);
+    let (a, b) = (history(&whole), history(&cut));
+    let steps = |h: &[serde_json::Map<String, Value>]| -> Vec<(u64, f64, f64, f64)> {
+        h.iter()
+            .filter(|e| e.contains_key("loss"))
+            .map(|e| {
+                (
+                    e["step"].as_u64().unwrap(),
+                    e["loss"].as_f64().unwrap(),
+                    e["grad_norm"].as_f64().unwrap(),
+                    e["learning_rate"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(steps(&a).len(), 40);
+    assert_eq!(
+        steps(&a),
+        steps(&b),
+        "the resumed run's losses differ from the whole run's"
+    );
+}
+
+#[test]
+fn bad_arguments_are_refused_before_any_rank_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let with = |extra: &[&str]| -> Vec<String> {
+        let mut a = common(&out);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let launch = |args: Vec<String>| {
+        output_of(
+            Command::new(accel_bin())
+                .args(["launch", "--cpu", "--num_processes", "2"])
+                .arg(accel_bin())
+                .arg("train")
+                .args(args),
+        )
+    };
+    let bad_json = tmp.path().join("fsdp.json");
+    std::fs::write(&bad_json, "fsdp_version: 2\n").unwrap();
+    let cases: Vec<(Vec<String>, Vec<&str>)> = vec![
+        (
+            with(&["--lr_scheduler_type", "cosine_annealing"]),
+            vec![
+                "--lr_scheduler_type cosine_annealing",
+                "one of linear, cosine",
+            ],
+        ),
+        (
+            with(&["--per_device_train_batch_size", "-2"]),
+            vec!["--per_device_train_batch_size -2: a positive integer"],
+        ),
+        (
+            with(&[
+                "--fsdp",
+                "full_shard",
+                "--fsdp_config",
+                bad_json.to_str().unwrap(),
+            ]),
+            vec!["--fsdp_config", "not JSON"],
+        ),
+        (
+            {
+                let mut a = with(&[]);
+                let i = a.iter().position(|x| x == "--train_file").unwrap();
+                a[i + 1] = tmp.path().join("missing.txt").display().to_string();
+                a
+            },
+            vec!["--train_file", "missing.txt: no such file"],
+        ),
+        (
+            with(&["--optim", "lion"]),
+            vec!["--optim lion", "adamw_torch"],
+        ),
+    ];
+    for (args, expected) in cases {
+        let run = launch(args);
+        let text = assert_failed_with(&run, &expected);
+        assert!(
+            !text.contains("rank 0") && !text.contains("[rank"),
+            "a rank started: {text}"
+        );
+        assert!(!text.contains("panicked"), "{text}");
+        let first = expected[0];
+        assert_eq!(
+            text.matches(first).count(),
+            1,
+            "said more than once: {text}"
+        );
+    }
+    // An output_dir that holds checkpoints, without resuming: refused, the checkpoints kept.
+    std::fs::create_dir_all(out.join("checkpoint-20")).unwrap();
+    std::fs::write(out.join("checkpoint-20/trainer_state.json"), "{}").unwrap();
+    let text = assert_failed_with(
+        &launch(with(&[])),
+        &[
+            "--output_dir",
+            "checkpoint-20",
+            "--resume_from_checkpoint true",
+        ],
+    );
+    assert!(!text.contains("panicked"), "{text}");
+    assert!(out.join("checkpoint-20/trainer_state.json").is_file());
+}
