@@ -479,3 +479,73 @@ fn bad_arguments_are_refused_before_any_rank_starts() {
     assert!(!text.contains("panicked"), "{text}");
     assert!(out.join("checkpoint-20/trainer_state.json").is_file());
 }
+
+#[test]
+fn a_deepspeed_file_with_auto_values_trains_as_ddp() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ds = tmp.path().join("ds_config.json");
+    std::fs::write(
+        &ds,
+        r#"{"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}}"#,
+    )
+    .unwrap();
+    let args = |out: &Path| -> Vec<String> {
+        let mut a = common(out);
+        a.extend(
+            [
+                "--eval_strategy",
+                "no",
+                "--save_strategy",
+                "no",
+                "--max_steps",
+                "20",
+                "--weight_decay",
+                "0",
+            ]
+            .map(str::to_owned),
+        );
+        a
+    };
+    let (ddp, zero) = (tmp.path().join("ddp"), tmp.path().join("zero"));
+    accel_train(&["-q", "--cpu", "--num_processes", "2"], &args(&ddp));
+    let mut z = args(&zero);
+    z.extend(["--deepspeed".into(), ds.display().to_string()]);
+    let run = accel_train(&["--cpu", "--num_processes", "2"], &z);
+    assert!(
+        describe(&run).contains("strategy zero"),
+        "{}",
+        describe(&run)
+    );
+    let filled: Value = serde_json::from_str(
+        &std::fs::read_to_string(zero.join("deepspeed_config.filled.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(filled["train_micro_batch_size_per_gpu"], 2);
+    assert_eq!(filled["gradient_accumulation_steps"], 2);
+    assert_eq!(filled["gradient_clipping"], 1.0);
+    assert_eq!(filled["optimizer"]["params"]["lr"], 1e-3);
+    assert_eq!(
+        filled["optimizer"]["params"]["betas"],
+        serde_json::json!([0.9, 0.999])
+    );
+    assert_eq!(filled["bf16"]["enabled"], false);
+    let (a, b) = (history(&ddp), history(&zero));
+    let steps: Vec<_> = a
+        .iter()
+        .zip(&b)
+        .filter(|(x, _)| x.contains_key("loss"))
+        .collect();
+    assert_eq!(steps.len(), 20);
+    for (x, y) in steps {
+        for k in ["loss", "grad_norm", "learning_rate"] {
+            let (p, q) = (x[k].as_f64().unwrap(), y[k].as_f64().unwrap());
+            assert!(
+                (p - q).abs() <= 1e-5,
+                "step {}: {k} DDP {p}, ZeRO-2 from the DeepSpeed file {q}",
+                x["step"]
+            );
+        }
+    }
+}

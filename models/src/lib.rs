@@ -175,7 +175,13 @@ pub fn causal_lm_loss(
     } else {
         tch::Reduction::Mean
     };
-    let loss = flat.cross_entropy_loss::<Tensor>(&shifted.view([-1]), None, reduction, -100, label_smoothing);
+    let loss = flat.cross_entropy_loss::<Tensor>(
+        &shifted.view([-1]),
+        None,
+        reduction,
+        -100,
+        label_smoothing,
+    );
     match num_items {
         Some(n) => loss / n,
         None => loss,

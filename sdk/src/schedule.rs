@@ -175,8 +175,9 @@ impl TransformersSchedule {
         use std::f64::consts::PI;
         let s = step as f64;
         let ramp_up = |warmup: u64| s / (warmup.max(1) as f64);
-        let progress =
-            |warmup: u64, total: u64| (s - warmup as f64) / (total.saturating_sub(warmup).max(1) as f64);
+        let progress = |warmup: u64, total: u64| {
+            (s - warmup as f64) / (total.saturating_sub(warmup).max(1) as f64)
+        };
         match *self {
             Self::Cosine {
                 warmup,

@@ -28,7 +28,7 @@
 pub mod args;
 pub mod checkpoints;
 mod model;
-pub mod optim;
+pub mod optimizer;
 pub mod schedule;
 pub mod sharding;
 mod state;
@@ -36,7 +36,15 @@ mod text;
 mod trainer;
 
 pub use args::{ArgError, Interval, TrainingArguments};
+
+// What a training program needs, from this one dependency.
+pub use accel::accelerator::{Accelerator, ForwardScope};
+pub use accel::init_logging;
+pub use accel_data as data;
+pub use accel_models as models;
+pub use accel_sdk::{optim, schedule as lr_schedule};
 pub use model::{LanguageModel, Module, TrainModel};
 pub use state::{Callback, Control, EarlyStoppingCallback, TrainerState};
+pub use tch;
 pub use text::TextBlocks;
 pub use trainer::{build_accelerator, EvalPrediction, TrainOutput, Trainer};

@@ -203,6 +203,89 @@ pub fn settings(args: &TrainingArguments) -> Result<Vec<(String, Value)>, ArgErr
     Ok(out)
 }
 
+/// `--deepspeed FILE` with the `"auto"` values transformers fills from the
+/// arguments (`trainer_config_process`): the micro-batch size, the
+/// accumulation steps, `gradient_clipping` (max_grad_norm), the optimizer's
+/// lr, betas, eps and weight decay, the scheduler's warmup_min_lr (0) and
+/// warmup_max_lr (learning_rate), `fp16.enabled` and `bf16.enabled`;
+/// `train_batch_size: "auto"` is dropped (DeepSpeed derives it). The
+/// scheduler's `warmup_num_steps` and `total_num_steps` stay `"auto"`: the
+/// Trainer fills them when it knows the steps (`DummyScheduler`). Written
+/// to `output_dir/deepspeed_config.filled.json`, which the strategy reads;
+/// `None` without `--deepspeed`.
+pub fn deepspeed_file(
+    args: &TrainingArguments,
+) -> Result<Option<(std::path::PathBuf, DeepSpeedSections)>, ArgError> {
+    let Some(Value::String(path)) = &args.deepspeed else {
+        return Ok(None);
+    };
+    let mut c = object("deepspeed", &Value::String(path.clone()))?;
+    let auto = |v: Option<&Value>| v.and_then(Value::as_str) == Some("auto");
+    let fill = |m: &mut Map<String, Value>, k: &str, v: Value| {
+        if auto(m.get(k)) {
+            m.insert(k.to_owned(), v);
+        }
+    };
+    fill(
+        &mut c,
+        "train_micro_batch_size_per_gpu",
+        json!(args.per_device_train_batch_size),
+    );
+    fill(
+        &mut c,
+        "gradient_accumulation_steps",
+        json!(args.gradient_accumulation_steps),
+    );
+    fill(&mut c, "gradient_clipping", json!(args.max_grad_norm));
+    if auto(c.get("train_batch_size")) {
+        c.remove("train_batch_size");
+    }
+    for (section, enabled) in [("fp16", args.fp16), ("bf16", args.bf16)] {
+        if let Some(Value::Object(m)) = c.get_mut(section) {
+            fill(m, "enabled", json!(enabled));
+        }
+    }
+    let sections = DeepSpeedSections {
+        optimizer: c.contains_key("optimizer"),
+        scheduler: c.contains_key("scheduler"),
+    };
+    if let Some(Value::Object(p)) = c.get_mut("optimizer").and_then(|o| o.get_mut("params")) {
+        fill(p, "lr", json!(args.learning_rate));
+        fill(p, "betas", json!([args.adam_beta1, args.adam_beta2]));
+        fill(p, "eps", json!(args.adam_epsilon));
+        fill(p, "weight_decay", json!(args.weight_decay));
+    }
+    if let Some(Value::Object(p)) = c.get_mut("scheduler").and_then(|o| o.get_mut("params")) {
+        fill(p, "warmup_min_lr", json!(0));
+        fill(p, "warmup_max_lr", json!(args.learning_rate));
+    }
+    // Every rank writes the same text, each through its own temporary name.
+    let dir = args.output_dir();
+    let out = dir.join("deepspeed_config.filled.json");
+    let tmp = dir.join(format!(".deepspeed_config.{}.tmp", std::process::id()));
+    let text = serde_json::to_string_pretty(&Value::Object(c)).unwrap_or_default() + "\n";
+    std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(&tmp, text))
+        .and_then(|()| std::fs::rename(&tmp, &out))
+        .map_err(|e| {
+            ArgError::value(
+                "deepspeed",
+                path,
+                format!("could not write the filled copy {}: {e}", out.display()),
+            )
+        })?;
+    Ok(Some((out, sections)))
+}
+
+/// Which of the optimizer and the schedule a DeepSpeed file defines.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeepSpeedSections {
+    /// An `optimizer` section (the Trainer takes it as a `DummyOptim`).
+    pub optimizer: bool,
+    /// A `scheduler` section (the Trainer takes it as a `DummyScheduler`).
+    pub scheduler: bool,
+}
+
 /// Accelerate's `accelerator_config` keys accel reads, with their defaults
 /// as transformers' `AcceleratorConfig` sets them.
 #[derive(Debug, Clone, PartialEq)]

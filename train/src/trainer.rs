@@ -14,8 +14,11 @@ use crate::checkpoints;
 use crate::model::TrainModel;
 use crate::sharding::{self, AcceleratorConfig};
 use crate::state::{Callback, Control, TrainerState};
-use crate::{optim, schedule};
-use accel::accelerator::{Accelerator, Reduction, ShardedLoader, TrainingObjects};
+use crate::{optimizer, schedule};
+use accel::accelerator::{
+    AcceleratedScheduler, Accelerator, DummyOptim, DummyScheduler, Reduction, ShardedLoader,
+    TrainingObjects,
+};
 use accel_data::{Batch, Collate, DataLoader, Dataset};
 use accel_sdk::optim::Optimizer;
 use accel_sdk::schedule::LrScheduler;
@@ -78,7 +81,11 @@ pub struct Trainer<M: TrainModel> {
 /// `report_to`; gradient accumulation is the Trainer's own.
 pub fn build_accelerator(a: &TrainingArguments) -> Result<Accelerator> {
     let mut b = Accelerator::builder().gradient_accumulation_steps(1);
-    for (k, v) in sharding::settings(a)? {
+    let filled = sharding::deepspeed_file(a)?;
+    for (k, mut v) in sharding::settings(a)? {
+        if let (Some((file, _)), "deepspeed_config.deepspeed_config_file") = (&filled, k.as_str()) {
+            v = json!(file.display().to_string());
+        }
         b = b.config(&k, v);
     }
     let ac = AcceleratorConfig::from_args(a)?;
@@ -292,8 +299,34 @@ impl<M: TrainModel> Trainer<M> {
             acc.strategy_name(),
             acc.precision_name()
         ));
-        let mut opt = acc.prepare_optimizer_with(optim::config(&a), optim::hyper_for)?;
-        let mut sched = LrScheduler::new(schedule::schedule(&a, max_steps)?, &mut opt);
+        let ds = sharding::deepspeed_file(&a)?
+            .map(|(_, s)| s)
+            .unwrap_or_default();
+        let mut opt = if ds.optimizer {
+            acc.prepare_dummy_optimizer(
+                DummyOptim::new(a.learning_rate).weight_decay(a.weight_decay),
+            )?
+        } else {
+            acc.prepare_optimizer_with(optimizer::config(&a), optimizer::hyper_for)?
+        };
+        let warmup = schedule::warmup_steps(&a, max_steps);
+        let mut sched = if ds.scheduler {
+            // DummyScheduler's total is in single-process steps.
+            let per = if AcceleratorConfig::from_args(&a)?.split_batches {
+                1
+            } else {
+                world
+            };
+            Sched::Config(acc.prepare_dummy_scheduler(
+                &mut opt,
+                DummyScheduler::new(Some(max_steps * per), warmup),
+            )?)
+        } else {
+            Sched::Own(LrScheduler::new(
+                schedule::schedule(&a, max_steps)?,
+                &mut opt,
+            ))
+        };
         let mut state = TrainerState {
             max_steps,
             num_train_epochs,
@@ -428,7 +461,7 @@ impl<M: TrainModel> Trainer<M> {
         loader: &ShardedLoader,
         l: Loop,
         opt: &mut Optimizer,
-        sched: &mut LrScheduler,
+        sched: &mut Sched,
         bar: &accel::progress::ProgressBar,
         control: &mut Control,
     ) -> Result<(Tensor, f64)> {
@@ -487,6 +520,10 @@ impl<M: TrainModel> Trainer<M> {
                     Some(_) => 1.0,
                     None => 1.0 / window.len() as f64,
                 };
+                // The backward divides by the Accelerator's accumulation
+                // steps: 1, unless a DeepSpeed file set them (transformers
+                // turns that scaling off: `scale_wrt_gas=False`).
+                let undo = f64::from(acc.gradient_accumulation_steps());
                 let last = window.len() - 1;
                 for (i, batch) in window.iter().enumerate() {
                     let model = &self.model;
@@ -494,7 +531,7 @@ impl<M: TrainModel> Trainer<M> {
                         let loss =
                             acc.forward(|scope| model.loss(scope, batch, num_items, true))??;
                         let loss = loss * scale;
-                        acc.backward(&loss)?;
+                        acc.backward(&(&loss * undo))?;
                         Ok(loss.detach())
                     })?;
                     let bad = a.logging_nan_inf_filter && !step_loss.double_value(&[]).is_finite();
@@ -823,6 +860,28 @@ impl Collate for SharedCollate {
 
     fn stacks(&self) -> bool {
         self.0.stacks()
+    }
+}
+
+/// The schedule: the arguments' own, or a DeepSpeed file's.
+enum Sched {
+    Own(LrScheduler),
+    Config(AcceleratedScheduler),
+}
+
+impl Sched {
+    fn step(&mut self, opt: &mut Optimizer) {
+        match self {
+            Sched::Own(s) => s.step(opt),
+            Sched::Config(s) => s.step(opt),
+        }
+    }
+
+    fn set_steps(&mut self, steps: u64, opt: &mut Optimizer) {
+        match self {
+            Sched::Own(s) => s.set_steps(steps, opt),
+            Sched::Config(s) => s.scheduler_mut().set_steps(steps, opt),
+        }
     }
 }
 

@@ -306,7 +306,7 @@ impl TrainingArguments {
             ));
         }
         crate::schedule::check(self)?;
-        crate::optim::check(&self.optim)?;
+        crate::optimizer::check(&self.optim)?;
         let logging = self.logging_strategy()?;
         let eval = self.eval_strategy()?;
         let save = self.save_strategy()?;
