@@ -12,6 +12,7 @@
 
 use accel_integration_tests::{
     accel_bin, gpt2::write_tokens, loss_log, run_ok, venv_bin, workspace_root, write_config,
+    SEED_001_CONFIG,
 };
 use std::path::Path;
 use std::process::Command;
@@ -48,17 +49,15 @@ fn common<'a>(model: &'a str, tokens: &'a str) -> Vec<&'a str> {
     ]
 }
 
-/// seed 001's `fsdp_config`, as the seed writes it.
-const SEED_FSDP: &str = "fsdp_config:
-  fsdp_version: 2
-  fsdp_reshard_after_forward: true
-  fsdp_cpu_offload: false
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_cpu_ram_efficient_loading: true
-  fsdp_activation_checkpointing: false
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
-";
+/// seed 001's `fsdp_config` section, as the seed writes it.
+fn seed_fsdp() -> String {
+    SEED_001_CONFIG
+        .lines()
+        .skip_while(|l| !l.starts_with("fsdp_config:"))
+        .take_while(|l| l.starts_with("fsdp_config:") || l.starts_with("  "))
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
 
 fn accel_run(config: &Path, args: &[&str], log: &Path) {
     run_ok(
@@ -134,7 +133,10 @@ fn llama_losses_equal_transformers_and_accelerate_under_ddp_fsdp_and_zero3() {
 
     let runs = [
         ("ddp", write_config(d, "ddp.yaml", "MULTI_CPU", 2, "")),
-        ("fsdp", write_config(d, "fsdp.yaml", "FSDP", 2, SEED_FSDP)),
+        (
+            "fsdp",
+            write_config(d, "fsdp.yaml", "FSDP", 2, &seed_fsdp()),
+        ),
         (
             "zero3",
             write_config(
@@ -180,7 +182,7 @@ fn llama_losses_equal_transformers_and_accelerate_under_ddp_fsdp_and_zero3() {
         "fsdp_ac.yaml",
         "FSDP",
         2,
-        &SEED_FSDP.replace(
+        &seed_fsdp().replace(
             "fsdp_activation_checkpointing: false",
             "fsdp_activation_checkpointing: true",
         ),
@@ -230,7 +232,10 @@ fn llama_lora_on_q_and_v_proj_trains_as_peft_under_ddp_and_fsdp() {
     args.extend(["--lora-from", adapters.to_str().unwrap()]);
     for (name, config) in [
         ("ddp", write_config(d, "ddp.yaml", "MULTI_CPU", 2, "")),
-        ("fsdp", write_config(d, "fsdp.yaml", "FSDP", 2, SEED_FSDP)),
+        (
+            "fsdp",
+            write_config(d, "fsdp.yaml", "FSDP", 2, &seed_fsdp()),
+        ),
     ] {
         let log = d.join(format!("accel_lora_{name}.jsonl"));
         accel_run(&config, &args, &log);

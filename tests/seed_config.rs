@@ -8,25 +8,6 @@ use accel_integration_tests::*;
 use std::path::Path;
 use std::process::Command;
 
-/// The seed's config, verbatim (its YAML block in
-/// shared/seeds/001_d2920c91cb52855b.txt; compared with it when the seeds
-/// are beside the repository).
-const SEED: &str = "compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-fsdp_config:
-  fsdp_version: 2
-  fsdp_reshard_after_forward: true
-  fsdp_cpu_offload: false
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_cpu_ram_efficient_loading: true
-  fsdp_activation_checkpointing: false
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
-mixed_precision: bf16
-num_machines: 1
-num_processes: 4
-";
-
 fn tokens(path: &Path) {
     let mut state = 12345u32;
     let bytes: Vec<u8> = (0..20_000)
@@ -77,8 +58,8 @@ fn the_seeds_fsdp_config_trains_a_llama_on_4_processes() {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/seeds/001_d2920c91cb52855b.txt");
     match std::fs::read_to_string(&seed) {
         Ok(text) => assert!(
-            text.contains(SEED),
-            "the seed's config changed: update SEED from {}",
+            text.contains(SEED_001_CONFIG),
+            "the seed's config changed: update SEED_001_CONFIG (tests/support) from {}",
             seed.display()
         ),
         Err(_) => eprintln!(
@@ -92,7 +73,7 @@ fn the_seeds_fsdp_config_trains_a_llama_on_4_processes() {
     let config = dir.path().join("seed.yaml");
 
     // On a GPT-2, the Llama class is not there.
-    std::fs::write(&config, SEED).unwrap();
+    std::fs::write(&config, SEED_001_CONFIG).unwrap();
     let out = launch(&config, gpt2::SIZES, &data, &dir.path().join("unused"));
     assert_failed_with(
         &out,

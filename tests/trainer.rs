@@ -7,6 +7,7 @@
 
 use accel_integration_tests::{
     accel_bin, assert_failed_with, describe, output_of, run_ok, venv_bin, workspace_root,
+    SEED_001_CONFIG,
 };
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -203,23 +204,6 @@ fn trainer_equals_transformers_trainer() {
     assert!(check.status.success(), "{}", describe(&check));
 }
 
-/// seed 001's Accelerate config file, unchanged.
-const SEED: &str = "compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-fsdp_config:
-  fsdp_version: 2
-  fsdp_reshard_after_forward: true
-  fsdp_cpu_offload: false
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_cpu_ram_efficient_loading: true
-  fsdp_activation_checkpointing: false
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
-mixed_precision: bf16
-num_machines: 1
-num_processes: 4
-";
-
 fn losses(dir: &Path) -> Vec<f64> {
     history(dir)
         .iter()
@@ -241,7 +225,7 @@ fn falls(dir: &Path) {
 fn seed_001_config_and_its_training_arguments_train() {
     let tmp = tempfile::tempdir().unwrap();
     let config = tmp.path().join("seed001.yaml");
-    std::fs::write(&config, SEED).unwrap();
+    std::fs::write(&config, SEED_001_CONFIG).unwrap();
     let quick = |out: &Path| -> Vec<String> {
         let mut a = common(out);
         a.extend(

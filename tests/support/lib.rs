@@ -944,3 +944,22 @@ pub fn write_freeze_probe_init(dir: &Path) {
     let refs: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
     Tensor::write_safetensors(&refs, dir.join("init.safetensors")).unwrap();
 }
+
+/// Seed 001's Accelerate config file (the YAML block of
+/// shared/seeds/001_d2920c91cb52855b.txt, verbatim; `tests/seed_config.rs`
+/// compares it with the seed when the seeds are beside the repository).
+pub const SEED_001_CONFIG: &str = "compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_reshard_after_forward: true
+  fsdp_cpu_offload: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_activation_checkpointing: false
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+mixed_precision: bf16
+num_machines: 1
+num_processes: 4
+";

@@ -230,22 +230,13 @@ impl<M: TrainModel> Trainer<M> {
                 self.model.gradient_checkpointing_enable();
             }
             self.model.prepare(&mut acc)?;
-            let train = match &self.train_dataset {
-                Some(d) => Some(acc.prepare_data_loader(self.loader(
-                    d,
-                    a.per_device_train_batch_size,
-                    true,
-                ))?),
-                None => None,
+            let prepared = |d: &Option<Arc<dyn Dataset>>, batch: i64, shuffle: bool| {
+                d.as_ref()
+                    .map(|d| acc.prepare_data_loader(self.loader(d, batch, shuffle)))
+                    .transpose()
             };
-            let eval = match &self.eval_dataset {
-                Some(d) => Some(acc.prepare_data_loader(self.loader(
-                    d,
-                    a.per_device_eval_batch_size,
-                    false,
-                ))?),
-                None => None,
-            };
+            let train = prepared(&self.train_dataset, a.per_device_train_batch_size, true)?;
+            let eval = prepared(&self.eval_dataset, a.per_device_eval_batch_size, false)?;
             if !trackers.is_empty() {
                 let name = a.run_name.clone().unwrap_or_else(|| {
                     a.output_dir()
@@ -455,7 +446,6 @@ impl<M: TrainModel> Trainer<M> {
 
     /// The epochs of [`Trainer::train`] over `loader`: the logged-loss
     /// accumulator left at the end, and the sum of the logged losses.
-    #[allow(clippy::too_many_arguments)]
     fn train_loop(
         &mut self,
         loader: &ShardedLoader,
@@ -474,11 +464,13 @@ impl<M: TrainModel> Trainer<M> {
             world,
             device,
         } = l;
-        let mut tr_loss = Tensor::zeros([], (Kind::Float, device));
-        let mut total_loss = 0.0f64;
-        let mut last_logged = self.state.global_step;
-        let mut grad_norm: Option<f64> = None;
-        let mut lr_used = opt.lr();
+        let mut t = Tally {
+            tr_loss: Tensor::zeros([], (Kind::Float, device)),
+            total_loss: 0.0,
+            last_logged: self.state.global_step,
+            grad_norm: None,
+            lr: opt.lr(),
+        };
         'training: while self.state.global_step < max_steps {
             let mut batches = loader.iter()?;
             let epoch = loader.position().epoch;
@@ -536,19 +528,19 @@ impl<M: TrainModel> Trainer<M> {
                     })?;
                     let bad = a.logging_nan_inf_filter && !step_loss.double_value(&[]).is_finite();
                     if bad {
-                        let since = (1 + self.state.global_step - last_logged) as f64;
-                        tr_loss = &tr_loss + &tr_loss / since;
+                        let since = (1 + self.state.global_step - t.last_logged) as f64;
+                        t.tr_loss = &t.tr_loss + &t.tr_loss / since;
                     } else {
-                        tr_loss += step_loss.to_kind(Kind::Float);
+                        t.tr_loss += step_loss.to_kind(Kind::Float);
                     }
                 }
-                grad_norm = if a.max_grad_norm > 0.0 {
+                t.grad_norm = if a.max_grad_norm > 0.0 {
                     Some(acc.clip_grad_norm(a.max_grad_norm, 2.0)?)
                 } else {
                     None
                 };
                 acc.step(opt)?;
-                lr_used = opt.lr();
+                t.lr = opt.lr();
                 if !acc.optimizer_step_was_skipped() {
                     sched.step(opt);
                 }
@@ -579,16 +571,7 @@ impl<M: TrainModel> Trainer<M> {
                         flow.save = true;
                     }
                 }
-                self.log_save_evaluate(
-                    flow,
-                    &mut tr_loss,
-                    &mut total_loss,
-                    &mut last_logged,
-                    grad_norm,
-                    lr_used,
-                    opt,
-                    control,
-                )?;
+                self.log_save_evaluate(flow, &mut t, opt, control)?;
                 if control.should_training_stop {
                     break 'training;
                 }
@@ -602,21 +585,12 @@ impl<M: TrainModel> Trainer<M> {
                 evaluate: a.eval_strategy()? == Interval::Epoch,
                 save: a.save_strategy()? == Interval::Epoch,
             };
-            self.log_save_evaluate(
-                flow,
-                &mut tr_loss,
-                &mut total_loss,
-                &mut last_logged,
-                grad_norm,
-                lr_used,
-                opt,
-                control,
-            )?;
+            self.log_save_evaluate(flow, &mut t, opt, control)?;
             if control.should_training_stop {
                 break;
             }
         }
-        Ok((tr_loss, total_loss))
+        Ok((t.tr_loss, t.total_loss))
     }
 
     /// Adds `logs` (with `epoch` and `step`) to the log history, the
@@ -646,33 +620,31 @@ impl<M: TrainModel> Trainer<M> {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// What `flow` asks after a step or an epoch: the log entry (the mean
+    /// step loss since the last one, over the ranks), the evaluation (and
+    /// the best metric), the checkpoint.
     fn log_save_evaluate(
         &mut self,
         flow: Flow,
-        tr_loss: &mut Tensor,
-        total_loss: &mut f64,
-        last_logged: &mut u64,
-        grad_norm: Option<f64>,
-        lr: f64,
+        t: &mut Tally,
         opt: &mut Optimizer,
         control: &mut Control,
     ) -> Result<()> {
-        if flow.log && self.state.global_step > *last_logged {
+        if flow.log && self.state.global_step > t.last_logged {
             let acc = &mut self.session.as_mut().expect("made").acc;
-            let summed = acc.reduce(tr_loss, Reduction::Mean)?.double_value(&[]);
-            let _ = tr_loss.zero_();
+            let summed = acc.reduce(&t.tr_loss, Reduction::Mean)?.double_value(&[]);
+            let _ = t.tr_loss.zero_();
             let mut logs = Map::new();
             logs.insert(
                 "loss".into(),
-                json!(summed / (self.state.global_step - *last_logged) as f64),
+                json!(summed / (self.state.global_step - t.last_logged) as f64),
             );
-            if let Some(n) = grad_norm {
+            if let Some(n) = t.grad_norm {
                 logs.insert("grad_norm".into(), json!(n));
             }
-            logs.insert("learning_rate".into(), json!(lr));
-            *total_loss += summed;
-            *last_logged = self.state.global_step;
+            logs.insert("learning_rate".into(), json!(t.lr));
+            t.total_loss += summed;
+            t.last_logged = self.state.global_step;
             self.log(logs, control);
         }
         let mut save = flow.save;
@@ -883,6 +855,17 @@ impl Sched {
             Sched::Config(s) => s.scheduler_mut().set_steps(steps, opt),
         }
     }
+}
+
+/// What the loop carries between logs: the summed step losses since the
+/// last log (on the device), the sum of the logged ones, the last log's
+/// step, and the last step's grad norm and learning rate.
+struct Tally {
+    tr_loss: Tensor,
+    total_loss: f64,
+    last_logged: u64,
+    grad_norm: Option<f64>,
+    lr: f64,
 }
 
 /// The loop's fixed numbers.
