@@ -533,3 +533,88 @@ fn a_deepspeed_file_with_auto_values_trains_as_ddp() {
         }
     }
 }
+
+/// The library from a program: compute_metrics (next-token accuracy),
+/// early stopping, load_best_model_at_end with save_total_limit 1 (the best
+/// and the newest checkpoints kept), predict; one process.
+#[test]
+fn callbacks_metrics_and_the_best_checkpoint() {
+    use accel_train::{
+        EarlyStoppingCallback, LanguageModel, TextBlocks, Trainer, TrainingArguments,
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let f = fixture();
+    let out = tmp.path().join("out");
+    let args = TrainingArguments::parse_from(
+        format!(
+            "--output_dir {} --per_device_train_batch_size 4 --per_device_eval_batch_size 4 --learning_rate 1e-3 \
+             --eval_strategy steps --eval_steps 5 --save_steps 5 --save_total_limit 1 --load_best_model_at_end \
+             --metric_for_best_model loss --max_steps 40 --logging_steps 5 --report_to none",
+            out.display()
+        )
+        .split_whitespace(),
+    )
+    .unwrap();
+    let tokenizer = f.join("model/tokenizer.json");
+    let blocks =
+        |name: &str| TextBlocks::from_file(&f.join(name), &tokenizer, 32, name, false).unwrap();
+    let mut trainer = Trainer::new(
+        LanguageModel::from_pretrained(f.join("model")).unwrap(),
+        args,
+    )
+    .train_dataset(blocks("train.txt"))
+    .eval_dataset(blocks("valid.txt"))
+    .compute_metrics(|p| {
+        // Next-token accuracy: the prediction at t against the label at t + 1.
+        let t = p.predictions.size()[1];
+        let hit = p
+            .predictions
+            .narrow(1, 0, t - 1)
+            .eq_tensor(&p.label_ids.narrow(1, 1, t - 1));
+        let acc = hit
+            .to_kind(tch::Kind::Double)
+            .mean(tch::Kind::Double)
+            .double_value(&[]);
+        [("accuracy".to_owned(), serde_json::json!(acc))]
+            .into_iter()
+            .collect()
+    })
+    // Improving by more than 10 nats is impossible: it stops at the second evaluation.
+    .callback(EarlyStoppingCallback::new(1, 10.0, "loss", false));
+    let result = trainer.train().unwrap();
+    assert_eq!(
+        result.global_step, 10,
+        "early stopping after the second evaluation"
+    );
+    let evals: Vec<_> = trainer
+        .state
+        .log_history
+        .iter()
+        .filter(|e| e.contains_key("eval_loss"))
+        .collect();
+    assert_eq!(evals.len(), 2);
+    for e in &evals {
+        let a = e["eval_accuracy"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&a), "{e:?}");
+    }
+    let best = trainer.state.best_model_checkpoint.clone().unwrap();
+    let names = checkpoint_names(&out);
+    // save_total_limit 1 keeps the best too when it is not the newest.
+    assert!(names.contains(&"checkpoint-10".to_owned()), "{names:?}");
+    assert!(
+        best.ends_with(names[0].as_str()) || best.ends_with("checkpoint-10"),
+        "{best} {names:?}"
+    );
+    assert!(names.len() <= 2, "{names:?}");
+    let predicted = trainer.predict(blocks("valid.txt")).unwrap();
+    let p = predicted.prediction.unwrap();
+    assert_eq!(p.predictions.size(), p.label_ids.size());
+    assert!(predicted.metrics["test_accuracy"].as_f64().is_some());
+    // The best model is loaded at the end: its eval loss is the best metric.
+    let again = trainer.evaluate().unwrap();
+    let best_metric = trainer.state.best_metric.unwrap();
+    assert!(
+        (again["eval_loss"].as_f64().unwrap() - best_metric).abs() < 1e-6,
+        "{again:?} vs {best_metric}"
+    );
+}

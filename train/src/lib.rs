@@ -47,4 +47,4 @@ pub use model::{LanguageModel, Module, TrainModel};
 pub use state::{Callback, Control, EarlyStoppingCallback, TrainerState};
 pub use tch;
 pub use text::TextBlocks;
-pub use trainer::{build_accelerator, EvalPrediction, TrainOutput, Trainer};
+pub use trainer::{build_accelerator, EvalPrediction, PredictionOutput, TrainOutput, Trainer};

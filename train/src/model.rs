@@ -32,6 +32,13 @@ pub trait TrainModel {
         train: bool,
     ) -> Result<Tensor>;
 
+    /// One evaluation step: the batch's mean loss and, for
+    /// `compute_metrics`, the model's predictions (one row per sample;
+    /// `None`, the default: the model has none to give).
+    fn eval_step(&self, scope: &ForwardScope, batch: &Batch) -> Result<(Tensor, Option<Tensor>)> {
+        Ok((self.loss(scope, batch, None, false)?, None))
+    }
+
     /// How many items (tokens) `batch`'s loss sums over, when the model's
     /// loss can be normalized over a whole accumulation window
     /// (transformers' `model_accepts_loss_kwargs`); `None`: a per-batch mean.
@@ -169,6 +176,26 @@ impl LanguageModel {
         &self.config
     }
 
+    /// The logits of `batch` and its labels (`labels`, else `input_ids`).
+    fn logits(&self, scope: &ForwardScope, batch: &Batch, train: bool) -> Result<(Tensor, Tensor)> {
+        let b = self.built.as_ref().context("the model is not prepared")?;
+        let ids = batch.get("input_ids")?;
+        let labels = match batch.get("labels") {
+            Ok(l) => l.shallow_clone(),
+            Err(_) => ids.shallow_clone(),
+        };
+        let inputs = Inputs {
+            input_ids: ids,
+            attention_mask: batch.get("attention_mask").ok(),
+            position_ids: None,
+            logits_to_keep: 0,
+        };
+        let logits = b
+            .model
+            .forward(&Scope::Accelerated(scope), &inputs, None, train)?;
+        Ok((logits, labels))
+    }
+
     /// The built model (after [`TrainModel::prepare`]).
     pub fn model(&self) -> Option<&dyn CausalLM> {
         self.built.as_ref().map(|b| b.model.as_ref())
@@ -224,28 +251,23 @@ impl TrainModel for LanguageModel {
         num_items: Option<f64>,
         train: bool,
     ) -> Result<Tensor> {
-        let b = self.built.as_ref().context("the model is not prepared")?;
-        let ids = batch.get("input_ids")?;
-        let labels = match batch.get("labels") {
-            Ok(l) => l.shallow_clone(),
-            Err(_) => ids.shallow_clone(),
-        };
-        let mask = batch.get("attention_mask").ok();
-        let inputs = Inputs {
-            input_ids: ids,
-            attention_mask: mask,
-            position_ids: None,
-            logits_to_keep: 0,
-        };
-        let logits = b
-            .model
-            .forward(&Scope::Accelerated(scope), &inputs, None, train)?;
+        let (logits, labels) = self.logits(scope, batch, train)?;
         Ok(causal_lm_loss(
             &logits,
             &labels,
             num_items,
             self.label_smoothing,
         ))
+    }
+
+    /// The loss and the most likely next token of every position
+    /// (`[B, T]`, transformers' usual `preprocess_logits_for_metrics`), from
+    /// one forward.
+    fn eval_step(&self, scope: &ForwardScope, batch: &Batch) -> Result<(Tensor, Option<Tensor>)> {
+        let (logits, labels) = self.logits(scope, batch, false)?;
+        let predictions = logits.argmax(-1, false);
+        let loss = causal_lm_loss(&logits, &labels, None, self.label_smoothing);
+        Ok((loss, Some(predictions)))
     }
 
     fn count_items(&self, batch: &Batch) -> Option<i64> {

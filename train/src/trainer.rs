@@ -40,6 +40,15 @@ pub struct EvalPrediction {
 
 type MetricsFn = Box<dyn Fn(&EvalPrediction) -> Map<String, Value>>;
 
+/// What [`Trainer::predict`] returns.
+pub struct PredictionOutput {
+    /// The predictions and labels (when the model gives predictions and
+    /// `compute_metrics` is set).
+    pub prediction: Option<EvalPrediction>,
+    /// `test_loss` and `compute_metrics`' values.
+    pub metrics: Map<String, Value>,
+}
+
 /// What [`Trainer::train`] returns (transformers' `TrainOutput`).
 #[derive(Debug, Clone)]
 pub struct TrainOutput {
@@ -710,8 +719,8 @@ impl<M: TrainModel> Trainer<M> {
             "eval_loss".into(),
             json!(losses.mean(Kind::Double).double_value(&[])),
         );
-        if let (Some(f), Some(p)) = (&self.compute_metrics, predictions) {
-            for (k, v) in f(&p) {
+        if let (Some(f), Some(p)) = (&self.compute_metrics, &predictions) {
+            for (k, v) in f(p) {
                 metrics.insert(format!("eval_{k}"), v);
             }
         }
@@ -739,31 +748,46 @@ impl<M: TrainModel> Trainer<M> {
             bail!("Trainer::evaluate needs an eval_dataset");
         };
         let acc = &mut session.acc;
-        let mut losses = Vec::new();
+        let wants = self.compute_metrics.is_some();
+        let (mut losses, mut preds, mut labels) = (Vec::new(), Vec::new(), Vec::new());
         let mut batches = 0;
         for batch in loader.iter()? {
             let batch = batch?;
             let rows = batch.batch_size() as i64;
             let model = &self.model;
-            let loss =
-                tch::no_grad(|| acc.forward(|scope| model.loss(scope, &batch, None, false)))??;
+            let (loss, p) = tch::no_grad(|| acc.forward(|scope| model.eval_step(scope, &batch)))??;
             let repeated = loss
                 .detach()
                 .to_kind(Kind::Float)
                 .reshape([1])
                 .repeat([rows]);
             losses.push(acc.gather_for_metrics(&repeated)?);
+            if let (true, Some(p)) = (wants, p) {
+                preds.push(acc.gather_for_metrics(&p)?);
+                if let Ok(l) = batch.get("labels") {
+                    labels.push(acc.gather_for_metrics(l)?);
+                }
+            }
             batches += 1;
         }
         if losses.is_empty() {
             bail!("the eval dataset gives no batch");
         }
-        Ok((Tensor::cat(&losses, 0), None, batches))
+        let prediction = (!preds.is_empty()).then(|| EvalPrediction {
+            predictions: Tensor::cat(&preds, 0),
+            label_ids: if labels.is_empty() {
+                Tensor::zeros([0], (Kind::Int64, tch::Device::Cpu))
+            } else {
+                Tensor::cat(&labels, 0)
+            },
+        });
+        Ok((Tensor::cat(&losses, 0), prediction, batches))
     }
 
-    /// Runs the model over `dataset` without training: its loss as
+    /// Runs the model over `dataset` without training (transformers'
+    /// `predict`): the predictions and labels, gathered, and the metrics
     /// `test_loss` (and `compute_metrics`' values as `test_*`).
-    pub fn predict(&mut self, dataset: impl Dataset + 'static) -> Result<Map<String, Value>> {
+    pub fn predict(&mut self, dataset: impl Dataset + 'static) -> Result<PredictionOutput> {
         self.session()?;
         let loader = {
             let d: Arc<dyn Dataset> = Arc::new(dataset);
@@ -774,13 +798,21 @@ impl<M: TrainModel> Trainer<M> {
         let saved = session.eval.replace(prepared);
         let result = self.run_eval();
         self.session.as_mut().expect("made").eval = saved;
-        let (losses, _, _) = result?;
+        let (losses, prediction, _) = result?;
         let mut metrics = Map::new();
         metrics.insert(
             "test_loss".into(),
             json!(losses.mean(Kind::Double).double_value(&[])),
         );
-        Ok(metrics)
+        if let (Some(f), Some(p)) = (&self.compute_metrics, &prediction) {
+            for (k, v) in f(p) {
+                metrics.insert(format!("test_{k}"), v);
+            }
+        }
+        Ok(PredictionOutput {
+            prediction,
+            metrics,
+        })
     }
 
     /// Writes the model to `dir` (default `output_dir`) as Hugging Face does.
