@@ -125,7 +125,6 @@ const NOT_COMPARED: &[&str] = &[
     "eval_runtime",
     "eval_samples_per_second",
     "eval_steps_per_second",
-    "total_flos",
 ];
 
 #[test]

@@ -47,6 +47,14 @@ pub trait TrainModel {
         None
     }
 
+    /// Floating-point operations of a forward and backward over `batch`
+    /// (transformers' `floating_point_ops`: 6 · tokens · parameters outside
+    /// the embeddings); 0, the default, when unknown.
+    fn flops(&self, batch: &Batch) -> f64 {
+        let _ = batch;
+        0.0
+    }
+
     /// Writes the model to `dir` (every rank calls; the main process writes).
     fn save(&self, acc: &mut Accelerator, dir: &Path) -> Result<Vec<PathBuf>> {
         Ok(acc.save_model(dir, "50GB")?)
@@ -131,6 +139,9 @@ struct Built {
     /// Owns the variables the model's layers hold.
     _vs: nn::VarStore,
     model: Box<dyn CausalLM>,
+    /// Parameters outside the embedding tables (`embed_tokens`, GPT-2's
+    /// `wte` and `wpe`), as transformers' `num_parameters(exclude_embeddings=True)`.
+    dense_params: i64,
 }
 
 impl LanguageModel {
@@ -240,7 +251,21 @@ impl TrainModel for LanguageModel {
                 acc.prepare_model(&mut vs)?;
             }
         }
-        self.built = Some(Built { _vs: vs, model });
+        let dense_params = vs
+            .variables()
+            .iter()
+            .filter(|(n, _)| {
+                !["embed_tokens.", "wte.", "wpe."]
+                    .iter()
+                    .any(|e| n.contains(e))
+            })
+            .map(|(_, t)| t.size().iter().product::<i64>())
+            .sum();
+        self.built = Some(Built {
+            _vs: vs,
+            model,
+            dense_params,
+        });
         Ok(())
     }
 
@@ -268,6 +293,12 @@ impl TrainModel for LanguageModel {
         let predictions = logits.argmax(-1, false);
         let loss = causal_lm_loss(&logits, &labels, None, self.label_smoothing);
         Ok((loss, Some(predictions)))
+    }
+
+    fn flops(&self, batch: &Batch) -> f64 {
+        let tokens = batch.get("input_ids").map_or(0, Tensor::numel);
+        let params = self.built.as_ref().map_or(0, |b| b.dense_params);
+        6.0 * tokens as f64 * params as f64
     }
 
     fn count_items(&self, batch: &Batch) -> Option<i64> {

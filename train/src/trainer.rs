@@ -474,6 +474,7 @@ impl<M: TrainModel> Trainer<M> {
             device,
         } = l;
         let mut t = Tally {
+            flos: 0.0,
             tr_loss: Tensor::zeros([], (Kind::Float, device)),
             total_loss: 0.0,
             last_logged: self.state.global_step,
@@ -528,6 +529,7 @@ impl<M: TrainModel> Trainer<M> {
                 let last = window.len() - 1;
                 for (i, batch) in window.iter().enumerate() {
                     let model = &self.model;
+                    t.flos += model.flops(batch);
                     let step_loss = acc.micro_step(i == last, |acc| -> Result<Tensor> {
                         let loss =
                             acc.forward(|scope| model.loss(scope, batch, num_items, true))??;
@@ -599,6 +601,9 @@ impl<M: TrainModel> Trainer<M> {
                 break;
             }
         }
+        let acc = &mut self.session.as_mut().expect("made").acc;
+        let all = acc.reduce(&Tensor::from(t.flos), Reduction::Sum)?;
+        self.state.total_flos += all.double_value(&[]);
         Ok((t.tr_loss, t.total_loss))
     }
 
@@ -639,6 +644,13 @@ impl<M: TrainModel> Trainer<M> {
         opt: &mut Optimizer,
         control: &mut Control,
     ) -> Result<()> {
+        if flow.log || flow.save {
+            // transformers' store_flos: every rank's, added up.
+            let acc = &mut self.session.as_mut().expect("made").acc;
+            let all = acc.reduce(&Tensor::from(t.flos), Reduction::Sum)?;
+            self.state.total_flos += all.double_value(&[]);
+            t.flos = 0.0;
+        }
         if flow.log && self.state.global_step > t.last_logged {
             let acc = &mut self.session.as_mut().expect("made").acc;
             let summed = acc.reduce(&t.tr_loss, Reduction::Mean)?.double_value(&[]);
@@ -893,6 +905,8 @@ impl Sched {
 /// last log (on the device), the sum of the logged ones, the last log's
 /// step, and the last step's grad norm and learning rate.
 struct Tally {
+    /// This rank's floating-point operations since they were last added up.
+    flos: f64,
     tr_loss: Tensor,
     total_loss: f64,
     last_logged: u64,
