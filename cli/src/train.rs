@@ -188,10 +188,15 @@ fn plan(argv: &[String]) -> Result<Plan> {
 
 /// Checks `accel train`'s arguments (for `accel launch`, before any rank starts).
 pub fn check(argv: &[String]) -> Result<()> {
+    checked(argv).map(|_| ())
+}
+
+/// The plan of `argv`, its output directory checked too.
+fn checked(argv: &[String]) -> Result<Plan> {
     let p = plan(argv)?;
     let resume = accel_train::checkpoints::resume_dir(&p.args)?;
     accel_train::checkpoints::check_output_dir(&p.args, resume.as_deref())?;
-    Ok(())
+    Ok(p)
 }
 
 /// `accel train --help`: the arguments by name.
@@ -233,7 +238,7 @@ pub fn run(argv: &[String], out: &mut dyn std::io::Write) -> Result<i32> {
         write!(out, "{}", help())?;
         return Ok(0);
     }
-    let p = plan(argv)?;
+    let p = checked(argv)?;
     let acc = build_accelerator(&p.args)?;
     let show = !p.args.disable_tqdm.unwrap_or(false) && acc.is_local_main_process();
     // The main process tokenizes (and caches); the others read its cache.
