@@ -197,8 +197,16 @@ pub fn settings(args: &TrainingArguments) -> Result<Vec<(String, Value)>, ArgErr
         };
         set("deepspeed_config.deepspeed_config_file", json!(file));
     }
+    // DDP's own settings (accel-ddp's `bucket_cap_mb`, `find_unused_parameters`).
+    let mut ddp = Map::new();
     if let Some(b) = args.ddp_bucket_cap_mb {
-        set("accel.plugins.ddp", json!({ "bucket_cap_mb": b }));
+        ddp.insert("bucket_cap_mb".into(), json!(b));
+    }
+    if let Some(f) = args.ddp_find_unused_parameters {
+        ddp.insert("find_unused_parameters".into(), json!(f));
+    }
+    if !ddp.is_empty() {
+        set("accel.plugins.accel-ddp", Value::Object(ddp));
     }
     Ok(out)
 }

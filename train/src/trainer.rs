@@ -109,6 +109,13 @@ pub fn build_accelerator(a: &TrainingArguments) -> Result<Accelerator> {
     if !trackers.is_empty() {
         b = b.log_with(&trackers).project_dir(a.output_dir());
     }
+    if a.full_determinism {
+        // transformers' enable_full_determinism: cuBLAS's deterministic
+        // workspace (read when CUDA starts) and no cuDNN autotuning; CPU
+        // kernels are deterministic already.
+        std::env::set_var("CUBLAS_WORKSPACE_CONFIG", ":4096:8");
+        tch::Cuda::cudnn_set_benchmark(false);
+    }
     Ok(b.build()?)
 }
 
