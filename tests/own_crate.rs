@@ -24,21 +24,30 @@ fn a_new_crate_trains_under_accel_launch() {
     std::fs::write(p.join("src/main.rs"), &program).unwrap();
     // The workspace's lock file: the same dependency versions, nothing fetched anew.
     std::fs::copy(root.join("Cargo.lock"), p.join("Cargo.lock")).unwrap();
-    let manifest = format!(
-        "[package]\nname = \"my-trainer\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n[dependencies]\naccel-train = {{ path = {:?} }}\nanyhow = \"1\"\n\n[workspace]\n",
+    // The workspace's profile, so that the crates built for the test suite
+    // are reused from its target directory instead of built again.
+    let members = [
+        "accel",
+        "accel-abi",
+        "accel-sdk",
+        "accel-data",
+        "accel-models",
+        "accel-train",
+        "accel-config",
+        "accel-rendezvous",
+        "accel-sharding",
+        "accel-tracker-kit",
+    ];
+    let mut manifest = format!(
+        "[package]\nname = \"my-trainer\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n[dependencies]\naccel-train = {{ path = {:?} }}\nanyhow = \"1\"\n\n[workspace]\n\n[profile.dev]\ndebug = \"line-tables-only\"\n\n[profile.dev.package.\"*\"]\ndebug = false\n",
         root.join("train").display().to_string()
     );
+    for m in members {
+        manifest += &format!("\n[profile.dev.package.{m}]\ndebug = \"line-tables-only\"\n");
+    }
     std::fs::write(p.join("Cargo.toml"), manifest).unwrap();
-    let target = fixture_target_dir().join("own-crate");
-    let build = cargo()
-        .current_dir(p)
-        .args(["build", "--quiet", "--target-dir"])
-        .arg(&target)
-        // libtorch as the workspace builds against it (its .cargo/config.toml).
-        .env("LIBTORCH", root.join(".libtorch"))
-        .env("LIBTORCH_CXX11_ABI", "1")
-        .output()
-        .unwrap();
+    let target = root.join("target");
+    let build = build_user_crate(p, &target);
     assert!(build.status.success(), "{}", describe(&build));
     let out = p.join("out");
     let run = run_ok(
@@ -80,4 +89,21 @@ fn a_new_crate_trains_under_accel_launch() {
         "the loss did not fall: {losses:?}"
     );
     assert!(out.join("model.safetensors").is_file(), "no saved model");
+}
+
+/// `cargo build` of the project at `dir` into `target`, under the lock the
+/// tests' other builds take there.
+fn build_user_crate(dir: &std::path::Path, target: &std::path::Path) -> std::process::Output {
+    let lock = std::fs::File::create(std::env::temp_dir().join("accel-tests-cargo.lock")).unwrap();
+    lock.lock().unwrap();
+    let root = workspace_root();
+    cargo()
+        .current_dir(dir)
+        .args(["build", "--quiet", "--target-dir"])
+        .arg(target)
+        // libtorch as the workspace builds against it (its .cargo/config.toml).
+        .env("LIBTORCH", root.join(".libtorch"))
+        .env("LIBTORCH_CXX11_ABI", "1")
+        .output()
+        .unwrap()
 }
