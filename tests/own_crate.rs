@@ -4,9 +4,7 @@
 //! your crate" program) trains a model of its own under
 //! `accel launch --num_processes 2` and saves it.
 
-use accel_integration_tests::{
-    accel_bin, cargo, describe, fixture_target_dir, run_ok, workspace_root,
-};
+use accel_integration_tests::{accel_bin, cargo, describe, run_ok, workspace_root};
 use std::process::Command;
 
 #[test]
