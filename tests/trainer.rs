@@ -617,3 +617,69 @@ fn callbacks_metrics_and_the_best_checkpoint() {
         "{again:?} vs {best_metric}"
     );
 }
+
+/// run_clm groups each run of 1000 lines on its own (datasets' map batch)
+/// and reads `\r\n` as `\n`: a validation file of 2,500 lines, some with
+/// Windows line ends, evaluated (no training) by both sides on one process
+/// and the default block size (min(1024, max_position_embeddings)) gives the
+/// same number of blocks and the same eval loss.
+#[test]
+fn run_clm_grouping_of_a_long_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = fixture();
+    let train = std::fs::read_to_string(f.join("train.txt")).unwrap();
+    let long: String = train
+        .lines()
+        .cycle()
+        .take(2500)
+        .enumerate()
+        .map(|(i, l)| {
+            if i % 7 == 0 {
+                format!("{l}\r\n")
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    let file = tmp.path().join("long.txt");
+    std::fs::write(&file, long).unwrap();
+    let args = |out: &Path| -> Vec<String> {
+        vec![
+            "--model_name_or_path".into(),
+            f.join("model").display().to_string(),
+            "--validation_file".into(),
+            file.display().to_string(),
+            "--output_dir".into(),
+            out.display().to_string(),
+            "--per_device_eval_batch_size".into(),
+            "4".into(),
+            "--report_to".into(),
+            "none".into(),
+        ]
+    };
+    let (ours, theirs) = (tmp.path().join("accel"), tmp.path().join("transformers"));
+    run_ok(Command::new(accel_bin()).arg("train").args(args(&ours)));
+    run_ok(
+        Command::new(venv_bin("python"))
+            .arg(workspace_root().join("tests/peers/run_clm_reference.py"))
+            .args(args(&theirs))
+            .env("OMP_NUM_THREADS", "1"),
+    );
+    let read = |d: &Path| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(d.join("eval_results.json")).unwrap())
+            .unwrap()
+    };
+    let (x, y) = (read(&ours), read(&theirs));
+    assert_eq!(
+        x["eval_samples"], y["eval_samples"],
+        "blocks: accel {x}, transformers {y}"
+    );
+    let (p, q) = (
+        x["eval_loss"].as_f64().unwrap(),
+        y["eval_loss"].as_f64().unwrap(),
+    );
+    assert!(
+        (p - q).abs() <= 1e-4,
+        "eval_loss accel {p}, transformers {q}"
+    );
+}

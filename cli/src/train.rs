@@ -128,7 +128,8 @@ fn plan(argv: &[String]) -> Result<Plan> {
     if train_file.is_none() && validation_file.is_none() {
         bail!("--train_file FILE (to train) or --validation_file FILE (to evaluate) is needed");
     }
-    let limit = config.position_limit().unwrap_or(1024).min(1024) as usize;
+    // run_clm's default: min(1024, max_position_embeddings).
+    let limit = config.max_position_embeddings().min(1024) as usize;
     let block_size = positive(&script, "block_size")?.unwrap_or(limit);
     if let Some(max) = config.position_limit().filter(|&l| block_size as i64 > l) {
         bail!("--block_size {block_size}: more than the model's {max} positions");

@@ -4,12 +4,15 @@
 //! As `run_clm.py` reads them: a `.txt` file is one example per line
 //! (empty lines too), each keeping its line break (`keep_linebreaks`,
 //! run_clm's default); a `.jsonl`/`.json` file is one JSON object per line
-//! whose `"text"` is the example. Each example is tokenized as the
-//! tokenizer's `__call__` does (special tokens added), all are
-//! concatenated, and cut into blocks of `block_size` tokens, the remainder
-//! dropped (`group_texts`); a block's labels are its ids. The token ids are
-//! cached beside the file (`.<name>.<key>.tokens`, keyed by the file, its
-//! size and time, and the tokenizer), so the next run skips tokenizing.
+//! whose `"text"` is the example (`\r\n` and `\r` read as `\n`, as Python
+//! reads text). Each example is tokenized as the tokenizer's `__call__` does
+//! (special tokens added); every run of [`MAP_BATCH`] examples (the batch of
+//! run_clm's `datasets.map(batched=True)`) is concatenated and cut into
+//! blocks of `block_size` tokens, that run's remainder dropped
+//! (`group_texts`); a block's labels are its ids. The kept token ids are
+//! cached beside the file (`.<name>.<key>.tokens`, u32, keyed by the file,
+//! its size and time, the tokenizer and the block size), so the next run
+//! skips tokenizing.
 
 use accel_data::{DataError, Dataset, Sample};
 use anyhow::{bail, Context, Result};
@@ -18,6 +21,23 @@ use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use tch::Tensor;
 use tokenizers::Tokenizer;
+
+/// Examples grouped at a time, as `datasets.map(batched=True)` hands
+/// run_clm's `group_texts` 1000 of them.
+pub const MAP_BATCH: usize = 1000;
+
+/// run_clm's `group_texts` over `examples` (each one's token ids): every run
+/// of [`MAP_BATCH`] concatenated, cut to whole blocks of `block`, the rest
+/// of each run dropped; the kept ids in order.
+pub fn group_texts(examples: &[Vec<i64>], block: usize) -> Vec<i64> {
+    let mut kept = Vec::new();
+    for run in examples.chunks(MAP_BATCH) {
+        let joined: Vec<i64> = run.iter().flatten().copied().collect();
+        let whole = joined.len() / block * block;
+        kept.extend_from_slice(&joined[..whole]);
+    }
+    kept
+}
 
 /// Blocks of `block_size` token ids: `input_ids`, `attention_mask` (ones)
 /// and `labels` (the ids), int64.
@@ -45,12 +65,11 @@ impl TextBlocks {
         flag: &str,
         show_progress: bool,
     ) -> Result<Self> {
-        let ids = tokenize_cached(file, tokenizer, flag, show_progress)?;
-        if ids.len() < block_size {
+        let ids = tokenize_cached(file, tokenizer, block_size, flag, show_progress)?;
+        if ids.is_empty() {
             bail!(
-                "{flag} {}: {} tokens, fewer than one block of --block_size {block_size}",
+                "{flag} {}: not one block of --block_size {block_size} tokens in it",
                 file.display(),
-                ids.len()
             );
         }
         Ok(Self::new(ids, block_size))
@@ -62,7 +81,7 @@ impl TextBlocks {
         self
     }
 
-    /// Tokens in all (before grouping).
+    /// Tokens in the blocks.
     pub fn tokens(&self) -> usize {
         self.ids.len()
     }
@@ -87,7 +106,9 @@ impl Dataset for TextBlocks {
 /// `"text"` of JSON lines.
 fn examples(file: &Path, flag: &str) -> Result<Vec<String>> {
     let text = std::fs::read_to_string(file)
-        .with_context(|| format!("{flag} {}: cannot be read", file.display()))?;
+        .with_context(|| format!("{flag} {}: cannot be read", file.display()))?
+        .replace("\r\n", "\n")
+        .replace('\r', "\n");
     let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("");
     match ext {
         "txt" | "text" | "raw" => Ok(text.split_inclusive('\n').map(str::to_owned).collect()),
@@ -118,7 +139,7 @@ fn examples(file: &Path, flag: &str) -> Result<Vec<String>> {
     }
 }
 
-fn cache_path(file: &Path, tokenizer: &Path) -> Result<PathBuf> {
+fn cache_path(file: &Path, tokenizer: &Path, block: usize) -> Result<PathBuf> {
     let meta = std::fs::metadata(file)?;
     let tok = std::fs::read(tokenizer)?;
     let mut h = DefaultHasher::new();
@@ -126,17 +147,24 @@ fn cache_path(file: &Path, tokenizer: &Path) -> Result<PathBuf> {
     meta.len().hash(&mut h);
     meta.modified().ok().hash(&mut h);
     tok.hash(&mut h);
+    block.hash(&mut h);
     let name = file.file_name().unwrap_or_default().to_string_lossy();
     Ok(file.with_file_name(format!(".{name}.{:016x}.tokens", h.finish())))
 }
 
-/// The token ids of `file`, from the cache or tokenized (and cached).
-fn tokenize_cached(file: &Path, tokenizer: &Path, flag: &str, show: bool) -> Result<Vec<i64>> {
+/// The grouped token ids of `file`, from the cache or tokenized (and cached).
+fn tokenize_cached(
+    file: &Path,
+    tokenizer: &Path,
+    block: usize,
+    flag: &str,
+    show: bool,
+) -> Result<Vec<i64>> {
     if !file.is_file() {
         bail!("{flag} {}: no such file", file.display());
     }
     let cache =
-        cache_path(file, tokenizer).with_context(|| format!("{flag} {}", file.display()))?;
+        cache_path(file, tokenizer, block).with_context(|| format!("{flag} {}", file.display()))?;
     if let Ok(bytes) = std::fs::read(&cache) {
         if bytes.len() % 4 == 0 {
             return Ok(bytes
@@ -149,17 +177,19 @@ fn tokenize_cached(file: &Path, tokenizer: &Path, flag: &str, show: bool) -> Res
         .map_err(|e| anyhow::anyhow!("{}: {e}", tokenizer.display()))?;
     let examples = examples(file, flag)?;
     let bar = accel::progress::ProgressBar::steps(examples.len() as u64, "tokenizing", show);
-    let mut ids = Vec::new();
-    for chunk in examples.chunks(1024) {
+    let mut encoded: Vec<Vec<i64>> = Vec::with_capacity(examples.len());
+    for chunk in examples.chunks(MAP_BATCH) {
         let enc = t
             .encode_batch(chunk.to_vec(), true)
             .map_err(|e| anyhow::anyhow!("{flag} {}: tokenizing: {e}", file.display()))?;
-        for e in enc {
-            ids.extend(e.get_ids().iter().map(|&i| i64::from(i)));
-        }
+        encoded.extend(
+            enc.iter()
+                .map(|e| e.get_ids().iter().map(|&i| i64::from(i)).collect()),
+        );
         bar.inc(chunk.len() as u64);
     }
     bar.finish_and_clear();
+    let ids = group_texts(&encoded, block);
     let bytes: Vec<u8> = ids.iter().flat_map(|&i| (i as u32).to_le_bytes()).collect();
     let tmp = cache.with_extension("tokens.tmp");
     // A cache that cannot be written is no error: the next run tokenizes again.
@@ -170,4 +200,24 @@ fn tokenize_cached(file: &Path, tokenizer: &Path, flag: &str, show: bool) -> Res
         tracing::warn!("could not write the token cache {}", cache.display());
     }
     Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{group_texts, MAP_BATCH};
+
+    #[test]
+    fn each_run_of_1000_examples_drops_its_own_remainder() {
+        // 1500 examples of 3 tokens, blocks of 4: the first run's 3000
+        // tokens keep 3000, the second run's 1500 keep 1500 - 1500 % 4.
+        let examples: Vec<Vec<i64>> = (0..1500).map(|i| vec![i, i, i]).collect();
+        let kept = group_texts(&examples, 4);
+        assert_eq!(kept.len(), 3000 + 1500 / 4 * 4);
+        assert_eq!(kept[3000], MAP_BATCH as i64);
+        // One run: everything concatenated, the tail dropped.
+        assert_eq!(
+            group_texts(&[vec![1, 2, 3], vec![4, 5]], 2),
+            vec![1, 2, 3, 4]
+        );
+    }
 }
