@@ -31,3 +31,14 @@ peak_rss() {
     wait "$pid" || { cat "$log" >&2; return 1; }
     echo "$peak"
 }
+
+# llama_4x256 DIR: the transformers-made Llama that llama.sh and trainer.sh
+# train (4 layers x 256 hidden, 4 heads / 2 key-value heads, intermediate
+# 688, vocab 8192) with a byte-level BPE tokenizer, made once in DIR.
+llama_4x256() {
+    local config='{"model_type": "llama", "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 688,
+      "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "max_position_embeddings": 512, "eos_token_id": null, "bos_token_id": null}'
+    [ -d "$1" ] || { python tests/peers/models_reference.py init "$1" --config "$config" &&
+        python tests/peers/models_reference.py tokenizer "$1"; }
+}

@@ -22,11 +22,7 @@ rel=$PWD/target/release
 train_peer=tests/peers/clm_reference.py
 models_peer=tests/peers/models_reference.py
 
-config='{"model_type": "llama", "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 688,
-  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-  "max_position_embeddings": 512, "eos_token_id": null, "bos_token_id": null}'
-[ -d "$out/model" ] || { python "$models_peer" init "$out/model" --config "$config" &&
-    python "$models_peer" tokenizer "$out/model"; }
+llama_4x256 "$out/model"
 [ -f "$out/tokens.bin" ] || python - "$out/tokens.bin" <<'PY'
 import sys, numpy as np
 np.random.default_rng(0).integers(0, 8192, 1_000_000, dtype=np.uint16).tofile(sys.argv[1])

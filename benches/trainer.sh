@@ -12,12 +12,7 @@ source "$(dirname "$0")/common.sh" target/bench-results/trainer "${1:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cargo build --release -q -p accel-cli -p accel-ddp -p accel-examples
 rel=$PWD/target/release
-models_peer=tests/peers/models_reference.py
-config='{"model_type": "llama", "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 688,
-  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-  "max_position_embeddings": 512, "eos_token_id": null, "bos_token_id": null}'
-[ -d "$out/model" ] || { python "$models_peer" init "$out/model" --config "$config" &&
-    python "$models_peer" tokenizer "$out/model"; }
+llama_4x256 "$out/model"
 [ -f "$out/train.txt" ] || python - "$out/train.txt" <<'PY'
 import random, sys
 random.seed(0)

@@ -727,22 +727,32 @@ impl<M: TrainModel> Trainer<M> {
         self.evaluate_with(&mut control)
     }
 
+    /// `<prefix>_loss` (the mean of the samples' losses) and
+    /// `compute_metrics`' values as `<prefix>_<name>`.
+    fn metrics(
+        &self,
+        prefix: &str,
+        losses: &Tensor,
+        p: Option<&EvalPrediction>,
+    ) -> Map<String, Value> {
+        let mut metrics = Map::new();
+        let loss = losses.mean(Kind::Double).double_value(&[]);
+        metrics.insert(format!("{prefix}_loss"), json!(loss));
+        if let (Some(f), Some(p)) = (&self.compute_metrics, p) {
+            for (k, v) in f(p) {
+                metrics.insert(format!("{prefix}_{k}"), v);
+            }
+        }
+        metrics
+    }
+
     fn evaluate_with(&mut self, control: &mut Control) -> Result<Map<String, Value>> {
         self.session()?;
         let started = Instant::now();
         let (losses, predictions, batches) = self.run_eval()?;
         let n = losses.size()[0];
         let runtime = started.elapsed().as_secs_f64();
-        let mut metrics = Map::new();
-        metrics.insert(
-            "eval_loss".into(),
-            json!(losses.mean(Kind::Double).double_value(&[])),
-        );
-        if let (Some(f), Some(p)) = (&self.compute_metrics, &predictions) {
-            for (k, v) in f(p) {
-                metrics.insert(format!("eval_{k}"), v);
-            }
-        }
+        let mut metrics = self.metrics("eval", &losses, predictions.as_ref());
         metrics.insert("eval_runtime".into(), json!(round4(runtime)));
         metrics.insert(
             "eval_samples_per_second".into(),
@@ -818,16 +828,7 @@ impl<M: TrainModel> Trainer<M> {
         let result = self.run_eval();
         self.session.as_mut().expect("made").eval = saved;
         let (losses, prediction, _) = result?;
-        let mut metrics = Map::new();
-        metrics.insert(
-            "test_loss".into(),
-            json!(losses.mean(Kind::Double).double_value(&[])),
-        );
-        if let (Some(f), Some(p)) = (&self.compute_metrics, &prediction) {
-            for (k, v) in f(p) {
-                metrics.insert(format!("test_{k}"), v);
-            }
-        }
+        let metrics = self.metrics("test", &losses, prediction.as_ref());
         Ok(PredictionOutput {
             prediction,
             metrics,
