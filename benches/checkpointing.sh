@@ -10,7 +10,7 @@
 # Usage: bash benches/checkpointing.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
 source "$(dirname "$0")/common.sh" target/bench-results/checkpointing "${1:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-cargo build --release -q -p accel-cli -p accel-fsdp -p accel-examples
+cargo build --release -q -p accel-cli -p accel-fsdp -p accel-drivers
 rel=$PWD/target/release
 
 [ -d "$out/model" ] || python tests/peers/clm_reference.py init "$out/model" --n-layer 6 \

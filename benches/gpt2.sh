@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpt2 throughput and memory: accel's clm example (examples/clm.rs) training GPT-2 under
+# gpt2 throughput and memory: accel's clm example (drivers/clm.rs) training GPT-2 under
 # one process, DDP, FSDP FULL_SHARD (GPT2Block units) and ZeRO-3 on 2 CPU
 # ranks, beside transformers' GPT2LMHeadModel under Python Accelerate
 # (tests/peers/clm_reference.py: one process, and torchrun with 2 gloo
@@ -14,7 +14,7 @@
 # Usage: bash benches/gpt2.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
 source "$(dirname "$0")/common.sh" target/bench-results/gpt2 "${1:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-cargo build --release -q -p accel-cli -p accel-ddp -p accel-fsdp -p accel-zero -p accel-examples
+cargo build --release -q -p accel-cli -p accel-ddp -p accel-fsdp -p accel-zero -p accel-drivers
 rel=$PWD/target/release
 peer=tests/peers/clm_reference.py
 

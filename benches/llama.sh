@@ -17,7 +17,7 @@
 # Usage: bash benches/llama.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
 source "$(dirname "$0")/common.sh" target/bench-results/llama "${1:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-cargo build --release -q -p accel-cli -p accel-ddp -p accel-fsdp -p accel-examples
+cargo build --release -q -p accel-cli -p accel-ddp -p accel-fsdp -p accel-drivers
 rel=$PWD/target/release
 train_peer=tests/peers/clm_reference.py
 models_peer=tests/peers/models_reference.py

@@ -15,7 +15,7 @@
 #
 # Usage: bash benches/memory.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
 source "$(dirname "$0")/common.sh" target/bench-results/memory "${1:-}"
-cargo build --release -q -p accel-cli -p accel-ddp -p accel-fsdp -p accel-zero -p accel-examples
+cargo build --release -q -p accel-cli -p accel-ddp -p accel-fsdp -p accel-zero -p accel-drivers
 rel=$PWD/target/release
 
 [ -d "$out/model" ] || python - "$out/model" <<'PY'

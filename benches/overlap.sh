@@ -12,7 +12,7 @@
 source "$(dirname "$0")/common.sh" target/bench-results/overlap "${1:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 repeats=${REPEATS:-2}
-cargo build --release -q -p accel-cli -p accel-ddp -p accel-examples
+cargo build --release -q -p accel-cli -p accel-ddp -p accel-drivers
 rel=$PWD/target/release
 
 mkdir -p "$out/mlp"

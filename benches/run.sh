@@ -14,7 +14,7 @@
 #      (`UPDATE_BENCHMARKS=1` writes both tables into BENCHMARKS.md).
 # Usage: bash benches/run.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
 source "$(dirname "$0")/common.sh" target/bench-results "${1:-}"
-cargo build --release -q -p accel-cli -p accel-ddp -p accel-examples -p accel-benches
+cargo build --release -q -p accel-cli -p accel-ddp -p accel-drivers -p accel-benches
 rel=target/release
 
 echo "== criterion: per-step overhead (one process)"

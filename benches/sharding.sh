@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sharding benchmark: the same mlp (examples/mlp.rs, AdamW) trained under
+# Sharding benchmark: the same mlp (drivers/mlp.rs, AdamW) trained under
 # DDP (MULTI_CPU), ZeRO-1/2/3 (DEEPSPEED) and FSDP FULL_SHARD/SHARD_GRAD_OP,
 # measuring step time and each rank's memory (`mlp --print-memory`).
 #
@@ -27,7 +27,7 @@ steps=${STEPS:-30}
 ranks=${RANKS:-4}
 repeats=${REPEATS:-3}
 mkdir -p "$out/sharding"
-cargo build --release -q -p accel-cli -p accel-ddp -p accel-zero -p accel-fsdp -p accel-examples
+cargo build --release -q -p accel-cli -p accel-ddp -p accel-zero -p accel-fsdp -p accel-drivers
 rel=target/release
 cfgdir="$out/sharding"
 

@@ -54,7 +54,7 @@ source "$(dirname "$0")/common.sh" target/bench-results/throughput "${1:-}"
 repeats=${REPEATS:-3}
 load=${LOAD:-0}
 workloads=${WORKLOADS:-mlp_small mlp_big gpt2}
-cargo build --release -q -p accel-cli -p accel-ddp -p accel-fsdp -p accel-zero -p accel-examples
+cargo build --release -q -p accel-cli -p accel-ddp -p accel-fsdp -p accel-zero -p accel-drivers
 rel=$PWD/target/release
 mlp_peer=benches/peers/accelerate_mlp.py
 gpt2_peer=tests/peers/clm_reference.py

@@ -10,7 +10,7 @@
 # Usage: bash benches/trainer.sh [OUT_DIR]   (needs scripts/bootstrap.sh first)
 source "$(dirname "$0")/common.sh" target/bench-results/trainer "${1:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-cargo build --release -q -p accel-cli -p accel-ddp -p accel-examples
+cargo build --release -q -p accel-cli -p accel-ddp -p accel-drivers
 rel=$PWD/target/release
 llama_4x256 "$out/model"
 [ -f "$out/train.txt" ] || python - "$out/train.txt" <<'PY'

@@ -81,7 +81,7 @@ else
 fi
 export CARGO_TARGET_DIR=$PWD/target/gpu-check
 echo "gpu-check: cargo build --release (LIBTORCH=$LIBTORCH, CARGO_TARGET_DIR=$CARGO_TARGET_DIR)"
-cargo build --release -q -p accel-cli -p accel-ddp -p accel-fsdp -p accel-zero -p accel-examples
+cargo build --release -q -p accel-cli -p accel-ddp -p accel-fsdp -p accel-zero -p accel-drivers
 rel=$CARGO_TARGET_DIR/release
 accel=$rel/accel
 mkdir -p "$out"

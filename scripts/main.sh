@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: set up, build, show the plugin system at work, then train
-# the `mlp` example with DDP on 2 CPU processes under `accel launch`
+# the `train-mlp` example (the Trainer) with DDP on 2 CPU processes under `accel launch`
 # (bf16, trackers, checkpoints).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,17 +27,15 @@ echo "== $runs/quickstart/metrics.csv (last lines)"
 tail -n 4 "$runs/quickstart/metrics.csv"
 
 echo
-echo "== accel launch --cpu --num_processes 2 mlp (DDP over MPI, bf16 autocast, cosine schedule,"
-echo "   TensorBoard + JSONL trackers, a checkpoint every 100 steps)"
+echo "== accel launch --cpu --num_processes 2 train-mlp (the Trainer with transformers' TrainingArguments:"
+echo "   DDP over MPI, bf16 autocast, cosine schedule, clipping, TensorBoard, checkpoint-100 and -200)"
 rm -rf "$runs/mlp"
-target/debug/accel launch --cpu --num_processes 2 target/debug/mlp \
-  --steps 200 --optimizer adamw --lr 0.01 --mixed-precision bf16 \
-  --scheduler cosine --warmup 10 --max-grad-norm 1.0 \
-  --log-with tensorboard --log-with jsonl --project-dir "$runs/mlp" \
-  --checkpoint-every 100 --total-limit 2 \
-  --loss-log "$runs/mlp_loss.jsonl" --save "$runs/mlp.safetensors"
+target/debug/accel launch --cpu --num_processes 2 target/debug/train-mlp \
+  --output_dir "$runs/mlp" --max_steps 200 --learning_rate 1e-2 --bf16 true \
+  --lr_scheduler_type cosine --warmup_steps 10 --max_grad_norm 1.0 \
+  --logging_steps 50 --eval_strategy steps --eval_steps 100 --save_steps 100 --save_total_limit 2 \
+  --report_to tensorboard
 echo
-echo "outputs: loss log $runs/mlp_loss.jsonl (last: $(tail -n 1 "$runs/mlp_loss.jsonl")),"
-echo "         weights $runs/mlp.safetensors, checkpoints $runs/mlp/checkpoints/,"
-echo "         TensorBoard events $runs/mlp/mlp/ (tensorboard --logdir $runs/mlp),"
+echo "outputs: $runs/mlp/ (model.safetensors, trainer_state.json with the log history,"
+echo "         checkpoint-100/ and checkpoint-200/, TensorBoard events: tensorboard --logdir $runs/mlp),"
 echo "         tracker files $runs/quickstart/"

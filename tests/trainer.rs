@@ -683,3 +683,116 @@ fn run_clm_grouping_of_a_long_file() {
         "eval_loss accel {p}, transformers {q}"
     );
 }
+
+/// examples/train_mlp.rs, the user's own module on the Trainer: on 2 ranks
+/// of 8 samples it logs the losses of one process of 16 (the same samples
+/// each step, the ranks' losses averaged), and they fall.
+#[test]
+fn the_mlp_example_on_two_ranks_equals_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let example = accel_integration_tests::build_bin("train-mlp");
+    let run = |ranks: &str, batch: &str| {
+        let out = tmp.path().join(format!("ranks{ranks}"));
+        let args = format!(
+            "--output_dir {} --per_device_train_batch_size {batch} --num_train_epochs 2 --learning_rate 1e-2 \
+             --logging_steps 4 --eval_strategy epoch --report_to none --use_cpu",
+            out.display()
+        );
+        run_ok(
+            Command::new(accel_bin())
+                .args(["launch", "--cpu", "--num_processes", ranks])
+                .arg(&example)
+                .args(args.split_whitespace()),
+        );
+        out
+    };
+    let (two, one) = (run("2", "8"), run("1", "16"));
+    let (a, b) = (losses(&two), losses(&one));
+    assert_eq!(
+        a.len(),
+        32,
+        "1024 samples / 16 = 64 steps an epoch, 2 epochs, every 4th logged"
+    );
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() < 1e-5, "{a:?}\n{b:?}");
+    }
+    assert!(a[a.len() - 1] < a[0] / 3.0, "the loss did not fall: {a:?}");
+    let eval: Vec<f64> = history(&two)
+        .iter()
+        .filter_map(|e| e.get("eval_loss").and_then(Value::as_f64))
+        .collect();
+    assert_eq!(eval.len(), 2, "eval_strategy epoch");
+    let weights = tch::Tensor::read_safetensors(two.join("model.safetensors")).unwrap();
+    let mut names: Vec<_> = weights.into_iter().map(|(n, _)| n).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "layers.0.bias",
+            "layers.0.weight",
+            "layers.1.bias",
+            "layers.1.weight",
+            "layers.2.bias",
+            "layers.2.weight"
+        ]
+    );
+}
+
+/// examples/fine_tune.rs, a Llama fine-tune in 50 lines: its training on the
+/// first nine tenths of the text's blocks logs, bit for bit, what `accel
+/// train --max_train_samples` logs on the same blocks; it evaluates on the
+/// rest and saves a model directory.
+#[test]
+fn the_fine_tune_example_equals_accel_train() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = fixture();
+    let example = accel_integration_tests::build_bin("fine-tune");
+    let blocks = accel_train::TextBlocks::from_file(
+        &f.join("train.txt"),
+        &f.join("model/tokenizer.json"),
+        128,
+        "train.txt",
+        false,
+    )
+    .unwrap();
+    let n = accel_train::data::Dataset::len(&blocks);
+    assert!(n >= 4, "{n} blocks");
+    let first = ((n as f64 * 0.9).round() as usize).clamp(1, n - 1);
+    let training = "--per_device_train_batch_size 2 --num_train_epochs 2 --learning_rate 1e-3 --logging_steps 1 \
+                    --report_to none --use_cpu";
+    let theirs = tmp.path().join("example");
+    let out = run_ok(
+        Command::new(&example)
+            .arg(f.join("model"))
+            .arg(f.join("train.txt"))
+            .arg("--output_dir")
+            .arg(&theirs)
+            .args(training.split_whitespace()),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("eval loss"), "{text}");
+    let ours = tmp.path().join("accel-train");
+    run_ok(
+        Command::new(accel_bin())
+            .arg("train")
+            .arg("--model_name_or_path")
+            .arg(f.join("model"))
+            .arg("--train_file")
+            .arg(f.join("train.txt"))
+            .args([
+                "--block_size",
+                "128",
+                "--max_train_samples",
+                &first.to_string(),
+            ])
+            .arg("--output_dir")
+            .arg(&ours)
+            .args(training.split_whitespace()),
+    );
+    let (a, b) = (losses(&theirs), losses(&ours));
+    assert_eq!(a.len(), first.div_ceil(2) * 2, "{a:?}");
+    assert_eq!(a, b, "the example and accel train on the same blocks");
+    assert!(theirs.join("config.json").is_file() && theirs.join("model.safetensors").is_file());
+    assert!(history(&theirs).iter().any(|e| e.contains_key("eval_loss")));
+}

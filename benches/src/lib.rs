@@ -19,7 +19,7 @@ pub const D: i64 = 16;
 /// Output width of the benchmark data.
 pub const O: i64 = 4;
 
-/// The MLP of `examples/mlp.rs`, hidden width `h`, in `vs`.
+/// The MLP of `drivers/mlp.rs`, hidden width `h`, in `vs`.
 pub fn mlp(vs: &nn::VarStore, h: i64) -> nn::Sequential {
     let root = vs.root();
     nn::seq()

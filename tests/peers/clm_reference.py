@@ -11,7 +11,7 @@ Subcommands:
           [--data-seed S] [--grad-accum G] [--max-grad-norm M] [--freeze REGEX ...]
           [--loss-log FILE] [--save DIR] [--fsdp] [--comm-hook no|fp16|bf16|power_sgd] [--comm-state JSON]
           [--bucket-cap-mb X] [--attn-implementation sdpa|eager] [--peft ADAPTERS]
-        The same loop as examples/clm.rs. Run with plain python (one process) or
+        The same loop as drivers/clm.rs. Run with plain python (one process) or
         `torchrun --nproc_per_node 2` (CPU, gloo; `accelerate launch --cpu` starts only one process).
         --fsdp: PyTorch's FSDP2 (`fully_shard`, FULL_SHARD) on every decoder layer (the model's
         `_no_split_modules`: GPT2Block, LlamaDecoderLayer, ...) and the root instead

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 
 class Mlp(torch.nn.Module):
-    """accel's examples/mlp.rs: l1, l2, layers.i, l3, ReLU between."""
+    """accel's drivers/mlp.rs: l1, l2, layers.i, l3, ReLU between."""
 
     def __init__(self, d, hidden, o, layers):
         super().__init__()

@@ -265,7 +265,7 @@ pub fn run(program: &Path, args: &[&str]) -> Output {
         .expect("program starts")
 }
 
-/// The `mlp` example program.
+/// The `mlp` driver (drivers/mlp.rs).
 pub fn mlp() -> PathBuf {
     build_bin("mlp")
 }

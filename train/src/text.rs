@@ -85,6 +85,23 @@ impl TextBlocks {
     pub fn tokens(&self) -> usize {
         self.ids.len()
     }
+
+    /// The first `fraction` of the blocks (rounded, at least one) and the
+    /// rest: a train and an eval set from one text. Fewer than two blocks
+    /// cannot be split.
+    pub fn split(mut self, fraction: f64) -> Result<(Self, Self)> {
+        let n = self.len();
+        if n < 2 || !(fraction > 0.0 && fraction < 1.0) {
+            bail!(
+                "{n} block(s) of {} tokens cannot be split at {fraction}: two blocks at least, a fraction in (0, 1)",
+                self.block
+            );
+        }
+        let first = ((n as f64 * fraction).round() as usize).clamp(1, n - 1);
+        let rest = self.ids.split_off(first * self.block);
+        let block = self.block;
+        Ok((self, Self::new(rest, block)))
+    }
 }
 
 impl Dataset for TextBlocks {
@@ -191,7 +208,9 @@ fn tokenize_cached(
     bar.finish_and_clear();
     let ids = group_texts(&encoded, block);
     let bytes: Vec<u8> = ids.iter().flat_map(|&i| (i as u32).to_le_bytes()).collect();
-    let tmp = cache.with_extension("tokens.tmp");
+    // A name of this process's own: ranks that tokenize at once (no
+    // main_process_first) each rename a whole file into place.
+    let tmp = cache.with_extension(format!("tokens.{}.tmp", std::process::id()));
     // A cache that cannot be written is no error: the next run tokenizes again.
     if std::fs::write(&tmp, bytes)
         .and_then(|()| std::fs::rename(&tmp, &cache))
@@ -204,7 +223,8 @@ fn tokenize_cached(
 
 #[cfg(test)]
 mod tests {
-    use super::{group_texts, MAP_BATCH};
+    use super::{group_texts, TextBlocks, MAP_BATCH};
+    use accel_data::Dataset;
 
     #[test]
     fn each_run_of_1000_examples_drops_its_own_remainder() {
@@ -219,5 +239,14 @@ mod tests {
             group_texts(&[vec![1, 2, 3], vec![4, 5]], 2),
             vec![1, 2, 3, 4]
         );
+    }
+
+    #[test]
+    fn a_split_keeps_whole_blocks_in_order_and_refuses_one_block() {
+        let (train, eval) = TextBlocks::new((0..40).collect(), 4).split(0.9).unwrap();
+        assert_eq!((train.len(), eval.len()), (9, 1));
+        assert_eq!(eval.ids, vec![36, 37, 38, 39]);
+        let err = TextBlocks::new((0..6).collect(), 4).split(0.9).unwrap_err();
+        assert!(err.to_string().contains("two blocks at least"), "{err}");
     }
 }
