@@ -98,3 +98,124 @@ fn every_schedule_is_transformers() {
         }
     }
 }
+
+/// `--optim adafactor`: accel's Adafactor (as the Trainer builds it from
+/// the arguments) against transformers' `Adafactor` on parameters of 1, 2
+/// and 3 dimensions over 5 steps, two groups (weight decay on one): the
+/// same parameters and factored moments within 1e-6.
+#[test]
+fn adafactor_is_transformers() {
+    use tch::{Device, Kind, Tensor};
+    let tmp = tempfile::tempdir().unwrap();
+    let shapes: [&[i64]; 4] = [&[6, 5], &[5], &[3, 4, 6], &[7]];
+    let steps = 5;
+    tch::manual_seed(3);
+    let opts = (Kind::Float, Device::Cpu);
+    let params: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, opts)).collect();
+    let grads: Vec<Vec<Tensor>> = (0..steps)
+        .map(|_| {
+            shapes
+                .iter()
+                .map(|s| Tensor::randn(*s, opts) * 0.1)
+                .collect()
+        })
+        .collect();
+    let mut file: Vec<(String, Tensor)> = Vec::new();
+    for (i, p) in params.iter().enumerate() {
+        file.push((format!("p.{i}"), p.shallow_clone()));
+        for (s, g) in grads.iter().enumerate() {
+            file.push((format!("g.{s}.{i}"), g[i].shallow_clone()));
+        }
+    }
+    let (src, dst) = (
+        tmp.path().join("in.safetensors"),
+        tmp.path().join("out.safetensors"),
+    );
+    Tensor::write_safetensors(&file, &src).unwrap();
+    let spec = json!({"lr": 1e-2, "weight_decay": 0.1, "steps": steps}).to_string();
+    run_ok(
+        Command::new(venv_bin("python"))
+            .arg(workspace_root().join("tests/peers/trainer_args_reference.py"))
+            .args([
+                "adafactor",
+                src.to_str().unwrap(),
+                dst.to_str().unwrap(),
+                &spec,
+            ]),
+    );
+
+    let args = TrainingArguments::parse_from(
+        "--output_dir o --optim adafactor --learning_rate 1e-2 --weight_decay 0.1"
+            .split_whitespace(),
+    )
+    .unwrap();
+    let config = accel_train::optimizer::config(&args);
+    let ours: Vec<Tensor> = params
+        .iter()
+        .map(|p| p.copy().set_requires_grad(true))
+        .collect();
+    let named = |parity: usize| {
+        ours.iter()
+            .enumerate()
+            .filter(|(i, _)| i % 2 == parity)
+            .map(|(i, p)| (format!("p.{i}"), p.shallow_clone()))
+            .collect::<Vec<_>>()
+    };
+    let groups = vec![
+        accel_sdk::optim::ParamGroup {
+            params: named(0),
+            hyper: config.hyper,
+        },
+        accel_sdk::optim::ParamGroup {
+            params: named(1),
+            hyper: accel_sdk::optim::Hyper {
+                weight_decay: 0.0,
+                ..config.hyper
+            },
+        },
+    ];
+    let mut opt = Optimizer::with_groups(config, groups);
+    for g in &grads {
+        opt.zero_grad();
+        for (p, g) in ours.iter().zip(g) {
+            // d/dp sum(p * g) = g, exactly.
+            (p * g).sum(Kind::Float).backward();
+        }
+        opt.step().unwrap();
+    }
+    let theirs: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&dst)
+        .unwrap()
+        .into_iter()
+        .collect();
+    let close = |name: &str, a: &Tensor| {
+        let b = &theirs[name];
+        assert_eq!(a.size(), b.size(), "{name}");
+        let diff = (a - b).abs().max().double_value(&[]);
+        let scale = b.abs().max().double_value(&[]).max(1e-30);
+        assert!(
+            diff <= 1e-6 * scale.max(1.0),
+            "{name}: differs by {diff} (scale {scale})"
+        );
+    };
+    let mut slots = 0;
+    for (i, p) in ours.iter().enumerate() {
+        close(&format!("p.{i}"), p);
+        for slot in ["exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col"] {
+            let key = format!("p.{i}.{slot}");
+            if let Some(ours) = opt.state_tensor(&format!("p.{i}"), slot) {
+                close(&key, ours);
+                slots += 1;
+            } else {
+                assert!(
+                    !theirs.contains_key(&key),
+                    "{key}: transformers keeps it, accel does not"
+                );
+            }
+        }
+    }
+    assert_eq!(
+        slots,
+        2 + 2 + 1 + 1,
+        "row and column for the 2-D and 3-D, one for each 1-D"
+    );
+}

@@ -1,7 +1,8 @@
 //! accel's optimizers: SGD (momentum, dampening, nesterov, weight decay),
 //! Adam and AdamW (with AMSGrad), numerically identical to `torch.optim`
-//! (the update rules run in libtorch through the [`crate::shim`]), with
-//! parameter groups and state you can read, save, load and shard.
+//! (the update rules run in libtorch through the [`crate::shim`]), and
+//! transformers' Adafactor, with parameter groups and state you can read,
+//! save, load and shard.
 //!
 //! Parameters are known by name: the optimizer's state is keyed by the
 //! names the strategy hands out (a parameter, a flat shard, a partition),
@@ -20,7 +21,7 @@
 use crate::shim::{self, AdamLists, AdamMoments, AdamUpdate, SgdUpdate, ShimError};
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 /// The update rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +32,12 @@ pub enum Algorithm {
     Adam,
     /// `torch.optim.AdamW` (decoupled weight decay).
     AdamW,
+    /// transformers' `Adafactor` with an explicit learning rate
+    /// (`scale_parameter=False, relative_step=False`, no first moment, as
+    /// the Trainer's `optim adafactor` builds it): factored second moments
+    /// (a row and a column mean) for parameters of 2 dimensions or more.
+    /// It needs whole parameters, not flat shards.
+    Adafactor,
 }
 
 impl Algorithm {
@@ -40,6 +47,7 @@ impl Algorithm {
             Algorithm::Sgd => "sgd",
             Algorithm::Adam => "adam",
             Algorithm::AdamW => "adamw",
+            Algorithm::Adafactor => "adafactor",
         }
     }
 
@@ -49,8 +57,9 @@ impl Algorithm {
             "sgd" => Ok(Algorithm::Sgd),
             "adam" => Ok(Algorithm::Adam),
             "adamw" => Ok(Algorithm::AdamW),
+            "adafactor" => Ok(Algorithm::Adafactor),
             other => Err(OptimError::Config(format!(
-                "unknown optimizer `{other}`; allowed: sgd, adam, adamw"
+                "unknown optimizer `{other}`; allowed: sgd, adam, adamw, adafactor"
             ))),
         }
     }
@@ -71,12 +80,17 @@ pub struct Hyper {
     pub nesterov: bool,
     /// Adam betas.
     pub betas: (f64, f64),
-    /// Adam epsilon.
+    /// Adam's epsilon; Adafactor's first (`eps[0]`, added to the squared
+    /// gradient).
     pub eps: f64,
     /// Adam's AMSGrad variant.
     pub amsgrad: bool,
     /// Maximise the objective.
     pub maximize: bool,
+    /// Adafactor: the update's RMS is clipped to this.
+    pub clip_threshold: f64,
+    /// Adafactor: the second moments decay by `1 - step^decay_rate`.
+    pub decay_rate: f64,
 }
 
 /// What to build: the algorithm, the default hyper-parameters, and whether
@@ -106,6 +120,8 @@ impl OptimizerConfig {
                 eps: 1e-8,
                 amsgrad: false,
                 maximize: false,
+                clip_threshold: 1.0,
+                decay_rate: -0.8,
             },
             fused: false,
         }
@@ -123,12 +139,19 @@ impl OptimizerConfig {
     pub fn adamw(lr: f64) -> Self {
         Self::with(Algorithm::AdamW, lr, 1e-2)
     }
+    /// transformers' `Adafactor(lr=lr, scale_parameter=False,
+    /// relative_step=False)`: eps 1e-30, clip threshold 1, decay rate -0.8,
+    /// no weight decay.
+    pub fn adafactor(lr: f64) -> Self {
+        Self::with(Algorithm::Adafactor, lr, 0.0).eps(1e-30)
+    }
     /// The defaults of `algorithm` at `lr`.
     pub fn for_algorithm(algorithm: Algorithm, lr: f64) -> Self {
         match algorithm {
             Algorithm::Sgd => Self::sgd(lr),
             Algorithm::Adam => Self::adam(lr),
             Algorithm::AdamW => Self::adamw(lr),
+            Algorithm::Adafactor => Self::adafactor(lr),
         }
     }
     setters! {
@@ -150,12 +173,16 @@ impl OptimizerConfig {
         maximize(on: bool) => hyper.maximize = on;
         /// Uses ATen's fused Adam kernel.
         fused(on: bool) => fused = on;
+        /// Sets Adafactor's clip threshold.
+        clip_threshold(c: f64) => hyper.clip_threshold = c;
+        /// Sets Adafactor's decay rate.
+        decay_rate(d: f64) => hyper.decay_rate = d;
     }
 
     /// Checks the values torch.optim checks, naming the one at fault.
     pub fn validate(&self) -> Result<(), OptimError> {
         validate_hyper(self.algorithm, &self.hyper)?;
-        if self.fused && self.algorithm == Algorithm::Sgd {
+        if self.fused && matches!(self.algorithm, Algorithm::Sgd | Algorithm::Adafactor) {
             return Err(OptimError::Config(
                 "`fused` is available for adam and adamw only".into(),
             ));
@@ -202,6 +229,17 @@ fn validate_hyper(algorithm: Algorithm, h: &Hyper) -> Result<(), OptimError> {
             }
             if !non_negative(h.eps) {
                 return bad("eps", h.eps, ">= 0");
+            }
+        }
+        Algorithm::Adafactor => {
+            if !non_negative(h.eps) {
+                return bad("eps", h.eps, ">= 0");
+            }
+            if h.clip_threshold.is_nan() || h.clip_threshold <= 0.0 {
+                return bad("clip_threshold", h.clip_threshold, "> 0");
+            }
+            if h.decay_rate.is_nan() || h.decay_rate > 0.0 {
+                return bad("decay_rate", h.decay_rate, "<= 0");
             }
         }
     }
@@ -253,6 +291,8 @@ struct ParamState {
     exp_avg: Option<Tensor>,
     exp_avg_sq: Option<Tensor>,
     max_exp_avg_sq: Option<Tensor>,
+    exp_avg_sq_row: Option<Tensor>,
+    exp_avg_sq_col: Option<Tensor>,
 }
 
 impl ParamState {
@@ -263,6 +303,8 @@ impl ParamState {
             ("exp_avg", &self.exp_avg),
             ("exp_avg_sq", &self.exp_avg_sq),
             ("max_exp_avg_sq", &self.max_exp_avg_sq),
+            ("exp_avg_sq_row", &self.exp_avg_sq_row),
+            ("exp_avg_sq_col", &self.exp_avg_sq_col),
         ]
         .into_iter()
         .filter_map(|(n, t)| t.as_ref().map(|t| (n, t)))
@@ -274,6 +316,8 @@ impl ParamState {
             "exp_avg" => Some(&mut self.exp_avg),
             "exp_avg_sq" => Some(&mut self.exp_avg_sq),
             "max_exp_avg_sq" => Some(&mut self.max_exp_avg_sq),
+            "exp_avg_sq_row" => Some(&mut self.exp_avg_sq_row),
+            "exp_avg_sq_col" => Some(&mut self.exp_avg_sq_col),
             _ => None,
         }
     }
@@ -381,6 +425,7 @@ impl Optimizer {
             validate_hyper(self.algorithm, &self.groups[gi].hyper)?;
             match (self.algorithm, self.fused) {
                 (Algorithm::Sgd, _) => self.sgd_group(gi)?,
+                (Algorithm::Adafactor, _) => self.adafactor_group(gi),
                 (_, false) => self.adam_group(gi)?,
                 (_, true) => self.fused_adam_group(gi)?,
             }
@@ -414,6 +459,74 @@ impl Optimizer {
             st.momentum_buffer = buf.defined().then_some(buf);
         }
         Ok(())
+    }
+
+    /// transformers' `Adafactor.step` for one group (no first moment, the
+    /// group's learning rate as is), op for op in libtorch.
+    fn adafactor_group(&mut self, gi: usize) {
+        let h = self.groups[gi].hyper;
+        for (name, p) in &mut self.groups[gi].params {
+            let grad = p.grad();
+            if !grad.defined() {
+                continue;
+            }
+            let half = matches!(p.kind(), Kind::Half | Kind::BFloat16);
+            let grad = if half {
+                grad.to_kind(Kind::Float)
+            } else {
+                grad
+            };
+            let shape = grad.size();
+            let st = self.state.entry(name.clone()).or_default();
+            if st.step == 0 && st.exp_avg_sq.is_none() && st.exp_avg_sq_row.is_none() {
+                match adafactor_factors(&shape) {
+                    Some((row, col)) => {
+                        let opts = (grad.kind(), grad.device());
+                        st.exp_avg_sq_row = Some(Tensor::zeros(row, opts));
+                        st.exp_avg_sq_col = Some(Tensor::zeros(col, opts));
+                    }
+                    None => st.exp_avg_sq = Some(grad.zeros_like()),
+                }
+            }
+            st.step += 1;
+            let beta2t = 1.0 - (st.step as f64).powf(h.decay_rate);
+            tch::no_grad(|| {
+                let mut p32 = if half {
+                    p.to_kind(Kind::Float)
+                } else {
+                    p.shallow_clone()
+                };
+                let sq = grad.pow_tensor_scalar(2) + h.eps;
+                let mut update = match (st.exp_avg_sq_row.as_mut(), st.exp_avg_sq_col.as_mut()) {
+                    (Some(row), Some(col)) => {
+                        let _ = row.g_mul_scalar_(beta2t);
+                        let _ = row.g_add_(&(sq.mean_dim(-1, false, None) * (1.0 - beta2t)));
+                        let _ = col.g_mul_scalar_(beta2t);
+                        let _ = col.g_add_(&(sq.mean_dim(-2, false, None) * (1.0 - beta2t)));
+                        let r = (&*row / row.mean_dim(-1, true, None)).rsqrt().unsqueeze(-1);
+                        let c = col.unsqueeze(-2).rsqrt();
+                        r * c * &grad
+                    }
+                    _ => {
+                        let v = st.exp_avg_sq.as_mut().expect("made above");
+                        let _ = v.g_mul_scalar_(beta2t);
+                        let _ = v.g_add_(&(sq * (1.0 - beta2t)));
+                        v.rsqrt() * &grad
+                    }
+                };
+                let rms = update.norm() / (update.numel() as f64).sqrt();
+                let _ = update.g_div_(&(rms / h.clip_threshold).clamp_min(1.0));
+                let _ = update.g_mul_scalar_(h.lr);
+                if h.weight_decay != 0.0 {
+                    let decay = &p32 * (-h.weight_decay * h.lr);
+                    let _ = p32.g_add_(&decay);
+                }
+                let _ = p32.g_sub_(&update);
+                if half {
+                    p.copy_(&p32);
+                }
+            });
+        }
     }
 
     fn adam_update(&self, h: &Hyper) -> AdamUpdate {
@@ -532,6 +645,7 @@ impl Optimizer {
                     "momentum": h.momentum, "dampening": h.dampening, "nesterov": h.nesterov,
                     "betas": [h.betas.0, h.betas.1], "eps": h.eps,
                     "amsgrad": h.amsgrad, "maximize": h.maximize,
+                    "clip_threshold": h.clip_threshold, "decay_rate": h.decay_rate,
                 })
             })
             .collect();
@@ -598,9 +712,14 @@ impl Optimizer {
                         continue;
                     };
                     let Some(dest) = st.slot(slot) else { continue };
-                    if t.size() != p.size() {
+                    let want = match (slot, adafactor_factors(&p.size())) {
+                        ("exp_avg_sq_row", Some((row, _))) => row,
+                        ("exp_avg_sq_col", Some((_, col))) => col,
+                        _ => p.size(),
+                    };
+                    if t.size() != want {
                         return Err(OptimError::State(format!(
-                            "`{tname}` has shape {:?}, the parameter {:?}",
+                            "`{tname}` has shape {:?}, {want:?} expected (the parameter: {:?})",
                             t.size(),
                             p.size()
                         )));
@@ -634,6 +753,19 @@ impl Optimizer {
     }
 }
 
+/// The shapes of Adafactor's factored moments of a parameter of `shape`
+/// (its row means: all but the last dimension; its column means: all but
+/// the second to last), or `None` below 2 dimensions.
+fn adafactor_factors(shape: &[i64]) -> Option<(Vec<i64>, Vec<i64>)> {
+    let n = shape.len();
+    (n >= 2).then(|| {
+        let row = shape[..n - 1].to_vec();
+        let mut col = shape[..n - 2].to_vec();
+        col.push(shape[n - 1]);
+        (row, col)
+    })
+}
+
 fn hyper_from_json(v: &Value, mut h: Hyper) -> Result<Hyper, OptimError> {
     for (key, into) in [
         ("lr", &mut h.lr),
@@ -641,6 +773,8 @@ fn hyper_from_json(v: &Value, mut h: Hyper) -> Result<Hyper, OptimError> {
         ("momentum", &mut h.momentum),
         ("dampening", &mut h.dampening),
         ("eps", &mut h.eps),
+        ("clip_threshold", &mut h.clip_threshold),
+        ("decay_rate", &mut h.decay_rate),
     ] {
         if let Some(x) = v.get(key) {
             *into = x.as_f64().ok_or_else(|| {

@@ -314,6 +314,7 @@ impl<M: TrainModel> Trainer<M> {
                 DummyOptim::new(a.learning_rate).weight_decay(a.weight_decay),
             )?
         } else {
+            optimizer::check_strategy(&a.optim, &acc.distributed_type(), acc.strategy_name())?;
             acc.prepare_optimizer_with(optimizer::config(&a), optimizer::hyper_for)?
         };
         let warmup = schedule::warmup_steps(&a, max_steps);
