@@ -4,7 +4,7 @@
 use crate::config::{Activation, AttnImplementation};
 use crate::lora::{self, Lora, LoraConfig};
 use crate::nn::{dropout, finfo_min, KvCache, LayerNorm, MakeVar, Mask};
-use crate::{decoder, CausalLM, Inputs, Scope};
+use crate::{decoder, CausalLM, Head, Inputs, Scope};
 use accel::accelerator::AccelError;
 use accel::hf::LoadOptions;
 use accel_sdk::shim::AutocastGuard;
@@ -713,12 +713,13 @@ impl CausalLM for Gpt2 {
     /// checkpointed in training with gradient checkpointing on, and
     /// whenever the configuration checkpoints its unit
     /// (`fsdp_activation_checkpointing`).
-    fn forward(
+    fn forward_head(
         &self,
         scope: &Scope,
         inputs: &Inputs,
         cache: Option<&mut KvCache>,
         train: bool,
+        head: Head,
     ) -> Result<Tensor, AccelError> {
         let ids = inputs.input_ids;
         let t = ids.size()[1];
@@ -748,8 +749,8 @@ impl CausalLM for Gpt2 {
         let h = scope.unit("transformer.ln_f", || self.ln_f.forward(&h))?;
         let h = decoder::kept(h, inputs);
         match &self.lm_head {
-            None => scope.unit("transformer.wte", || h.linear::<Tensor>(&self.wte, None)),
-            Some(w) => scope.unit("lm_head", || h.linear::<Tensor>(w, None)),
+            None => scope.unit("transformer.wte", || head(&h, &self.wte)),
+            Some(w) => scope.unit("lm_head", || head(&h, w)),
         }
     }
 }

@@ -27,6 +27,7 @@
 pub mod auto;
 pub mod config;
 mod decoder;
+mod fused_loss;
 pub mod generate;
 pub mod gpt2;
 pub mod llama;
@@ -40,6 +41,7 @@ mod scope;
 
 pub use auto::{AutoConfig, AutoModelForCausalLM};
 pub use config::AttnImplementation;
+pub use fused_loss::{fused_linear_cross_entropy, CHUNK_TOKENS};
 pub use generate::{generate, GenerationConfig, Sampling};
 pub use nn::KvCache;
 pub use pretrained::save_pretrained;
@@ -140,6 +142,21 @@ pub trait CausalLM {
         }
     }
 
+    /// [`CausalLM::forward`] with the output layer replaced: `head` takes
+    /// the last hidden states `[B, T, hidden]` (the last `logits_to_keep`
+    /// positions) and the output embedding `[vocab, hidden]` inside the
+    /// head's unit scope (so FSDP and ZeRO-3 gather it), and gives what the
+    /// call returns: the logits by default, a loss for
+    /// [`fused_linear_cross_entropy`].
+    fn forward_head(
+        &self,
+        scope: &Scope,
+        inputs: &Inputs,
+        cache: Option<&mut KvCache>,
+        train: bool,
+        head: Head,
+    ) -> Result<Tensor, AccelError>;
+
     /// Logits `[B, T, vocab]` (the last `logits_to_keep` positions) of
     /// `inputs`, each module run in `scope`; `cache`, when given, holds the
     /// keys and values of the positions before and receives these; `train`
@@ -150,8 +167,16 @@ pub trait CausalLM {
         inputs: &Inputs,
         cache: Option<&mut KvCache>,
         train: bool,
-    ) -> Result<Tensor, AccelError>;
+    ) -> Result<Tensor, AccelError> {
+        self.forward_head(scope, inputs, cache, train, &|h, w| {
+            h.linear::<Tensor>(w, None)
+        })
+    }
 }
+
+/// What a model's output layer computes from its last hidden states and
+/// its output embedding (see [`CausalLM::forward_head`]).
+pub type Head<'a> = &'a dyn Fn(&Tensor, &Tensor) -> Tensor;
 
 /// transformers' `ForCausalLMLoss`: the cross-entropy of `logits`
 /// `[B, T, V]` (in float32) against `labels` `[B, T]` shifted one to the

@@ -10,7 +10,7 @@ use crate::nn::{
     apply_rotary, attend, new_var, normal, GatedMlp, KvCache, Linear, MakeVar, Mask, RmsNorm,
     RopeScaling, Rotary,
 };
-use crate::{decoder, CausalLM, Inputs, Scope};
+use crate::{decoder, CausalLM, Head, Inputs, Scope};
 use accel::accelerator::AccelError;
 use accel::hf::LoadOptions;
 use serde_json::{json, Map, Value};
@@ -663,12 +663,13 @@ impl CausalLM for Llama {
         }
     }
 
-    fn forward(
+    fn forward_head(
         &self,
         scope: &Scope,
         inputs: &Inputs,
         cache: Option<&mut KvCache>,
         train: bool,
+        head: Head,
     ) -> Result<Tensor, AccelError> {
         let ids = inputs.input_ids;
         let (_, t) = ids
@@ -731,10 +732,8 @@ impl CausalLM for Llama {
         let h = scope.unit("model.norm", || self.norm.forward(&h))?;
         let h = decoder::kept(h, inputs);
         match &self.lm_head {
-            None => scope.unit("model.embed_tokens", || {
-                h.linear::<Tensor>(&self.embed_tokens, None)
-            }),
-            Some(w) => scope.unit("lm_head", || h.linear::<Tensor>(w, None)),
+            None => scope.unit("model.embed_tokens", || head(&h, &self.embed_tokens)),
+            Some(w) => scope.unit("lm_head", || head(&h, w)),
         }
     }
 }

@@ -6,9 +6,9 @@ use accel::accelerator::{Accelerator, ForwardScope};
 use accel::hf;
 use accel_data::Batch;
 use accel_models::{
-    causal_lm_loss,
+    causal_lm_loss, fused_linear_cross_entropy,
     lora::{is_adapter, merge_adapters, LoraConfig},
-    peft, AutoConfig, CausalLM, Inputs, Scope,
+    peft, AutoConfig, CausalLM, Inputs, Scope, CHUNK_TOKENS,
 };
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
@@ -69,6 +69,11 @@ pub trait TrainModel {
 
     /// Checkpoints every block in training (gradient checkpointing).
     fn gradient_checkpointing_enable(&mut self) {}
+
+    /// Computes the training loss without the whole logits (the Trainer's
+    /// `use_liger_kernel`: Liger's fused linear cross-entropy), where the
+    /// model has an output layer to fuse.
+    fn fused_loss_enable(&mut self) {}
 }
 
 /// A user's own tch module: its variables and a closure from a batch to its
@@ -132,6 +137,7 @@ pub struct LanguageModel {
     lora: Option<LoraConfig>,
     label_smoothing: f64,
     checkpointing: bool,
+    fused_loss: bool,
     built: Option<Built>,
 }
 
@@ -166,6 +172,7 @@ impl LanguageModel {
             lora: None,
             label_smoothing: 0.0,
             checkpointing: false,
+            fused_loss: false,
             built: None,
         }
     }
@@ -189,6 +196,18 @@ impl LanguageModel {
 
     /// The logits of `batch` and its labels (`labels`, else `input_ids`).
     fn logits(&self, scope: &ForwardScope, batch: &Batch, train: bool) -> Result<(Tensor, Tensor)> {
+        self.run(scope, batch, train, None)
+    }
+
+    /// The model on `batch` and its labels: the logits, or with
+    /// `fused = Some(num_items)` the fused loss.
+    fn run(
+        &self,
+        scope: &ForwardScope,
+        batch: &Batch,
+        train: bool,
+        fused: Option<Option<f64>>,
+    ) -> Result<(Tensor, Tensor)> {
         let b = self.built.as_ref().context("the model is not prepared")?;
         let ids = batch.get("input_ids")?;
         let labels = match batch.get("labels") {
@@ -201,10 +220,25 @@ impl LanguageModel {
             position_ids: None,
             logits_to_keep: 0,
         };
-        let logits = b
-            .model
-            .forward(&Scope::Accelerated(scope), &inputs, None, train)?;
-        Ok((logits, labels))
+        let scope = Scope::Accelerated(scope);
+        let out = match fused {
+            None => b.model.forward(&scope, &inputs, None, train)?,
+            Some(num_items) => {
+                let smoothing = self.label_smoothing;
+                b.model
+                    .forward_head(&scope, &inputs, None, train, &|h, w| {
+                        fused_linear_cross_entropy(
+                            h,
+                            w,
+                            &labels,
+                            num_items,
+                            smoothing,
+                            CHUNK_TOKENS,
+                        )
+                    })?
+            }
+        };
+        Ok((out, labels))
     }
 
     /// The built model (after [`TrainModel::prepare`]).
@@ -276,6 +310,9 @@ impl TrainModel for LanguageModel {
         num_items: Option<f64>,
         train: bool,
     ) -> Result<Tensor> {
+        if self.fused_loss && train {
+            return Ok(self.run(scope, batch, train, Some(num_items))?.0);
+        }
         let (logits, labels) = self.logits(scope, batch, train)?;
         Ok(causal_lm_loss(
             &logits,
@@ -352,5 +389,9 @@ impl TrainModel for LanguageModel {
 
     fn gradient_checkpointing_enable(&mut self) {
         self.checkpointing = true;
+    }
+
+    fn fused_loss_enable(&mut self) {
+        self.fused_loss = true;
     }
 }

@@ -245,6 +245,9 @@ impl<M: TrainModel> Trainer<M> {
             if a.checkpoints_activations() {
                 self.model.gradient_checkpointing_enable();
             }
+            if a.use_liger_kernel {
+                self.model.fused_loss_enable();
+            }
             self.model.prepare(&mut acc)?;
             let prepared = |d: &Option<Arc<dyn Dataset>>, batch: i64, shuffle: bool| {
                 d.as_ref()

@@ -97,7 +97,7 @@ pub const TRAINING_ARGUMENTS: &[Field] = &[
     f("torch_compile", Kind::Bool, "false", Implemented),
     f("torch_compile_backend", Kind::Str, "null", Warned),
     f("torch_compile_mode", Kind::Str, "null", Warned),
-    f("use_liger_kernel", Kind::Bool, "false", Warned),
+    f("use_liger_kernel", Kind::Bool, "false", Implemented),
     f("liger_kernel_config", Kind::Json, "null", Warned),
     f("use_cache", Kind::Bool, "false", Implemented),
     f("neftune_noise_alpha", Kind::Float, "null", Warned),

@@ -81,6 +81,7 @@ pub struct TrainingArguments {
     pub average_tokens_across_devices: bool,
     pub max_grad_norm: f64,
     pub label_smoothing_factor: f64,
+    pub use_liger_kernel: bool,
     pub bf16: bool,
     pub fp16: bool,
     pub activation_checkpointing: Option<bool>,
