@@ -845,3 +845,63 @@ fn the_fused_loss_equals_the_unfused_one() {
         }
     }
 }
+
+/// `resume_from_checkpoint PATH` under the sharding strategies too: a run
+/// resumed from its checkpoint-5 (mid-epoch) under FSDP and under ZeRO-3
+/// logs, bit for bit, the losses, gradient norms and learning rates of the
+/// run that went on.
+#[test]
+fn resume_is_bit_exact_under_fsdp_and_zero_3() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fsdp = ["-q", "--cpu", "--num_processes", "2", "--use_fsdp"];
+    let zero3 = [
+        "-q",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--use_deepspeed",
+        "--zero_stage",
+        "3",
+    ];
+    for (name, launch) in [("fsdp", &fsdp[..]), ("zero3", &zero3[..])] {
+        let args = |out: &Path| -> Vec<String> {
+            let mut a = common(out);
+            a.extend(
+                "--eval_strategy no --save_steps 5 --max_steps 12"
+                    .split_whitespace()
+                    .map(str::to_owned),
+            );
+            a
+        };
+        let whole = tmp.path().join(format!("{name}-whole"));
+        accel_train(launch, &args(&whole));
+        let resumed = tmp.path().join(format!("{name}-resumed"));
+        let mut again = args(&resumed);
+        again.extend([
+            "--resume_from_checkpoint".into(),
+            whole.join("checkpoint-5").display().to_string(),
+        ]);
+        accel_train(launch, &again);
+        let steps = |dir: &Path| -> Vec<(u64, f64, f64, f64)> {
+            history(dir)
+                .iter()
+                .filter(|e| e.contains_key("loss") && e["step"].as_u64().unwrap() > 5)
+                .map(|e| {
+                    let f = |k: &str| e[k].as_f64().unwrap();
+                    (
+                        e["step"].as_u64().unwrap(),
+                        f("loss"),
+                        f("grad_norm"),
+                        f("learning_rate"),
+                    )
+                })
+                .collect()
+        };
+        let (a, b) = (steps(&whole), steps(&resumed));
+        assert_eq!(a.len(), 7, "{name}: steps 6..=12");
+        assert_eq!(
+            a, b,
+            "{name}: the resumed run differs from the one that went on"
+        );
+    }
+}
