@@ -91,27 +91,30 @@ fn accel_env(dir: &Path) -> String {
 
 #[test]
 fn a_tracker_on_the_contract_alone_builds_without_libtorch_and_runs() {
-    let tree = cargo()
-        .current_dir(workspace_root())
-        .args([
-            "tree",
-            "-p",
-            PLAIN,
-            "-e",
-            "normal,build",
-            "--prefix",
-            "none",
-        ])
-        .output()
-        .unwrap();
-    assert!(tree.status.success(), "{}", describe(&tree));
-    let tree = String::from_utf8_lossy(&tree.stdout);
-    assert!(tree.lines().any(|l| l.starts_with("accel-abi ")), "{tree}");
-    for torch in ["tch ", "torch-sys ", "accel-sdk "] {
-        assert!(
-            !tree.lines().any(|l| l.starts_with(torch)),
-            "{torch}in {tree}"
-        );
+    // This fixture and the tracker template authors copy.
+    for package in [PLAIN, "accel-csv-tracker"] {
+        let tree = cargo()
+            .current_dir(workspace_root())
+            .args([
+                "tree",
+                "-p",
+                package,
+                "-e",
+                "normal,build",
+                "--prefix",
+                "none",
+            ])
+            .output()
+            .unwrap();
+        assert!(tree.status.success(), "{}", describe(&tree));
+        let tree = String::from_utf8_lossy(&tree.stdout);
+        assert!(tree.lines().any(|l| l.starts_with("accel-abi ")), "{tree}");
+        for torch in ["tch ", "torch-sys ", "accel-sdk "] {
+            assert!(
+                !tree.lines().any(|l| l.starts_with(torch)),
+                "{package}: {torch}in {tree}"
+            );
+        }
     }
 
     let dir = plain_tracker_dir(&[]);

@@ -5,7 +5,7 @@
 //! Select it with `log_with: csv` (or `--log-with csv`) and
 //! `--plugin-dir <dir holding libaccel_csv_tracker.so>`.
 
-use accel_sdk::{
+use accel_abi::{
     abi_stable::std_types::{ROk, ROption, RSlice, RStr},
     serde_json::{self, Value},
     Component, LogEntry, LogValue, PluginError, PluginResult, Tracker, TrackerBox,
@@ -43,14 +43,14 @@ fn make(settings: &str) -> Result<TrackerBox, PluginError> {
             ))
         }
     };
-    Ok(accel_sdk::into_tracker(CsvTracker {
+    Ok(accel_abi::into_tracker(CsvTracker {
         logging_dir,
         out: None,
         next_step: 0,
     }))
 }
 
-accel_sdk::inventory::submit! {
+accel_abi::inventory::submit! {
     Component::tracker(
         "csv",
         "writes every logged value to <logging_dir>/<project>/metrics.csv",
@@ -59,7 +59,7 @@ accel_sdk::inventory::submit! {
     )
 }
 
-accel_sdk::export_plugin!();
+accel_abi::export_plugin!();
 
 /// Quotes a CSV field when it needs it (RFC 4180).
 fn field(s: &str) -> String {
