@@ -39,6 +39,25 @@ llama_4x256() {
     local config='{"model_type": "llama", "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 688,
       "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
       "max_position_embeddings": 512, "eos_token_id": null, "bos_token_id": null}'
-    [ -d "$1" ] || { python tests/peers/models_reference.py init "$1" --config "$config" &&
+    llama_model "$1" "$config"
+}
+
+# llama_model DIR CONFIG_JSON: a transformers-made model of CONFIG_JSON
+# (seed 0) with a byte-level BPE tokenizer, made once in DIR.
+llama_model() {
+    [ -d "$1" ] || { python tests/peers/models_reference.py init "$1" --config "$2" &&
         python tests/peers/models_reference.py tokenizer "$1"; }
+}
+
+# word_lines FILE N: N lines of 5 to 30 words drawn from a small vocabulary
+# (seed 0), made once in FILE.
+word_lines() {
+    [ -f "$1" ] || python - "$1" "$2" <<'PY'
+import random, sys
+random.seed(0)
+words = "the cat sat on a mat and a dog ran to the park while accel trains models".split()
+with open(sys.argv[1], "w") as f:
+    for _ in range(int(sys.argv[2])):
+        f.write(" ".join(random.choice(words) for _ in range(random.randint(5, 30))) + "\n")
+PY
 }

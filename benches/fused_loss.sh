@@ -15,16 +15,8 @@ rel=$PWD/target/release
 config='{"model_type": "llama", "vocab_size": 32000, "hidden_size": 256, "intermediate_size": 688,
   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
   "max_position_embeddings": 512, "tie_word_embeddings": false, "eos_token_id": null, "bos_token_id": null}'
-[ -d "$out/model" ] || { python tests/peers/models_reference.py init "$out/model" --config "$config" &&
-    python tests/peers/models_reference.py tokenizer "$out/model"; }
-[ -f "$out/train.txt" ] || python - "$out/train.txt" <<'PY'
-import random, sys
-random.seed(0)
-words = "the cat sat on a mat and a dog ran to the park while accel trains models".split()
-with open(sys.argv[1], "w") as f:
-    for _ in range(3000):
-        f.write(" ".join(random.choice(words) for _ in range(random.randint(5, 30))) + "\n")
-PY
+llama_model "$out/model" "$config"
+word_lines "$out/train.txt" 3000
 args=(--model_name_or_path "$out/model" --train_file "$out/train.txt" --block_size 512
       --per_device_train_batch_size 4 --max_steps 3 --learning_rate 3e-4 --logging_steps 1
       --save_strategy no --report_to none --disable_tqdm true --use_cpu)

@@ -13,14 +13,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cargo build --release -q -p accel-cli -p accel-ddp -p accel-drivers
 rel=$PWD/target/release
 llama_4x256 "$out/model"
-[ -f "$out/train.txt" ] || python - "$out/train.txt" <<'PY'
-import random, sys
-random.seed(0)
-words = "the cat sat on a mat and a dog ran to the park while accel trains models".split()
-with open(sys.argv[1], "w") as f:
-    for _ in range(20000):
-        f.write(" ".join(random.choice(words) for _ in range(random.randint(5, 30))) + "\n")
-PY
+word_lines "$out/train.txt" 20000
 steps=40
 batch=4
 block=256
